@@ -1,0 +1,3 @@
+from .ops import CpuOps
+
+__all__ = ['CpuOps']

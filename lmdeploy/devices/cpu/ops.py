@@ -1,0 +1,166 @@
+"""The reference device: every op in plain torch.
+
+Written for clarity first; other devices are tested against these.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+from .. import rng
+from ..interface import DeviceOps
+
+
+class CpuOps(DeviceOps):
+    name = 'cpu'
+    torch_device_type = 'cpu'
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def memory_available(self) -> int:
+        return int(psutil.virtual_memory().available)
+
+    def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
+        # half precision on a CPU is slow and inexact: run float32 unless asked
+        return torch.float32
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+    # -------------------------------------------------------------- dense ops
+    def embedding(self, ids, weight):
+        return F.embedding(ids, weight)
+
+    def linear(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype), (x if residual is not None else None)
+
+    def apply_rotary(self, q, k, cos, sin):
+
+        def rotate(x):
+            c = cos[:, None, :].to(x.dtype)
+            s = sin[:, None, :].to(x.dtype)
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * c + torch.cat((-x2, x1), dim=-1) * s
+
+        return rotate(q), rotate(k)
+
+    def silu_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    # ------------------------------------------------------------- attention
+    def fill_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
+        num_blocks, block_size, hkv, d = k_cache.shape
+        k_cache.view(num_blocks * block_size, hkv, d)[slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(num_blocks * block_size, hkv, d)[slot_mapping] = v.to(v_cache.dtype)
+
+    @staticmethod
+    def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """The first ``length`` tokens of one sequence: [length, Hkv, D]."""
+        block_size = cache.shape[1]
+        n = (length + block_size - 1) // block_size
+        return cache[block_table[:n].long()].flatten(0, 1)[:length]
+
+    @staticmethod
+    def _attend(q, k, v, scale, q_pos, kv_len):
+        """q [Q, H, D] at positions q_pos [Q]; k/v [L, Hkv, D]; causal."""
+        h, hkv = q.shape[1], k.shape[1]
+        k = k.float().repeat_interleave(h // hkv, dim=1)
+        v = v.float().repeat_interleave(h // hkv, dim=1)
+        scores = torch.einsum('qhd,khd->hqk', q.float(), k) * scale
+        allowed = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~allowed[None], float('-inf'))
+        probs = scores.softmax(dim=-1)
+        return torch.einsum('hqk,khd->qhd', probs, v).to(q.dtype)
+
+    def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
+                                max_q_len, max_kv_len):
+        out = torch.empty_like(q)
+        for b, (start, qlen, kvlen) in enumerate(zip(q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist())):
+            k = self._gather_context(k_cache, block_tables[b], kvlen)
+            v = self._gather_context(v_cache, block_tables[b], kvlen)
+            q_pos = torch.arange(kvlen - qlen, kvlen, device=q.device)
+            out[start:start + qlen] = self._attend(q[start:start + qlen], k, v, scale, q_pos, kvlen)
+        return out
+
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len):
+        """Batched over sequences: gather every block in the tables, mask the tail."""
+        bsz, h, d = q.shape
+        block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+        n = (max_kv_len + block_size - 1) // block_size
+        tables = block_tables[:, :n].long()
+        k = k_cache[tables].flatten(1, 2).float()  # [B, L, Hkv, D]
+        v = v_cache[tables].flatten(1, 2).float()
+        valid = torch.arange(k.shape[1], device=q.device)[None, :] < kv_seqlens[:, None]  # [B, L]
+        # never let unwritten cache memory (possibly NaN) reach the output
+        v = torch.where(valid[:, :, None, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
+        k = k.repeat_interleave(h // hkv, dim=2)
+        v = v.repeat_interleave(h // hkv, dim=2)
+        scores = torch.einsum('bhd,blhd->bhl', q.float(), k) * scale
+        scores = scores.masked_fill(~valid[:, None, :], float('-inf'))
+        probs = scores.softmax(dim=-1)
+        return torch.einsum('bhl,blhd->bhd', probs, v).to(q.dtype)
+
+    # -------------------------------------------------------------- sampling
+    def apply_repetition_penalty(self, logits, token_ids, penalty):
+        bsz, vocab = logits.shape
+        # column 0 collects the -1 padding and is dropped
+        seen = torch.zeros(bsz, vocab + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, token_ids + 1, True)
+        seen = seen[:, 1:]
+        p = penalty[:, None].to(logits.dtype)
+        penalised = torch.where(logits > 0, logits / p, logits * p)
+        logits.copy_(torch.where(seen, penalised, logits))
+        return logits
+
+    def apply_temperature(self, logits, temperature):
+        return logits / temperature.reshape(-1, 1).to(logits.dtype)
+
+    def top_k_top_p_min_p(self, logits, top_k, top_p, min_p):
+        logits = logits.clone()
+        neg_inf = float('-inf')
+        vocab = logits.shape[-1]
+        # top-k: keep values >= the k-th largest
+        k = top_k.to(torch.int64).clamp(min=0, max=vocab)
+        use_k = k > 0
+        if bool(use_k.any()):
+            sorted_vals = logits.sort(dim=-1, descending=True).values
+            kth = sorted_vals.gather(1, (k - 1).clamp(min=0)[:, None])
+            logits.masked_fill_(use_k[:, None] & (logits < kth), neg_inf)
+        # top-p: drop a token once the mass of the tokens before it reaches top_p
+        use_p = top_p < 1.0
+        if bool(use_p.any()):
+            probs = logits.float().softmax(dim=-1)
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # exclusive prefix sum (cumsum - probs rounds, missing exact boundaries)
+            cum = sorted_probs.cumsum(dim=-1)
+            mass_before = torch.cat((torch.zeros_like(cum[:, :1]), cum[:, :-1]), dim=-1)
+            drop_sorted = mass_before >= top_p[:, None].float()
+            drop_sorted[:, 0] = False
+            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+            logits.masked_fill_(use_p[:, None] & drop, neg_inf)
+        # min-p: relative to the most likely survivor
+        use_m = min_p > 0.0
+        if bool(use_m.any()):
+            probs = logits.float().softmax(dim=-1)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None].float()
+            logits.masked_fill_(use_m[:, None] & (probs < threshold), neg_inf)
+        return logits
+
+    def sample(self, logits, seeds, offsets):
+        probs = logits.float().softmax(dim=-1)
+        race = -torch.log(rng.uniform(seeds, offsets, logits.shape[-1]))
+        return (probs / race).argmax(dim=-1)

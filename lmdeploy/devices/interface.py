@@ -1,0 +1,164 @@
+"""The one list of ops the engine and the models use.
+
+A device implements :class:`DeviceOps`. The ``cpu`` device is the executable
+specification: its plain-torch code defines what every op means, and other
+devices are tested against it.
+
+Shapes use these names:
+    T  number of tokens in the step (all sequences packed, no padding)
+    B  number of sequences in the step
+    H / Hkv  query / key-value heads, D head dim, V vocab size
+    N  number of KV blocks, S block size (tokens per block)
+
+Paged KV cache: ``k_cache`` and ``v_cache`` of one layer are
+``[N, S, Hkv, D]``. Token ``j`` of a sequence lives in block
+``block_tables[b, j // S]`` at offset ``j % S``; its "slot" is
+``block * S + offset``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+
+class DeviceOps:
+    """Ops and services of one device kind. Subclasses override every op."""
+
+    name: str = 'abstract'
+    torch_device_type: str = 'cpu'
+
+    # ---------------------------------------------------------------- services
+    @classmethod
+    def is_available(cls) -> bool:
+        """True if this process can run on the device."""
+        raise NotImplementedError
+
+    def torch_device(self) -> torch.device:
+        return torch.device(self.torch_device_type)
+
+    def memory_available(self) -> int:
+        """Bytes free for the KV cache right now."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait until queued work on the device is done."""
+
+    def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
+        """dtype used for dtype='auto' given the checkpoint's dtype."""
+        return config_dtype
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float16, torch.bfloat16)
+
+    def make_graph_runner(self, forward: Callable, max_batch_size: int, eager: bool) -> Callable:
+        """Hook for graph capture: returns a callable with ``forward``'s
+        signature. Devices without graphs return ``forward`` itself."""
+        return forward
+
+    # -------------------------------------------------------------- dense ops
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> weight[ids] [T, hidden]."""
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [T, in] @ weight[out, in].T + bias -> [T, out]. Quantized weights
+        hook in here later (``weight`` may then be a packed object)."""
+        raise NotImplementedError
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """RMSNorm with an optional fused residual add.
+
+        Without residual: returns (weight * x / rms(x), None).
+        With residual: h = x + residual; returns (weight * h / rms(h), h).
+        The mean of squares is taken in float32; the result is cast back to
+        x's dtype before the weight multiply (as transformers' Llama does).
+        """
+        raise NotImplementedError
+
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding, "rotate half" layout.
+
+        q [T, H, D], k [T, Hkv, D], cos/sin [T, D] (both halves repeated).
+        out = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
+        Returns new tensors of q's / k's dtype.
+        """
+        raise NotImplementedError
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] = cat(gate, up) -> silu(gate) * up [T, I]."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- attention
+    def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        """Write k/v [T, Hkv, D] into the caches at flat slots [T] (in place)."""
+        raise NotImplementedError
+
+    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, q_start_loc: torch.Tensor, q_seqlens: torch.Tensor,
+                                kv_seqlens: torch.Tensor, scale: float, max_q_len: int,
+                                max_kv_len: int) -> torch.Tensor:
+        """Causal attention of new tokens over the whole paged context.
+
+        q [T, H, D] packs B sequences: sequence b owns rows
+        ``q_start_loc[b] : q_start_loc[b] + q_seqlens[b]``. Its context has
+        ``kv_seqlens[b]`` tokens already in the cache (including the new
+        ones, written by :meth:`fill_kv_cache`); the new tokens are its last
+        ``q_seqlens[b]``, so query row i sits at position
+        ``kv_seqlens[b] - q_seqlens[b] + i`` and sees context positions up to
+        and including that one. GQA: query head h reads KV head
+        ``h // (H // Hkv)``. block_tables [B, max_blocks] (int32, padded).
+        Softmax in float32. Returns [T, H, D] in q's dtype.
+        """
+        raise NotImplementedError
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, kv_seqlens: torch.Tensor, scale: float,
+                               max_kv_len: int) -> torch.Tensor:
+        """One new token per sequence: q [B, H, D] attends to all
+        ``kv_seqlens[b]`` cached tokens. Same meaning as the prefill op with
+        every q_seqlen equal to 1."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- sampling
+    def apply_repetition_penalty(self, logits: torch.Tensor, token_ids: torch.Tensor,
+                                 penalty: torch.Tensor) -> torch.Tensor:
+        """transformers' repetition penalty, in place and returned.
+
+        logits [B, V] float32; token_ids [B, L] int64 padded with -1 (ids
+        seen so far, repeats allowed); penalty [B]. For every id seen in row
+        b: score / penalty if score > 0 else score * penalty.
+        """
+        raise NotImplementedError
+
+    def apply_temperature(self, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] / temperature [B, 1]-broadcast (temperature > 0)."""
+        raise NotImplementedError
+
+    def top_k_top_p_min_p(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                          min_p: torch.Tensor) -> torch.Tensor:
+        """Mask (to -inf) the tokens each filter removes; returns new logits.
+
+        top_k [B] int (0 = off): keep the k largest (ties at the k-th value
+        are kept). top_p [B] (1 = off): keep the smallest set of the most
+        likely tokens whose probability sum reaches top_p (the token that
+        crosses it is kept; at least one token always stays). min_p [B]
+        (0 = off): drop tokens with prob < min_p * max prob. Probabilities
+        are the softmax of the input logits; filters apply in the order
+        top-k, top-p, min-p, each on the survivors of the previous one.
+        """
+        raise NotImplementedError
+
+    def sample(self, logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Draw one token per row from softmax(logits) [B, V]: int64 [B].
+
+        Randomness is a counter-based hash of (seed, offset, token id), so a
+        row's draw depends only on its own seed and offset (the number of
+        tokens it generated before), never on the rest of the batch. The draw
+        is the exponential race argmax(p / E) with E = -log(u), u uniform in
+        (0, 1) from :func:`lmdeploy.devices.rng.uniform`.
+        """
+        raise NotImplementedError

@@ -1,0 +1,73 @@
+"""Op dispatch: what models and the engine call.
+
+Each function forwards to the :class:`~.interface.DeviceOps` of the device
+its first tensor lives on. See the interface for what each op means.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from . import TORCH_TO_DEVICE, get_device
+from .interface import DeviceOps
+
+_by_torch_type: Dict[str, DeviceOps] = {}
+
+
+def _ops(t: torch.Tensor) -> DeviceOps:
+    kind = t.device.type
+    ops = _by_torch_type.get(kind)
+    if ops is None:
+        ops = _by_torch_type[kind] = get_device(TORCH_TO_DEVICE[kind])
+    return ops
+
+
+def embedding(ids, weight):
+    return _ops(weight).embedding(ids, weight)
+
+
+def linear(x, weight, bias=None):
+    return _ops(x).linear(x, weight, bias)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    return _ops(x).rms_norm(x, weight, eps, residual)
+
+
+def apply_rotary(q, k, cos, sin):
+    return _ops(q).apply_rotary(q, k, cos, sin)
+
+
+def silu_and_mul(x):
+    return _ops(x).silu_and_mul(x)
+
+
+def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    return _ops(k).fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
+                            max_q_len, max_kv_len):
+    return _ops(q).paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens,
+                                           scale, max_q_len, max_kv_len)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len):
+    return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len)
+
+
+def apply_repetition_penalty(logits, token_ids, penalty):
+    return _ops(logits).apply_repetition_penalty(logits, token_ids, penalty)
+
+
+def apply_temperature(logits, temperature):
+    return _ops(logits).apply_temperature(logits, temperature)
+
+
+def top_k_top_p_min_p(logits, top_k, top_p, min_p):
+    return _ops(logits).top_k_top_p_min_p(logits, top_k, top_p, min_p)
+
+
+def sample(logits, seeds, offsets):
+    return _ops(logits).sample(logits, seeds, offsets)

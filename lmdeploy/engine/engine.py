@@ -1,0 +1,360 @@
+"""The engine: a background loop that schedules, runs and samples.
+
+Callers on any thread ``submit`` requests and get ``EngineOutput``s through
+their callback (called on the engine thread, so it must be quick). All
+engine state is touched only by the loop (or under its lock).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from lmdeploy.devices import get_device
+from lmdeploy.messages import PytorchEngineConfig
+
+from .block_manager import BlockManager
+from .model_config import ModelConfig, load_model_config
+from .model_runner import ModelRunner, kv_bytes_per_block
+from .sampler import sample
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import EngineOutput, SamplingParams, SeqStatus, Sequence
+from .weights import load_model
+
+logger = logging.getLogger('lmdeploy')
+
+_DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16, 'float32': torch.float32}
+
+
+@dataclass
+class EngineRequest:
+    session_id: int
+    token_ids: List[int]
+    params: SamplingParams
+    on_output: Callable[[EngineOutput], None]
+    # keep the session's cache after this turn (interactive chat)
+    interactive: bool = False
+
+
+@dataclass
+class EngineStats:
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_idle_sessions: int
+    num_preemptions: int
+    num_prefix_hit_tokens: int
+    num_generated_tokens: int
+    extra: Dict = field(default_factory=dict)
+
+
+class Engine:
+
+    def __init__(self, model_path: str, config: Optional[PytorchEngineConfig] = None):
+        self.config = config = config or PytorchEngineConfig()
+        self.model_path = model_path
+        self.device = get_device(config.device_type)
+        self.model_config: ModelConfig = load_model_config(model_path)
+        self.dtype = self._pick_dtype()
+        self.model = load_model(model_path, self.model_config, self.dtype, self.device.torch_device())
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks()
+        self.session_len = self._session_len()
+        self.max_batch_size = config.max_batch_size or (64 if self.device.name == 'cpu' else 256)
+        prefix = config.enable_prefix_caching
+        if prefix and self.model_config.rope.type == 'dynamic':
+            logger.warning('prefix caching is off: dynamic NTK rotary makes cached keys depend on length')
+            prefix = False
+        self.block_manager = BlockManager(self.num_blocks, self.block_size, prefix)
+        self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
+                                   self._finish_too_long)
+        self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, self.num_blocks,
+                                  self.block_size, self.max_batch_size, config.eager_mode)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.RLock()
+        self._active: Dict[int, Sequence] = {}  # session_id -> waiting/running sequence
+        self._next_seq_id = 0
+        self._num_generated = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name='lmdeploy-engine', daemon=True)
+        self._thread.start()
+
+    # --------------------------------------------------------------- sizing
+    def _pick_dtype(self) -> torch.dtype:
+        name = self.config.dtype
+        dtype = self.device.default_dtype(self.model_config.dtype) if name == 'auto' else _DTYPES[name]
+        if not self.device.supports_dtype(dtype):
+            raise ValueError(f'dtype {dtype} is not supported on device {self.device.name!r}')
+        return dtype
+
+    def _num_blocks(self) -> int:
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        if self.config.num_gpu_blocks > 0:
+            return self.config.num_gpu_blocks
+        budget = self.device.memory_available() * self.config.cache_max_entry_count
+        if self.device.name == 'cpu':
+            budget = min(budget, self.config.cpu_kv_cache_cap_gb * (1 << 30))
+        num = int(budget // per_block)
+        if num < 1:
+            raise RuntimeError('not enough free memory for a single KV block; lower block_size or free memory')
+        return num
+
+    def _session_len(self) -> int:
+        session_len = self.config.session_len or self.model_config.max_position_embeddings
+        window = self.model_config.sliding_window
+        if window and window < session_len:
+            logger.warning(f'sliding-window attention is not implemented: session_len capped at the window '
+                           f'({window})')
+            session_len = window
+        return session_len
+
+    # ----------------------------------------------------------- public API
+    def submit(self, req: EngineRequest):
+        """Queue a request (thread-safe). Output arrives via its callback."""
+        self._inbox.put(('add', req))
+
+    def cancel(self, session_id: int):
+        self._inbox.put(('cancel', session_id))
+
+    def end_session(self, session_id: int):
+        """Forget an interactive session and free its cache."""
+        self._inbox.put(('end', session_id))
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self.scheduler
+            return EngineStats(num_blocks=self.num_blocks, block_size=self.block_size,
+                               num_free_blocks=self.block_manager.num_free, num_running=len(s.running),
+                               num_waiting=len(s.waiting), num_idle_sessions=len(s.idle),
+                               num_preemptions=s.num_preemptions,
+                               num_prefix_hit_tokens=self.block_manager.num_prefix_hits,
+                               num_generated_tokens=self._num_generated)
+
+    def check_invariants(self):
+        """Assert that every KV block is free or owned, counts consistent."""
+        with self._lock:
+            self.block_manager.check_invariants(s.block_ids for s in self.scheduler.all_sequences())
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until nothing is queued or running (for tests and shutdown)."""
+        done = threading.Event()
+        self._inbox.put(('barrier', done))
+        return done.wait(timeout)
+
+    def close(self):
+        if not self._stopping:
+            self._stopping = True
+            self._inbox.put(('stop', None))
+            self._thread.join(timeout=10)
+
+    # ----------------------------------------------------------------- loop
+    def _loop(self):
+        barriers: List[threading.Event] = []
+        while True:
+            block = not self.scheduler.has_work()
+            try:
+                while True:
+                    cmd, arg = self._inbox.get(block=block, timeout=None if block else 0)
+                    block = False
+                    if cmd == 'stop':
+                        self._abort_all()
+                        return
+                    if cmd == 'barrier':
+                        barriers.append(arg)
+                        continue
+                    with self._lock:
+                        getattr(self, f'_on_{cmd}')(arg)
+            except queue.Empty:
+                pass
+            with self._lock:
+                if self.scheduler.has_work():
+                    batch = self.scheduler.schedule()
+                    if batch.seqs:
+                        self._run_step(batch)
+                busy = self.scheduler.has_work()
+            if not busy:
+                for ev in barriers:
+                    ev.set()
+                barriers.clear()
+
+    def _run_step(self, batch: ScheduledBatch):
+        try:
+            with torch.inference_mode():
+                self._step(batch)
+        except Exception as e:  # a failed step must not take the engine down
+            logger.exception('engine step failed')
+            for seq in batch.seqs:
+                if seq.status != SeqStatus.FINISHED:
+                    self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
+
+    # ------------------------------------------------------------- commands
+    def _on_add(self, req: EngineRequest):
+        params = req.params
+        idle = self.scheduler.idle.get(req.session_id)
+        history = idle.num_tokens if idle is not None else 0
+        total = history + len(req.token_ids)
+        error = None
+        if req.session_id in self._active:
+            error = 'error', f'session {req.session_id} is busy with another request'
+        elif not req.token_ids:
+            error = 'error', 'the prompt is empty'
+        elif total >= self.session_len:
+            error = 'length', (f'the prompt has {total} tokens (with {history} from earlier turns); session_len '
+                               f'is {self.session_len} and prompt plus output must fit in it')
+        elif params.prompt_loss and total < 2:
+            error = 'error', 'get_ppl needs at least 2 tokens'
+        if error is not None:  # refused at the door; an idle session stays as it was
+            req.on_output(EngineOutput([], True, error[0], num_prompt_tokens=total, error=error[1]))
+            return
+        if idle is not None:
+            del self.scheduler.idle[req.session_id]
+            seq = idle
+            seq.start_turn(req.token_ids, params, req.on_output, self.session_len)
+        else:
+            seq = Sequence(self._next_seq_id, req.session_id, req.token_ids, params, req.on_output,
+                           self.session_len)
+            self._next_seq_id += 1
+        seq.interactive = req.interactive
+        self._active[seq.session_id] = seq
+        self.scheduler.add(seq)
+
+    def _on_cancel(self, session_id: int):
+        seq = self._active.get(session_id)
+        if seq is not None:
+            self._finish(seq, 'abort')
+
+    def _on_end(self, session_id: int):
+        seq = self._active.get(session_id)
+        if seq is not None:
+            seq.interactive = False
+            self._finish(seq, 'abort')
+        idle = self.scheduler.idle.pop(session_id, None)
+        if idle is not None:
+            self.scheduler.remove(idle)
+
+    def _abort_all(self):
+        with self._lock:
+            for seq in list(self._active.values()):
+                self._finish(seq, 'abort', error='the engine is shutting down')
+
+    def _finish_too_long(self, seq: Sequence, why: str):
+        seq.interactive = False
+        self._finish(seq, 'length', error=why, release=False)
+
+    # ---------------------------------------------------------------- steps
+    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None, release: bool = True,
+                output: Optional[EngineOutput] = None):
+        self._active.pop(seq.session_id, None)
+        seq.finish_reason = reason
+        keep = seq.interactive and reason != 'error'
+        if release:
+            self.scheduler.remove(seq, keep_blocks=keep)
+        if keep:
+            seq.status = SeqStatus.IDLE
+            # the cache may hold fewer tokens than the history; the rest is recomputed next turn
+            seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+            self.scheduler.idle[seq.session_id] = seq
+        else:
+            seq.status = SeqStatus.FINISHED
+        out = output or EngineOutput([])
+        out.finished, out.finish_reason, out.error = True, reason, error
+        out.num_prompt_tokens = seq.num_prompt_tokens
+        if seq.params.prompt_loss and seq.loss_count:
+            out.prompt_loss = seq.loss_sum / seq.loss_count
+        seq.on_output(out)
+
+    def _step(self, batch: ScheduledBatch):
+        hidden = self.runner.forward(batch)
+        starts, rows_for_logits, done = [], [], []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            starts.append(row)
+            seq.num_computed += n
+            self.block_manager.register_full_blocks(seq.token_ids, seq.num_computed, seq.block_ids,
+                                                    seq.block_keys)
+            if seq.num_pending == 0:
+                done.append((seq, row + n - 1))
+            row += n
+        # prompt-wide outputs: get_ppl losses and 'all' logits / hidden states
+        extras: Dict[int, dict] = {}
+        for seq, n, start in zip(batch.seqs, batch.num_new_tokens, starts):
+            p = seq.params
+            if not p.needs_all_rows:
+                continue
+            # prompt positions first..last-1 are new here (a recompute after preemption repeats none)
+            first = max(seq.num_computed - n, seq.num_reported)
+            last = min(seq.num_computed, seq.num_prompt_tokens)
+            if first >= last:
+                continue
+            offset = start + first - (seq.num_computed - n)
+            chunk = hidden[offset:offset + (last - first)]
+            seq.num_reported = last
+            extra = extras.setdefault(seq.seq_id, {})
+            if p.output_last_hidden_state == 'all':
+                extra['hidden'] = chunk.float().cpu()
+            if p.output_logits == 'all' or p.prompt_loss:
+                logits = self.runner.logits(chunk)
+                if p.output_logits == 'all':
+                    extra['logits'] = logits.cpu()
+                if p.prompt_loss:
+                    targets = seq.token_ids[first + 1:last + 1][:last - first]
+                    k = len(targets)
+                    if k:
+                        t = torch.tensor(targets, device=logits.device)
+                        loss = torch.nn.functional.cross_entropy(logits[:k], t, reduction='sum')
+                        seq.loss_sum += float(loss)
+                        seq.loss_count += k
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            extra = extras.get(seq.seq_id)
+            if extra and seq.num_pending > 0:  # a prompt chunk: stream what was asked for
+                seq.on_output(EngineOutput([], logits=extra.get('logits'), last_hidden_state=extra.get('hidden')))
+        if not done:
+            return
+        loss_done = [(s, r) for s, r in done if s.params.prompt_loss]
+        for seq, _ in loss_done:
+            self._finish(seq, 'length', output=self._with_extra(EngineOutput([]), extras.get(seq.seq_id)))
+        done = [(s, r) for s, r in done if not s.params.prompt_loss]
+        if not done:
+            return
+        seqs = [s for s, _ in done]
+        last_hidden = hidden[[r for _, r in done]]
+        logits = self.runner.logits(last_hidden)
+        tokens, logprobs = sample(logits, seqs)
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            out = self._with_extra(EngineOutput([]), extras.get(seq.seq_id))
+            p = seq.params
+            if p.output_logits == 'generation' or (p.output_logits == 'all' and seq.num_generated > 0):
+                out.logits = logits[i:i + 1].cpu()
+            if p.output_last_hidden_state == 'generation' or (p.output_last_hidden_state == 'all'
+                                                              and seq.num_generated > 0):
+                out.last_hidden_state = last_hidden[i:i + 1].float().cpu()
+            seq.token_ids.append(token)
+            seq.num_generated += 1
+            self._num_generated += 1
+            if token in p.stop_token_ids:
+                self._finish(seq, 'stop', output=out)
+                continue
+            out.new_token_ids = [token]
+            out.logprobs = [logprobs[i]] if logprobs[i] is not None else None
+            if seq.num_generated >= p.max_new_tokens or seq.num_tokens >= seq.max_len:
+                self._finish(seq, 'length', output=out)
+            else:
+                seq.on_output(out)
+
+    @staticmethod
+    def _with_extra(out: EngineOutput, extra: Optional[dict]) -> EngineOutput:
+        if extra:
+            out.logits = extra.get('logits')
+            out.last_hidden_state = extra.get('hidden')
+        return out
+
+    @staticmethod
+    def new_seed() -> int:
+        return random.SystemRandom().randrange(1 << 31)

@@ -1,0 +1,36 @@
+"""Model registry: config.json's ``architectures`` (or ``model_type``) -> class."""
+from __future__ import annotations
+
+from ..model_config import ModelConfig
+from .llama import LlamaForCausalLM
+from .qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+ARCHITECTURES = {
+    'LlamaForCausalLM': LlamaForCausalLM,
+    'MistralForCausalLM': LlamaForCausalLM,
+    'YiForCausalLM': LlamaForCausalLM,
+    'Qwen2ForCausalLM': Qwen2ForCausalLM,
+    'Qwen3ForCausalLM': Qwen3ForCausalLM,
+}
+MODEL_TYPES = {
+    'llama': LlamaForCausalLM,
+    'mistral': LlamaForCausalLM,
+    'yi': LlamaForCausalLM,
+    'qwen2': Qwen2ForCausalLM,
+    'qwen3': Qwen3ForCausalLM,
+}
+
+
+def get_model_class(cfg: ModelConfig):
+    if cfg.architecture:
+        if cfg.architecture in ARCHITECTURES:
+            return ARCHITECTURES[cfg.architecture]
+        raise ValueError(f'architecture {cfg.architecture!r} is not supported; supported architectures: '
+                         f'{sorted(ARCHITECTURES)}')
+    if cfg.model_type in MODEL_TYPES:
+        return MODEL_TYPES[cfg.model_type]
+    raise ValueError(f'config.json has no architectures and model_type {cfg.model_type!r} is not supported; '
+                     f'supported architectures: {sorted(ARCHITECTURES)}')
+
+
+__all__ = ['ARCHITECTURES', 'get_model_class']

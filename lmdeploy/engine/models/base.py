@@ -1,0 +1,71 @@
+"""What every causal LM definition shares: weight loading by HF names."""
+from __future__ import annotations
+
+from typing import Iterable, List, Set, Tuple
+
+import torch
+from torch import nn
+
+from ..nn import MergedLinear
+
+
+class CausalLM(nn.Module):
+    """Subclasses build ``self.model`` and ``self.lm_head`` and set
+    ``stacked_params``: (fused module name, checkpoint name, shard)."""
+
+    stacked_params: List[Tuple[str, str, str]] = []
+    ignored_weights: Tuple[str, ...] = ('rotary_emb.inv_freq', )
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def _expected_keys(self) -> Set[Tuple[str, str]]:
+        keys = set()
+        for mod_name, module in self.named_modules():
+            prefix = f'{mod_name}.' if mod_name else ''
+            for pname, _ in module.named_parameters(recurse=False):
+                if isinstance(module, MergedLinear):
+                    keys.update((prefix + pname, shard) for shard in module.shard_offsets)
+                else:
+                    keys.add((prefix + pname, ''))
+        if self.tied:
+            keys.discard(('lm_head.weight', ''))
+        return keys
+
+    @property
+    def tied(self) -> bool:
+        return self.config.tie_word_embeddings
+
+    def tie_weights(self):
+        """(Re)share the embedding with the LM head; materialising a model
+        built on the meta device unshares them."""
+        if self.tied:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
+        """Copy checkpoint tensors in; raise if one is missing or unknown."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: Set[Tuple[str, str]] = set()
+        for name, tensor in weights:
+            if any(name.endswith(s) for s in self.ignored_weights):
+                continue
+            if name == 'lm_head.weight' and self.tied:
+                continue
+            for fused, part, shard in self.stacked_params:
+                if f'.{part}.' in name:
+                    mod_name, pname = name.replace(f'.{part}.', f'.{fused}.').rsplit('.', 1)
+                    self.get_submodule(mod_name).load_shard(pname, shard, tensor)
+                    loaded.add((f'{mod_name}.{pname}', shard))
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f'checkpoint tensor {name!r} has no place in {type(self).__name__}')
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(f'{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}')
+                param.data.copy_(tensor)
+                loaded.add((name, ''))
+        missing = self._expected_keys() - loaded
+        if missing:
+            names = sorted(f'{n}[{s}]' if s else n for n, s in missing)
+            raise ValueError(f'checkpoint lacks {len(missing)} tensors, e.g. {names[:5]}')

@@ -1,0 +1,111 @@
+"""Llama (2, 3, 3.1, 3.2; also SmolLM2, Yi, Mistral without sliding window).
+
+    h   = x + Attn(RMSNorm(x))
+    out = h + W_down (silu(W_gate h') * W_up h'),  h' = RMSNorm(h)
+    Attn: q, k = RoPE(W_q x), RoPE(W_k x); softmax(q k^T / sqrt(d)) W_v x
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model_config import ModelConfig
+from ..nn import (LMHead, Linear, MergedLinear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul, StepContext,
+                  VocabEmbedding)
+from .base import CausalLM
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias_default = False
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        qkv_bias = cfg.attention_bias or self.qkv_bias_default
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {'q': q_size, 'k': kv_size, 'v': kv_size}, bias=qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
+        return q, k
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos, sin, ctx: StepContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.qk_norm(q, k)
+        q, k = rotary(q, k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {'gate': size, 'up': size}, bias=cfg.mlp_bias)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention_cls(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, residual, rotary, cos, sin, ctx):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rotary, cos, sin, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, ctx.rope_lens)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, self.rotary_emb, cos, sin, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(CausalLM):
+    model_cls = LlamaModel
+    stacked_params = [('qkv_proj', 'q_proj', 'q'), ('qkv_proj', 'k_proj', 'k'), ('qkv_proj', 'v_proj', 'v'),
+                      ('gate_up_proj', 'gate_proj', 'gate'), ('gate_up_proj', 'up_proj', 'up')]
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = self.model_cls(cfg)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.tie_weights()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Final hidden states [T, hidden]; logits come from compute_logits."""
+        return self.model(input_ids, positions, ctx)

@@ -1,0 +1,47 @@
+"""Qwen2 / Qwen2.5 (Llama with biased q/k/v) and Qwen3 (Llama with per-head
+RMSNorm on q and k before RoPE)."""
+from __future__ import annotations
+
+from ..model_config import ModelConfig
+from ..nn import RMSNorm
+from .llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class Qwen2Attention(LlamaAttention):
+    qkv_bias_default = True
+
+
+class Qwen2DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen2Attention
+
+
+class Qwen2Model(LlamaModel):
+    layer_cls = Qwen2DecoderLayer
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    model_cls = Qwen2Model
+
+
+class Qwen3Attention(LlamaAttention):
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def qk_norm(self, q, k):
+        d = self.head_dim
+        return self.q_norm(q.reshape(-1, d)).view_as(q), self.k_norm(k.reshape(-1, d)).view_as(k)
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3Model(LlamaModel):
+    layer_cls = Qwen3DecoderLayer
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    model_cls = Qwen3Model

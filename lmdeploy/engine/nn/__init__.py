@@ -1,0 +1,11 @@
+"""Building blocks for model definitions; each calls device ops."""
+from .activation import SiluAndMul
+from .attention import PagedAttention
+from .context import StepContext
+from .embedding import LMHead, VocabEmbedding
+from .linear import Linear, MergedLinear
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+__all__ = ['SiluAndMul', 'PagedAttention', 'StepContext', 'LMHead', 'VocabEmbedding', 'Linear', 'MergedLinear',
+           'RMSNorm', 'RotaryEmbedding']

@@ -1,0 +1,33 @@
+"""Paged attention layer: writes the step's K/V into the cache, then attends."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lmdeploy.devices import ops
+
+from .context import StepContext
+
+
+class PagedAttention(nn.Module):
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]."""
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        ops.fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        if ctx.is_decode:
+            out = ops.paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_seqlens, self.scale,
+                                             ctx.max_kv_len)
+        else:
+            out = ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables, ctx.q_start_loc,
+                                              ctx.q_seqlens, ctx.kv_seqlens, self.scale, ctx.max_q_len,
+                                              ctx.max_kv_len)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)

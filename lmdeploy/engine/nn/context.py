@@ -1,0 +1,26 @@
+"""Per-step metadata that the attention and rotary layers read."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+
+
+@dataclass
+class StepContext:
+    """Describes one forward step over a packed batch of sequences.
+
+    Every sequence b contributes ``q_seqlens[b]`` new tokens (1 when
+    decoding); after the step its cache holds ``kv_seqlens[b]`` tokens.
+    """
+    is_decode: bool
+    q_start_loc: torch.Tensor  # [B] int64
+    q_seqlens: torch.Tensor  # [B] int64
+    kv_seqlens: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    rope_lens: torch.Tensor  # [T] int64: length each token's sequence is rotated for (dynamic NTK)
+    max_q_len: int
+    max_kv_len: int
+    kv_caches: List[Tuple[torch.Tensor, torch.Tensor]]

@@ -1,0 +1,76 @@
+"""Rotary position embedding: the frequency schedules that configs name.
+
+cos/sin are computed in float32 from ``position * inv_freq`` (as
+transformers does) and handed to the device's ``apply_rotary`` op.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lmdeploy.devices import ops
+
+from ..model_config import RopeConfig
+
+
+def base_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    # explicit cpu: models are built under a meta device context
+    return 1.0 / (theta**(torch.arange(0, dim, 2, dtype=torch.int64, device='cpu').float() / dim))
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1: slow frequencies divided by ``factor``, fast ones kept,
+    the band between interpolated smoothly."""
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = rope
+        self.max_pos = max_position_embeddings
+        inv_freq = base_inv_freq(head_dim, rope.theta)
+        if rope.type == 'linear':
+            inv_freq = inv_freq / rope.factor
+        elif rope.type == 'llama3':
+            inv_freq = llama3_inv_freq(inv_freq, rope)
+        self.inv_freq = inv_freq  # not a buffer: survives materialising the model
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        return self.inv_freq
+
+    def _dynamic_inv_freq(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Dynamic NTK: past the trained length the base grows with the
+        sequence's length. Returns [T, D/2]."""
+        d, f, m = self.head_dim, self.rope.factor, self.max_pos
+        seq = seq_lens.double().clamp(min=m)
+        base = self.rope.theta * ((f * seq / m) - (f - 1))**(d / (d - 2))
+        exponent = torch.arange(0, d, 2, dtype=torch.int64, device=seq.device).float() / d
+        return 1.0 / (base.float()[:, None]**exponent[None, :])
+
+    def cos_sin(self, positions: torch.Tensor, rope_lens: torch.Tensor):
+        """positions [T]; rope_lens [T] (the length its sequence is rotated
+        for, used by dynamic NTK). Returns cos, sin [T, D] float32."""
+        if self.rope.type == 'dynamic':
+            freqs = positions.float()[:, None] * self._dynamic_inv_freq(rope_lens)
+        else:
+            freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return ops.apply_rotary(q, k, cos, sin)

@@ -1,0 +1,92 @@
+"""Turn the last-position logits of a batch into next tokens.
+
+Order: user logits processors, repetition penalty, bans (bad words, stop
+ids before ``min_new_tokens``), then greedy argmax or temperature, top-k,
+top-p, min-p and a seeded draw. Reported logprobs are those of the model's
+own distribution (before any processing).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from lmdeploy.devices import ops
+
+from .sequence import Sequence
+
+NEG_INF = float('-inf')
+
+
+def _banned_ids(seq: Sequence) -> List[int]:
+    p = seq.params
+    banned = list(p.bad_token_ids)
+    if seq.num_generated < p.min_new_tokens:
+        banned += p.stop_token_ids
+    for words in p.bad_sequences:  # ban a multi-token word's last token after its prefix
+        prefix = words[:-1]
+        if len(prefix) <= seq.num_tokens and seq.token_ids[seq.num_tokens - len(prefix):] == prefix:
+            banned.append(words[-1])
+    return banned
+
+
+def _padded(rows: List[List[int]], device) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+    return out.to(device)
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: List[Sequence]) -> List[Optional[Dict[int, float]]]:
+    out: List[Optional[Dict[int, float]]] = [None] * len(seqs)
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not rows:
+        return out
+    logp = raw[rows].log_softmax(dim=-1)
+    k = max(seqs[i].params.logprobs for i in rows)
+    top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
+    top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen.tolist()
+    for j, i in enumerate(rows):
+        n = seqs[i].params.logprobs
+        entry = dict(zip(top_ids[j][:n], top_vals[j][:n]))
+        entry[int(tokens[i])] = chosen[j]
+        out[i] = entry
+    return out
+
+
+def sample(logits: torch.Tensor, seqs: List[Sequence]) -> Tuple[List[int], List[Optional[Dict[int, float]]]]:
+    """logits [B, V] float32 on the device -> token per row, logprobs per row."""
+    raw = logits
+    logits = logits.clone()
+    device = logits.device
+    for i, seq in enumerate(seqs):
+        if seq.params.logits_processors:
+            generated = torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64, device=device)
+            for proc in seq.params.logits_processors:
+                logits[i] = proc(generated, logits[i])
+    penalised = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    if penalised:
+        sub = logits[penalised]
+        ids = _padded([seqs[i].token_ids for i in penalised], device)
+        penalty = torch.tensor([seqs[i].params.repetition_penalty for i in penalised], device=device)
+        logits[penalised] = ops.apply_repetition_penalty(sub, ids, penalty)
+    for i, seq in enumerate(seqs):
+        banned = _banned_ids(seq)
+        if banned:
+            logits[i, torch.tensor(banned, dtype=torch.int64, device=device)] = NEG_INF
+
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        sub = logits[sampled]
+        ps = [seqs[i].params for i in sampled]
+        sub = ops.apply_temperature(sub, torch.tensor([p.temperature for p in ps], device=device))
+        sub = ops.top_k_top_p_min_p(sub, torch.tensor([p.top_k for p in ps], device=device),
+                                    torch.tensor([p.top_p for p in ps], device=device),
+                                    torch.tensor([p.min_p for p in ps], device=device))
+        seeds = torch.tensor([p.seed for p in ps], dtype=torch.int64, device=device)
+        offsets = torch.tensor([seqs[i].num_generated for i in sampled], dtype=torch.int64, device=device)
+        tokens[sampled] = ops.sample(sub, seeds, offsets)
+    return tokens.tolist(), _logprobs(raw, tokens, seqs)

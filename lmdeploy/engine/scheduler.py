@@ -1,0 +1,155 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step, running sequences go first (one token each when decoding, a
+chunk when their prompt is still being prefilled), then waiting ones are
+admitted while the batch, the prefill token budget and the free blocks
+allow. When a running sequence needs a block and none is free, the most
+recently admitted running sequence is preempted: its blocks are freed and it
+is recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Tuple
+
+from .block_manager import BlockManager
+from .sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: List[Sequence]
+    num_new_tokens: List[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+
+class Scheduler:
+
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_tokens: int,
+                 on_too_long: Callable[[Sequence, str], None]):
+        self.bm = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.on_too_long = on_too_long  # finishes a sequence that can never fit
+        self.waiting: Deque[Sequence] = deque()
+        self.running: List[Sequence] = []
+        self.idle: Dict[int, Sequence] = {}  # interactive sessions between turns
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------- queueing
+    def add(self, seq: Sequence):
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def all_sequences(self) -> List[Sequence]:
+        return list(self.waiting) + self.running + list(self.idle.values())
+
+    def remove(self, seq: Sequence, keep_blocks: bool = False):
+        """Take a sequence out of every queue; free its blocks unless kept."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.idle.get(seq.session_id) is seq:
+            del self.idle[seq.session_id]
+        if not keep_blocks:
+            self._release(seq)
+
+    def _release(self, seq: Sequence):
+        self.bm.free(seq.block_ids)
+        seq.block_ids, seq.block_keys = [], []
+        seq.num_computed = 0
+
+    def _preempt(self, seq: Sequence):
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _free_idle_session(self) -> bool:
+        """Drop the cache of one idle interactive session (recomputed on its next turn)."""
+        for seq in self.idle.values():
+            if seq.block_ids:
+                self._release(seq)
+                return True
+        return False
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make the sequence own enough blocks for ``num_tokens`` tokens."""
+        need = self.bm.blocks_for(num_tokens) - len(seq.block_ids)
+        while need > self.bm.num_free:
+            if not self._free_idle_session():
+                return False
+        if need > 0:
+            seq.block_ids.extend(self.bm.allocate(need))
+        return True
+
+    # ------------------------------------------------------------- stepping
+    def schedule(self) -> ScheduledBatch:
+        seqs, counts = [], []
+        budget = self.max_prefill_tokens
+        # running sequences, oldest first; the youngest give way when blocks run out
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            n = seq.num_pending
+            if n > 1:
+                n = min(n, budget)
+                if n == 0:
+                    i += 1
+                    continue
+            while not self._grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                if victim is seq and i == 0:
+                    # alone and still too big: the cache can never hold it
+                    self.running.remove(seq)
+                    self._release(seq)
+                    self.on_too_long(seq, 'the KV cache cannot hold this sequence')
+                    break
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                seqs.append(seq)
+                counts.append(n)
+                if n > 1 or seq.num_pending > 1:
+                    budget -= n
+                i += 1
+                continue
+            # seq left the running list; i now points at the next one
+        # admit waiting sequences
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if self.bm.blocks_for(seq.num_tokens) > self.bm.num_blocks:
+                self.waiting.popleft()
+                self._release(seq)
+                self.on_too_long(seq, f'the prompt needs {self.bm.blocks_for(seq.num_tokens)} KV blocks, '
+                                 f'the cache has {self.bm.num_blocks}')
+                continue
+            matched = False
+            if seq.num_computed == 0 and not seq.block_ids and not seq.params.needs_all_rows:
+                # the last token is always recomputed: its logits are needed
+                blocks, keys = self.bm.match_prefix(seq.token_ids, seq.num_tokens - 1)
+                seq.block_ids, seq.block_keys = blocks, keys
+                seq.num_computed = len(blocks) * self.bm.block_size
+                matched = bool(blocks)
+            n = min(seq.num_pending, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                if matched:  # a waiting sequence holds no blocks it might starve others of
+                    self._release(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts)

@@ -1,0 +1,104 @@
+"""Requests as the engine sees them: token ids, sampling settings, KV blocks."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+
+@dataclass
+class SamplingParams:
+    """Engine-level sampling settings: everything already turned into ids."""
+    max_new_tokens: int = 512
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    stop_token_ids: List[int] = field(default_factory=list)  # eos included unless ignore_eos
+    bad_token_ids: List[int] = field(default_factory=list)
+    bad_sequences: List[List[int]] = field(default_factory=list)  # multi-token bad words
+    min_new_tokens: int = 0
+    logprobs: Optional[int] = None
+    output_logits: Optional[str] = None  # 'generation' | 'all'
+    output_last_hidden_state: Optional[str] = None
+    logits_processors: List[Callable] = field(default_factory=list)
+    prompt_loss: bool = False  # get_ppl: report the prompt's cross-entropy, generate nothing
+
+    @property
+    def needs_all_rows(self) -> bool:
+        """Whether every prompt position's output is wanted (no prefix reuse)."""
+        return self.prompt_loss or self.output_logits == 'all' or self.output_last_hidden_state == 'all'
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request (delivered incrementally)."""
+    new_token_ids: List[int]
+    finished: bool = False
+    finish_reason: Optional[str] = None  # 'stop' | 'length' | 'error' | 'abort'
+    num_prompt_tokens: int = 0
+    logprobs: Optional[List[dict]] = None
+    logits: Any = None  # tensor [n, V] (cpu) when asked
+    last_hidden_state: Any = None
+    prompt_loss: Optional[float] = None  # mean cross-entropy over the prompt
+    error: Optional[str] = None
+
+
+class SeqStatus(enum.Enum):
+    WAITING = 'waiting'  # queued, nothing (or nothing any more) in the cache
+    RUNNING = 'running'  # holds blocks, being prefilled or decoded
+    IDLE = 'idle'  # interactive session between turns: keeps its blocks
+    FINISHED = 'finished'
+
+
+class Sequence:
+    """One request's tokens and cache state.
+
+    ``token_ids`` is the whole context (earlier turns, prompt, generated);
+    the first ``num_computed`` of them have their K/V in ``block_ids``.
+    """
+
+    def __init__(self, seq_id: int, session_id: int, token_ids: List[int], params: SamplingParams,
+                 on_output: Callable[[EngineOutput], None], max_len: int):
+        self.seq_id = seq_id
+        self.session_id = session_id
+        self.token_ids: List[int] = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.on_output = on_output
+        self.max_len = max_len  # session_len: context never grows past it
+        self.num_computed = 0
+        self.block_ids: List[int] = []
+        self.block_keys: List[Any] = []  # prefix-cache keys of the full blocks, in order
+        self.status = SeqStatus.WAITING
+        self.num_generated = 0
+        self.finish_reason: Optional[str] = None
+        self.loss_sum = 0.0  # get_ppl
+        self.loss_count = 0
+        self.num_reported = 0  # prompt positions whose logits/hidden states were delivered
+        self.interactive = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    def start_turn(self, new_ids: List[int], params: SamplingParams, on_output, max_len: int):
+        """Continue an interactive session with a new prompt; the cache stays."""
+        self.token_ids.extend(new_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.params = params
+        self.on_output = on_output
+        self.max_len = max_len
+        self.num_generated = 0
+        self.finish_reason = None
+        self.loss_sum, self.loss_count = 0.0, 0
+        self.num_reported = self.num_tokens - len(new_ids)
+        self.status = SeqStatus.WAITING

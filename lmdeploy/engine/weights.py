@@ -1,0 +1,48 @@
+"""Build a model and fill it from safetensors (one file, or shards + index)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator, List, Tuple
+
+import torch
+
+from .model_config import ModelConfig
+from .models import get_model_class
+
+
+def safetensors_files(model_path: str) -> List[str]:
+    index = os.path.join(model_path, 'model.safetensors.index.json')
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)['weight_map'].values()))
+        return [os.path.join(model_path, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(model_path, '*.safetensors')))
+    if not files:
+        raise FileNotFoundError(f'no *.safetensors weights in {model_path!r}')
+    return files
+
+
+def iter_weights(model_path: str, dtype: torch.dtype, device: torch.device) -> Iterator[Tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework='pt', device='cpu') as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                yield name, tensor.to(device)
+
+
+def load_model(model_path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Construct the model for ``cfg`` on ``device`` in ``dtype`` and load it."""
+    cls = get_model_class(cfg)
+    with torch.device('meta'):
+        model = cls(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    for param in model.parameters():  # shared (tied) parameters are visited once
+        param.data = torch.empty_like(param.data, dtype=dtype)
+    model.load_weights(iter_weights(model_path, dtype, device))
+    return model.eval()

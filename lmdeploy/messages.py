@@ -1,0 +1,226 @@
+"""Public configuration and result types.
+
+Kept free of torch at import time so that ``import lmdeploy`` stays fast.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Literal, Optional
+
+# A logits processor gets the ids generated so far (1-D LongTensor) and the
+# next-token scores (1-D FloatTensor) and returns the new scores.
+LogitsProcessor = Callable[[Any, Any], Any]
+
+
+def _check(cond: bool, name: str, msg: str):
+    if not cond:
+        raise ValueError(f'GenerationConfig.{name} {msg}' if '.' not in name else f'{name} {msg}')
+
+
+@dataclass
+class GenerationConfig:
+    """How to generate: the fields of LMDeploy's ``GenerationConfig``.
+
+    ``do_sample=False`` (the default), ``top_k=1`` or ``temperature=0`` decode
+    greedily. ``random_seed`` makes sampling reproducible regardless of which
+    other requests share the batch.
+    """
+    n: int = 1
+    max_new_tokens: int = 512
+    do_sample: bool = False
+    top_p: float = 1.0
+    top_k: int = 50
+    min_p: float = 0.0
+    temperature: float = 0.8
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    random_seed: Optional[int] = None
+    stop_words: Optional[List[str]] = None
+    bad_words: Optional[List[str]] = None
+    stop_token_ids: Optional[List[int]] = None
+    bad_token_ids: Optional[List[int]] = None
+    min_new_tokens: Optional[int] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: Optional[int] = None
+    response_format: Optional[Dict] = None
+    logits_processors: Optional[List[LogitsProcessor]] = None
+    output_logits: Optional[Literal['all', 'generation']] = None
+    output_last_hidden_state: Optional[Literal['all', 'generation']] = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Raise ValueError naming the first invalid field."""
+        _check(self.n == 1, 'n', f'must be 1, got {self.n}')
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, 'max_new_tokens',
+               f'must be an integer >= 1, got {self.max_new_tokens!r}')
+        _check(0.0 < self.top_p <= 1.0, 'top_p', f'must be in (0, 1], got {self.top_p}')
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, 'top_k',
+               f'must be an integer >= 0 (0 disables it), got {self.top_k!r}')
+        _check(0.0 <= self.min_p <= 1.0, 'min_p', f'must be in [0, 1], got {self.min_p}')
+        _check(self.temperature >= 0.0, 'temperature', f'must be >= 0, got {self.temperature}')
+        _check(self.repetition_penalty > 0.0, 'repetition_penalty', f'must be > 0, got {self.repetition_penalty}')
+        if self.random_seed is not None:
+            _check(isinstance(self.random_seed, int) and self.random_seed >= 0, 'random_seed',
+                   f'must be a non-negative integer, got {self.random_seed!r}')
+        if self.min_new_tokens is not None:
+            _check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, 'min_new_tokens',
+                   f'must be a non-negative integer, got {self.min_new_tokens!r}')
+        if self.logprobs is not None:
+            _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 1024, 'logprobs',
+                   f'must be an integer in [0, 1024], got {self.logprobs!r}')
+        for name in ('stop_words', 'bad_words'):
+            words = getattr(self, name)
+            if words is not None:
+                if isinstance(words, str):
+                    setattr(self, name, [words])
+                    words = [words]
+                _check(all(isinstance(w, str) and w for w in words), name, 'must be a list of non-empty strings')
+        for name in ('stop_token_ids', 'bad_token_ids'):
+            ids = getattr(self, name)
+            if ids is not None:
+                if isinstance(ids, int):
+                    setattr(self, name, [ids])
+                    ids = [ids]
+                _check(all(isinstance(i, int) and i >= 0 for i in ids), name,
+                       'must be a list of non-negative integers')
+        for name in ('output_logits', 'output_last_hidden_state'):
+            _check(getattr(self, name) in (None, 'all', 'generation'), name,
+                   f"must be None, 'all' or 'generation', got {getattr(self, name)!r}")
+        if self.logits_processors is not None:
+            _check(all(callable(p) for p in self.logits_processors), 'logits_processors', 'must be callables')
+
+    @property
+    def is_greedy(self) -> bool:
+        return (not self.do_sample) or self.top_k == 1 or self.temperature == 0.0
+
+
+DeviceType = Literal['auto', 'cuda', 'ascend', 'cpu']
+
+
+@dataclass
+class PytorchEngineConfig:
+    """Engine settings (the fields of LMDeploy's ``PytorchEngineConfig``).
+
+    cache_max_entry_count: fraction of the device memory left free after
+        loading the weights that the KV cache takes (on cpu: of available RAM,
+        capped by ``cpu_kv_cache_cap_gb``).
+    num_gpu_blocks: if > 0, the exact number of KV blocks (overrides the above).
+    max_prefill_token_num: most prompt tokens prefilled in one step; longer
+        prompts are prefilled in chunks.
+    """
+    dtype: str = 'auto'
+    tp: int = 1
+    session_len: Optional[int] = None
+    max_batch_size: Optional[int] = None
+    cache_max_entry_count: float = 0.8
+    block_size: int = 64
+    num_gpu_blocks: int = 0
+    max_prefill_token_num: int = 4096
+    enable_prefix_caching: bool = False
+    device_type: DeviceType = 'auto'
+    eager_mode: bool = False
+    quant_policy: int = 0
+    cpu_kv_cache_cap_gb: float = 4.0
+    # accepted for LMDeploy compatibility; no effect here
+    prefill_interval: int = 16
+    num_cpu_blocks: int = 0
+    thread_safe: bool = False
+    download_dir: Optional[str] = None
+    revision: Optional[str] = None
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        name = 'PytorchEngineConfig.'
+        _check(self.dtype in ('auto', 'float16', 'bfloat16', 'float32'), name + 'dtype',
+               f"must be 'auto', 'float16', 'bfloat16' or 'float32', got {self.dtype!r}")
+        _check(isinstance(self.tp, int) and self.tp >= 1, name + 'tp', f'must be >= 1, got {self.tp}')
+        if self.session_len is not None:
+            _check(isinstance(self.session_len, int) and self.session_len >= 2, name + 'session_len',
+                   f'must be an integer >= 2, got {self.session_len!r}')
+        if self.max_batch_size is not None:
+            _check(isinstance(self.max_batch_size, int) and self.max_batch_size >= 1, name + 'max_batch_size',
+                   f'must be an integer >= 1, got {self.max_batch_size!r}')
+        _check(0.0 < self.cache_max_entry_count <= 1.0, name + 'cache_max_entry_count',
+               f'must be in (0, 1], got {self.cache_max_entry_count}')
+        _check(isinstance(self.block_size, int) and self.block_size >= 1 and
+               (self.block_size & (self.block_size - 1)) == 0, name + 'block_size',
+               f'must be a power of two, got {self.block_size!r}')
+        _check(isinstance(self.num_gpu_blocks, int) and self.num_gpu_blocks >= 0, name + 'num_gpu_blocks',
+               f'must be >= 0, got {self.num_gpu_blocks!r}')
+        _check(isinstance(self.max_prefill_token_num, int) and self.max_prefill_token_num >= 1,
+               name + 'max_prefill_token_num', f'must be >= 1, got {self.max_prefill_token_num!r}')
+        _check(self.device_type in ('auto', 'cuda', 'ascend', 'cpu'), name + 'device_type',
+               f"must be 'auto', 'cuda', 'ascend' or 'cpu', got {self.device_type!r}")
+        _check(self.quant_policy in (0, 4, 8), name + 'quant_policy',
+               f'must be 0, 4 or 8, got {self.quant_policy!r}')
+
+
+@dataclass
+class TurbomindEngineConfig:
+    """Accepted for compatibility: mapped onto :class:`PytorchEngineConfig`."""
+    dtype: str = 'auto'
+    tp: int = 1
+    session_len: Optional[int] = None
+    max_batch_size: Optional[int] = None
+    cache_max_entry_count: float = 0.8
+    cache_block_seq_len: int = 64
+    enable_prefix_caching: bool = False
+    quant_policy: int = 0
+    max_prefill_token_num: int = 8192
+    num_tokens_per_iter: int = 0
+    rope_scaling_factor: float = 0.0
+    use_logn_attn: bool = False
+    download_dir: Optional[str] = None
+    revision: Optional[str] = None
+    model_format: Optional[str] = None
+
+    def to_pytorch(self, device_type: str = 'auto') -> PytorchEngineConfig:
+        return PytorchEngineConfig(dtype=self.dtype, tp=self.tp, session_len=self.session_len,
+                                   max_batch_size=self.max_batch_size,
+                                   cache_max_entry_count=self.cache_max_entry_count,
+                                   block_size=self.cache_block_seq_len,
+                                   enable_prefix_caching=self.enable_prefix_caching,
+                                   quant_policy=self.quant_policy,
+                                   max_prefill_token_num=self.max_prefill_token_num,
+                                   device_type=device_type)
+
+
+class ResponseType(enum.Enum):
+    SUCCESS = enum.auto()
+    FINISH = enum.auto()
+    INPUT_LENGTH_ERROR = enum.auto()
+    CANCEL = enum.auto()
+    INTERNAL_ENGINE_ERROR = enum.auto()
+
+
+@dataclass
+class Response:
+    """One generation result (or, when streaming, one increment of it).
+
+    logprobs: one dict per generated token, ``{token_id: logprob}`` with the
+        top-N alternatives and the chosen token.
+    logits / last_hidden_state: float tensors [num_tokens, dim] when asked for.
+    """
+    text: str
+    generate_token_len: int
+    input_token_len: int
+    session_id: int = 0
+    finish_reason: Optional[Literal['stop', 'length', 'error', 'abort']] = None
+    token_ids: List[int] = field(default_factory=list)
+    logprobs: Optional[List[Dict[int, float]]] = None
+    logits: Any = None
+    last_hidden_state: Any = None
+    index: int = 0
+    error: Optional[str] = None
+
+    def __repr__(self):
+        return (f'Response(text={self.text!r}, input_token_len={self.input_token_len}, '
+                f'generate_token_len={self.generate_token_len}, finish_reason={self.finish_reason!r}, '
+                f'session_id={self.session_id}, index={self.index})')
