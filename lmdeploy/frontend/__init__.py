@@ -1,0 +1,1 @@
+"""User-facing layer: pipeline, request gateway, chat templates, detokenizer."""

@@ -1,0 +1,215 @@
+"""The async request gateway that the pipeline and the server share.
+
+It turns prompts into token ids (chat template, tokenizer), generation
+configs into engine sampling params, and engine outputs back into text
+increments: incremental detokenization, stop strings, cancellation.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Dict, List, Optional, Union
+
+from lmdeploy.engine.engine import Engine, EngineRequest
+from lmdeploy.engine.sequence import EngineOutput, SamplingParams
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+
+from .chat_template import ChatTemplateConfig, get_chat_template
+from .detokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger('lmdeploy')
+
+Prompt = Union[str, List[Dict[str, Any]]]
+
+
+@dataclass
+class GenOut:
+    """One increment of a generation, as the gateway streams it."""
+    text: str  # new text since the previous increment
+    input_token_len: int
+    generate_token_len: int  # total so far
+    finish_reason: Optional[str] = None
+    token_ids: List[int] = field(default_factory=list)  # new ids since the previous increment
+    logprobs: Optional[List[Dict[int, float]]] = None
+    logits: Any = None
+    last_hidden_state: Any = None
+    prompt_loss: Optional[float] = None
+    error: Optional[str] = None
+
+
+class _StopMatcher:
+    """Finds the first stop string in the text; holds back a tail that
+    might still become one, so a stop string is never streamed half-way."""
+
+    def __init__(self, stop_words: List[str], include: bool):
+        self.words = [w for w in stop_words if w]
+        self.include = include
+        self.hold = max((len(w) for w in self.words), default=1) - 1
+
+    def find(self, text: str, search_from: int) -> Optional[int]:
+        """End index of the kept text if a stop word occurs, else None."""
+        best = None
+        for w in self.words:
+            i = text.find(w, max(0, search_from - len(w) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, w)
+        if best is None:
+            return None
+        return best[0] + len(best[1]) if self.include else best[0]
+
+    def safe_end(self, text: str) -> int:
+        """How much of the text can be shown while more may follow."""
+        if not self.words:
+            return len(text)
+        for cut in range(max(0, len(text) - self.hold), len(text)):
+            tail = text[cut:]
+            if any(w.startswith(tail) for w in self.words):
+                return cut
+        return len(text)
+
+
+class Gateway:
+    """Owns the engine, the tokenizer and the chat template."""
+
+    def __init__(self, model_path: str, backend_config: Optional[PytorchEngineConfig] = None,
+                 chat_template_config: Optional[ChatTemplateConfig] = None, model_name: Optional[str] = None):
+        from transformers import AutoTokenizer
+        self.model_path = model_path
+        self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.engine = Engine(model_path, backend_config)
+        self.session_len = self.engine.session_len
+        self.chat_template = get_chat_template(chat_template_config, self.tokenizer)
+        self.eos_token_ids = self._eos_ids()
+        self._session_ids = itertools.count(1)
+
+    def _eos_ids(self) -> List[int]:
+        ids = list(self.engine.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        for word in self.chat_template.stop_words:  # e.g. <|im_end|>, <|eot_id|>
+            wid = self.tokenizer.encode(word, add_special_tokens=False)
+            if len(wid) == 1 and wid[0] not in ids:
+                ids.append(wid[0])
+        return ids
+
+    def next_session_id(self) -> int:
+        return next(self._session_ids)
+
+    # ------------------------------------------------------------ prompts
+    def encode_prompt(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True) -> List[int]:
+        if isinstance(prompt, str) and not do_preprocess:
+            return self.tokenizer.encode(prompt, add_special_tokens=sequence_start)
+        if not isinstance(prompt, (str, list)):
+            raise TypeError(f'a prompt is a str or a list of messages, got {type(prompt).__name__}')
+        text = self.chat_template.messages2prompt(prompt, sequence_start=sequence_start)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        bos = self.tokenizer.bos_token_id
+        if (sequence_start and bos is not None and getattr(self.chat_template, 'add_bos', False)
+                and (not ids or ids[0] != bos)):
+            ids = [bos] + ids
+        return ids
+
+    def sampling_params(self, gen: GenerationConfig) -> SamplingParams:
+        gen.validate()
+        stop_ids = [] if gen.ignore_eos else list(self.eos_token_ids)
+        stop_ids += [i for i in (gen.stop_token_ids or []) if i not in stop_ids]
+        bad_ids, bad_seqs = list(gen.bad_token_ids or []), []
+        for word in gen.bad_words or []:
+            ids = self.tokenizer.encode(word, add_special_tokens=False)
+            (bad_ids.extend if len(ids) == 1 else bad_seqs.append)(ids)
+        vocab = self.engine.model_config.vocab_size
+        for name, ids in (('stop_token_ids', gen.stop_token_ids or []), ('bad_token_ids', gen.bad_token_ids or [])):
+            if any(i >= vocab for i in ids):
+                raise ValueError(f'GenerationConfig.{name} has ids outside the vocabulary (size {vocab})')
+        return SamplingParams(
+            max_new_tokens=gen.max_new_tokens,
+            greedy=gen.is_greedy,
+            temperature=gen.temperature if gen.temperature > 0 else 1.0,
+            top_k=gen.top_k,
+            top_p=gen.top_p,
+            min_p=gen.min_p,
+            repetition_penalty=gen.repetition_penalty,
+            seed=gen.random_seed if gen.random_seed is not None else random.SystemRandom().randrange(1 << 31),
+            stop_token_ids=stop_ids,
+            bad_token_ids=bad_ids,
+            bad_sequences=bad_seqs,
+            min_new_tokens=gen.min_new_tokens or 0,
+            logprobs=gen.logprobs,
+            output_logits=gen.output_logits,
+            output_last_hidden_state=gen.output_last_hidden_state,
+            logits_processors=list(gen.logits_processors or []),
+        )
+
+    # ----------------------------------------------------------- generate
+    async def generate(self, prompt: Optional[Prompt], session_id: int, gen_config: Optional[GenerationConfig] = None,
+                       input_ids: Optional[List[int]] = None, do_preprocess: bool = True,
+                       sequence_start: bool = True, interactive: bool = False,
+                       prompt_loss: bool = False) -> AsyncIterator[GenOut]:
+        """Stream GenOut increments; the last one has finish_reason set.
+
+        interactive: the session keeps its KV cache after this turn; the
+        next call with the same session_id and sequence_start=False sends
+        only the new turn.
+        """
+        gen = gen_config or GenerationConfig()
+        try:
+            params = self.sampling_params(gen)
+            params.prompt_loss = prompt_loss
+            ids = input_ids if input_ids is not None else self.encode_prompt(prompt, do_preprocess, sequence_start)
+        except (ValueError, TypeError) as e:
+            yield GenOut('', 0, 0, finish_reason='error', error=str(e))
+            return
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def on_output(out: EngineOutput):
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        self.engine.submit(EngineRequest(session_id, list(ids), params, on_output, interactive=interactive))
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=gen.skip_special_tokens,
+                                       spaces_between_special_tokens=gen.spaces_between_special_tokens)
+        stops = _StopMatcher(gen.stop_words or [], gen.include_stop_str_in_output)
+        text, shown, num_generated = '', 0, 0
+        finished = False
+        try:
+            while True:
+                out: EngineOutput = await outputs.get()
+                num_generated += len(out.new_token_ids)
+                searched = len(text)
+                text += detok.step(out.new_token_ids)
+                reason = out.finish_reason if out.finished else None
+                if out.finished:
+                    text += detok.finish()
+                end = stops.find(text, searched) if stops.words else None
+                if end is not None:
+                    text, reason = text[:end], 'stop'
+                    if not out.finished:
+                        self.engine.cancel(session_id)
+                    while not out.finished:  # drain until the engine has let go
+                        out = await outputs.get()
+                visible = len(text) if reason else stops.safe_end(text)
+                delta = text[shown:visible] if visible > shown else ''
+                shown = max(shown, visible)
+                yield GenOut(delta, out.num_prompt_tokens or len(ids), num_generated, finish_reason=reason,
+                             token_ids=out.new_token_ids, logprobs=out.logprobs, logits=out.logits,
+                             last_hidden_state=out.last_hidden_state, prompt_loss=out.prompt_loss,
+                             error=out.error)
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the consumer went away: free the request's blocks now
+                self.engine.cancel(session_id)
+
+    def end_session(self, session_id: int):
+        self.engine.end_session(session_id)
+
+    def cancel(self, session_id: int):
+        self.engine.cancel(session_id)
+
+    def close(self):
+        self.engine.close()
