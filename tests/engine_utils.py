@@ -1,0 +1,55 @@
+"""Drive an Engine directly (token ids in, token ids out) for tests."""
+from __future__ import annotations
+
+import threading
+from typing import List, Optional
+
+from lmdeploy.engine.engine import Engine, EngineRequest
+from lmdeploy.engine.sequence import EngineOutput, SamplingParams
+
+
+class Collector:
+    """Gathers one request's outputs; ``wait`` returns when it finished."""
+
+    def __init__(self):
+        self.token_ids: List[int] = []
+        self.outputs: List[EngineOutput] = []
+        self.done = threading.Event()
+
+    def __call__(self, out: EngineOutput):
+        self.outputs.append(out)
+        self.token_ids.extend(out.new_token_ids)
+        if out.finished:
+            self.done.set()
+
+    @property
+    def final(self) -> EngineOutput:
+        return self.outputs[-1]
+
+    def wait(self, timeout: float = 120) -> 'Collector':
+        assert self.done.wait(timeout), 'request did not finish in time'
+        return self
+
+
+_next_id = [10_000]
+
+
+def submit(engine: Engine, ids: List[int], params: Optional[SamplingParams] = None, session_id: int = None,
+           interactive: bool = False) -> Collector:
+    if session_id is None:
+        _next_id[0] += 1
+        session_id = _next_id[0]
+    col = Collector()
+    engine.submit(EngineRequest(session_id, list(ids), params or SamplingParams(), col, interactive=interactive))
+    return col
+
+
+def greedy(max_new_tokens: int, **kw) -> SamplingParams:
+    """Greedy with no stop tokens: always exactly max_new_tokens."""
+    return SamplingParams(max_new_tokens=max_new_tokens, greedy=True, **kw)
+
+
+def generate_all(engine: Engine, prompts: List[List[int]], params: SamplingParams) -> List[List[int]]:
+    """Submit every prompt at once (so they share batches), wait for all."""
+    cols = [submit(engine, p, params) for p in prompts]
+    return [c.wait().token_ids for c in cols]

@@ -1,0 +1,356 @@
+"""Test helpers: reference outputs from transformers and tiny random models.
+
+Importable from tests as ``from helpers import hf_greedy, hf_loss`` (pytest
+puts ``tests/`` on ``sys.path`` because it has no ``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import shutil
+
+# ---------------------------------------------------------------------------
+# transformers reference
+# ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                 dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def _reset_dynamic_rope(model) -> None:
+    """Undo the state that dynamic NTK rope keeps between forward calls.
+
+    transformers' dynamic rope grows ``inv_freq`` when it sees a longer
+    sequence and only resets it for sequences shorter than the original
+    maximum, so a cached model's answer would depend on earlier prompts.
+    """
+    for mod in model.modules():
+        orig = getattr(mod, 'original_inv_freq', None)
+        if orig is None or not hasattr(mod, 'max_seq_len_cached'):
+            continue
+        mod.register_buffer('inv_freq', orig.clone(), persistent=False)
+        mod.max_seq_len_cached = mod.original_max_seq_len
+        if hasattr(mod, 'attention_scaling'):
+            # dynamic NTK always has attention_scaling 1.0
+            mod.attention_scaling = 1.0
+
+
+def hf_greedy(model_dir,
+              prompt_ids_list,
+              max_new_tokens: int,
+              *,
+              ignore_eos: bool = True,
+              use_cache: bool = True) -> list[list[int]]:
+    """Greedy continuation of each prompt by transformers' ``generate``.
+
+    float32, ``do_sample=False``, one prompt at a time, no padding.  With
+    ``ignore_eos`` (default) the EOS token is not a stop token, so exactly
+    ``max_new_tokens`` are returned (EOS may appear among them, as with an
+    engine's ``ignore_eos``; it is *not* suppressed like ``min_new_tokens``
+    would).  With ``ignore_eos=False`` generation stops after the first EOS
+    (included in the result).
+
+    ``use_cache=False`` recomputes the whole sequence every step; this only
+    matters for dynamic NTK rope, where transformers with a KV cache rotates
+    each new token with frequencies for the *current* length while cached
+    keys keep the rotation they were computed with.
+
+    Returns one list of new token ids per prompt.
+    """
+    import torch
+    model = _load_hf(os.path.abspath(os.fspath(model_dir)))
+    gen_cfg = copy.deepcopy(model.generation_config)
+    gen_cfg.do_sample = False
+    gen_cfg.num_beams = 1
+    gen_cfg.temperature = None
+    gen_cfg.top_p = None
+    gen_cfg.top_k = None
+    gen_cfg.repetition_penalty = None
+    gen_cfg.max_new_tokens = max_new_tokens
+    gen_cfg.min_new_tokens = None
+    gen_cfg.max_length = None
+    gen_cfg.use_cache = use_cache
+    eos = gen_cfg.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    if gen_cfg.pad_token_id is None:
+        gen_cfg.pad_token_id = (eos if isinstance(eos, int) else
+                                (eos[0] if eos else 0))
+    if ignore_eos:
+        gen_cfg.eos_token_id = None
+    else:
+        gen_cfg.eos_token_id = eos
+    outs = []
+    for ids in prompt_ids_list:
+        ids = [int(t) for t in ids]
+        _reset_dynamic_rope(model)
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        with torch.no_grad():
+            out = model.generate(input_ids,
+                                 attention_mask=torch.ones_like(input_ids),
+                                 generation_config=gen_cfg)
+        new = out[0, len(ids):].tolist()
+        if ignore_eos:
+            assert len(new) == max_new_tokens, (len(new), max_new_tokens)
+        outs.append(new)
+    _reset_dynamic_rope(model)
+    return outs
+
+
+def hf_logits(model_dir, ids):
+    """float32 logits ``[len(ids), vocab]`` of one unpadded sequence."""
+    import torch
+    model = _load_hf(os.path.abspath(os.fspath(model_dir)))
+    _reset_dynamic_rope(model)
+    input_ids = torch.tensor([[int(t) for t in ids]], dtype=torch.long)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, use_cache=False).logits[0]
+    _reset_dynamic_rope(model)
+    return logits.float()
+
+
+def hf_loss(model_dir, ids) -> float:
+    """Mean next-token cross-entropy transformers reports with labels=ids."""
+    import torch
+    model = _load_hf(os.path.abspath(os.fspath(model_dir)))
+    _reset_dynamic_rope(model)
+    input_ids = torch.tensor([[int(t) for t in ids]], dtype=torch.long)
+    with torch.no_grad():
+        loss = model(input_ids=input_ids, labels=input_ids,
+                     use_cache=False).loss
+    _reset_dynamic_rope(model)
+    return float(loss)
+
+
+# ---------------------------------------------------------------------------
+# tiny random models
+# ---------------------------------------------------------------------------
+
+TINY_VOCAB = 49152  # the SmolLM2 tokenizer's
+TINY_SEED = 1234
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+_COMMON = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+# Files of the default model directory that are not tokenizer files.
+_NOT_TOKENIZER = {
+    'config.json', 'generation_config.json', 'model.safetensors',
+    'model.safetensors.index.json', 'chat_template.jinja', '.complete'
+}
+
+
+def _tiny_specs():
+    """name -> (config class name, config kwargs)."""
+    llama = dict(_COMMON, rope_theta=50000.0, tie_word_embeddings=False)
+    return {
+        'llama': ('LlamaConfig', llama),
+        'llama_tied': ('LlamaConfig', dict(llama, tie_word_embeddings=True)),
+        'llama3_rope': ('LlamaConfig',
+                        dict(llama,
+                             max_position_embeddings=512,
+                             rope_scaling=dict(
+                                 rope_type='llama3',
+                                 factor=8.0,
+                                 low_freq_factor=1.0,
+                                 high_freq_factor=4.0,
+                                 original_max_position_embeddings=64))),
+        'llama_linear_rope': ('LlamaConfig',
+                              dict(llama,
+                                   rope_scaling=dict(rope_type='linear',
+                                                     factor=2.0))),
+        'llama_dynamic_rope': ('LlamaConfig',
+                               dict(llama,
+                                    max_position_embeddings=64,
+                                    rope_scaling=dict(rope_type='dynamic',
+                                                      factor=2.0))),
+        'mistral': ('MistralConfig',
+                    dict(_COMMON, sliding_window=None,
+                         tie_word_embeddings=False)),
+        'qwen2': ('Qwen2Config', dict(_COMMON, tie_word_embeddings=False)),
+        'qwen3': ('Qwen3Config',
+                  dict(_COMMON, tie_word_embeddings=False,
+                       attention_bias=False)),
+    }
+
+
+def _make_config(cls_name: str, kwargs: dict):
+    import transformers
+    kwargs = dict(kwargs)
+    rope_theta = kwargs.pop('rope_theta', None)
+    rope_scaling = kwargs.pop('rope_scaling', None)
+    cfg = getattr(transformers, cls_name)(**kwargs)
+    # transformers 5 keeps rope settings in ``rope_parameters``.
+    params = dict(getattr(cfg, 'rope_parameters', None) or {})
+    if rope_scaling is not None:
+        params.update(rope_scaling)
+    if rope_theta is not None:
+        params['rope_theta'] = rope_theta
+    params.setdefault('rope_type', 'default')
+    cfg.rope_parameters = params
+    return cfg
+
+
+def _randomize(model, seed: int) -> None:
+    """Deterministic, non-degenerate random weights.
+
+    * norm weights ~ 1 + 0.1 N(0,1); projections ~ N(0, 1/fan_in) so that
+      every layer changes the residual stream; biases ~ N(0, 0.1^2);
+    * untied: embeddings / lm_head ~ N(0, 0.5^2), each lm_head row scaled by a
+      log-normal factor (sigma 0.5) - the heavy tail puts the top logits
+      further apart, so greedy top-1/top-2 margins are several times larger
+      than with plain Gaussian rows (logit std ~ 4.5);
+    * tied: a large shared embedding makes the model repeat its last token
+      forever, so the embedding is N(0, 0.1^2) and the final norm weight is
+      scaled by 5 to keep the logit std ~ 4.
+    """
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    tied = bool(getattr(model.config, 'tie_word_embeddings', False))
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if 'norm' in name:
+                val = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+                if tied and name == 'model.norm.weight':
+                    val = val * 5.0
+            elif 'embed_tokens' in name or 'lm_head' in name:
+                val = (0.1 if tied else 0.5) * torch.randn(p.shape,
+                                                           generator=gen)
+                if not tied and 'lm_head' in name:
+                    row = torch.exp(0.5 * torch.randn(
+                        (p.shape[0], 1), generator=gen) - 0.125)
+                    val = val * row
+            elif p.ndim == 1:
+                val = 0.1 * torch.randn(p.shape, generator=gen)
+            else:
+                val = torch.randn(p.shape, generator=gen) / p.shape[-1]**0.5
+            p.copy_(val.to(p.dtype))
+
+
+def _copy_tokenizer(tokenizer_dir: str, out: str) -> None:
+    for name in os.listdir(tokenizer_dir):
+        src = os.path.join(tokenizer_dir, name)
+        if name in _NOT_TOKENIZER or not os.path.isfile(src):
+            continue
+        if name.endswith('.safetensors') or name.endswith('.bin'):
+            continue
+        shutil.copyfile(src, os.path.join(out, name))
+    with open(os.path.join(out, 'chat_template.jinja'), 'w') as f:
+        f.write(TINY_CHAT_TEMPLATE)
+
+
+def _edit_config(path: str, fn) -> None:
+    cfg_path = os.path.join(path, 'config.json')
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg = fn(cfg)
+    with open(cfg_path, 'w') as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write('\n')
+
+
+def _to_legacy(cfg: dict) -> dict:
+    """transformers<5 style: top-level rope_theta (+ rope_scaling)."""
+    params = dict(cfg.pop('rope_parameters', None) or {})
+    cfg['rope_theta'] = params.pop('rope_theta', 10000.0)
+    rope_type = params.get('rope_type', 'default')
+    if rope_type != 'default':
+        params['type'] = rope_type  # old key, some loaders read this one
+        cfg['rope_scaling'] = params
+    else:
+        cfg['rope_scaling'] = None
+    return cfg
+
+
+def _drop_arch(cfg: dict) -> dict:
+    cfg.pop('architectures', None)
+    return cfg
+
+
+def build_tiny_model(name: str, out: str, tokenizer_dir: str) -> str:
+    """Build one tiny random model ``name`` into directory ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = {
+        'llama_sharded': 'llama',
+        'llama_legacy_config': 'llama',
+        'llama_no_arch': 'llama',
+        'llama3_rope_legacy_config': 'llama3_rope',
+    }.get(name, name)
+    specs = _tiny_specs()
+    if base not in specs:
+        raise KeyError(f'unknown tiny model {name!r}; known: '
+                       f'{sorted(TINY_MODEL_NAMES)}')
+    cls_name, kwargs = specs[base]
+    cfg = _make_config(cls_name, kwargs)
+    torch.manual_seed(TINY_SEED)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Variants of one base model share its weights (and so its outputs).
+    _randomize(model, TINY_SEED + sorted(specs).index(base))
+    model.generation_config.bos_token_id = 1
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 2
+    os.makedirs(out, exist_ok=True)
+    if name == 'llama_sharded':
+        model.save_pretrained(out, max_shard_size='200KB')
+    else:
+        model.save_pretrained(out)
+    _copy_tokenizer(tokenizer_dir, out)
+    if name in ('llama_legacy_config', 'llama3_rope_legacy_config'):
+        _edit_config(out, _to_legacy)
+    elif name == 'llama_no_arch':
+        _edit_config(out, _drop_arch)
+    return out
+
+
+TINY_MODEL_NAMES = (
+    'llama',
+    'llama_tied',
+    'llama3_rope',
+    'llama_linear_rope',
+    'llama_dynamic_rope',
+    'mistral',
+    'qwen2',
+    'qwen3',
+    'llama_sharded',
+    'llama_legacy_config',
+    'llama3_rope_legacy_config',
+    'llama_no_arch',
+)
+
+
+def build_tiny_models(root: str, tokenizer_dir: str, names=None) -> dict:
+    """Build tiny models under ``root``; returns name -> directory."""
+    names = TINY_MODEL_NAMES if names is None else names
+    return {
+        n: build_tiny_model(n, os.path.join(root, n), tokenizer_dir)
+        for n in names
+    }
