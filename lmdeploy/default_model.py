@@ -131,7 +131,6 @@ def _clean_config(out: str) -> None:
 def _convert(out: str) -> None:
     """Dequantize the GGUF into a float32 Hugging Face directory ``out``."""
     pkg_dir, fname = _find_gguf()
-    _check_converter_deps()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -180,6 +179,9 @@ def default_model_path() -> str:
     target = _target_dir()
     if _is_complete(target):
         return target
+    # Fail early, before touching the cache, when something is missing.
+    _find_gguf()
+    _check_converter_deps()
     root = os.path.dirname(target)
     os.makedirs(root, exist_ok=True)
     with _file_lock(target + '.lock'):

@@ -189,8 +189,14 @@ class Gateway:
                     text, reason = text[:end], 'stop'
                     if not out.finished:
                         self.engine.cancel(session_id)
-                    while not out.finished:  # drain until the engine has let go
-                        out = await outputs.get()
+                        # report the output that completed the stop word (its token ids,
+                        # logprobs, logits), not what the engine made before it let go
+                        stop_out = out
+                        while not out.finished:  # drain until the engine has let go
+                            out = await outputs.get()
+                        stop_out.finished = True
+                        stop_out.num_prompt_tokens = out.num_prompt_tokens or stop_out.num_prompt_tokens
+                        out = stop_out
                 visible = len(text) if reason else stops.safe_end(text)
                 delta = text[shown:visible] if visible > shown else ''
                 shown = max(shown, visible)

@@ -16,7 +16,7 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig, Response
 from .chat_template import ChatTemplateConfig
 from .gateway import Gateway, GenOut, Prompt
 
-Prompts = Union[str, List[Dict[str, Any]], List[str], List[List[Dict[str, Any]]]]
+Prompts = Union[str, List[Dict[str, Any]], List[int], List[str], List[List[Dict[str, Any]]], List[List[int]]]
 _DONE = object()
 
 
@@ -24,17 +24,24 @@ def _is_messages(p: Any) -> bool:
     return isinstance(p, list) and all(isinstance(m, dict) for m in p) and len(p) > 0
 
 
+def _is_token_ids(p: Any) -> bool:
+    return isinstance(p, list) and len(p) > 0 and all(isinstance(t, int) for t in p)
+
+
 def normalize_prompts(prompts: Prompts):
-    """-> (list of prompts, whether the caller passed a single prompt)."""
-    if isinstance(prompts, str) or _is_messages(prompts):
+    """-> (list of prompts, whether the caller passed a single prompt).
+
+    A prompt is a str, a list of OpenAI-style messages, or a list of token
+    ids (sent as is: no chat template)."""
+    if isinstance(prompts, str) or _is_messages(prompts) or _is_token_ids(prompts):
         return [prompts], True
     if isinstance(prompts, (list, tuple)):
         if not prompts:
             raise ValueError('no prompts given')
         for p in prompts:
-            if not (isinstance(p, str) or _is_messages(p)):
-                raise TypeError('each prompt must be a str or a non-empty list of {"role", "content"} messages, '
-                                f'got {type(p).__name__}')
+            if not (isinstance(p, str) or _is_messages(p) or _is_token_ids(p)):
+                raise TypeError('each prompt must be a str, a non-empty list of {"role", "content"} messages '
+                                f'or a list of token ids, got {type(p).__name__}')
         return list(prompts), False
     raise TypeError(f'prompts must be a str, a list of messages, or a list of those; got {type(prompts).__name__}')
 
@@ -114,6 +121,8 @@ class Pipeline:
                    **kwargs) -> Response:
         session_id = kwargs.pop('session_id', None) or self.gateway.next_session_id()
         acc = _Accumulator(session_id, index)
+        if _is_token_ids(prompt):
+            prompt, kwargs['input_ids'] = None, prompt
         async for out in self.gateway.generate(prompt, session_id, gen, do_preprocess=do_preprocess, **kwargs):
             resp = acc.add(out)
             if sink is not None:

@@ -1,0 +1,130 @@
+"""Offline throughput of the pipeline on a synthetic workload.
+
+Random token-id prompts, input/output lengths drawn from lognormal
+distributions (or fixed), ignore_eos so every request generates its full
+length, all submitted at once. Prints requests/s and input/output tokens/s;
+``--compare-hf`` also times transformers' ``generate`` on the same prompts
+(one at a time, greedy), as the baseline a user would otherwise run.
+
+    python benchmark/throughput.py --num-requests 32 --input-len 128 --output-len 64 --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from typing import List, Tuple
+
+
+def sample_lengths(rng: random.Random, n: int, median: int, sigma: float, lo: int, hi: int) -> List[int]:
+    if sigma <= 0:
+        return [median] * n
+    return [min(hi, max(lo, int(round(rng.lognormvariate(math.log(median), sigma))))) for _ in range(n)]
+
+
+def make_workload(args, vocab_size: int) -> Tuple[List[List[int]], List[int]]:
+    rng = random.Random(args.seed)
+    ins = sample_lengths(rng, args.num_requests, args.input_len, args.input_sigma, 4, args.max_input_len)
+    outs = sample_lengths(rng, args.num_requests, args.output_len, args.output_sigma, 4, args.max_output_len)
+    # skip the first ids: small ids are often special tokens
+    prompts = [[rng.randrange(100, vocab_size) for _ in range(n)] for n in ins]
+    return prompts, outs
+
+
+def run_lmdeploy(args, prompts, outs) -> dict:
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    cfg = PytorchEngineConfig(device_type=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                              enable_prefix_caching=args.prefix_caching, eager_mode=args.eager,
+                              cache_max_entry_count=args.cache_max_entry_count,
+                              max_prefill_token_num=args.max_prefill_token_num)
+    t0 = time.perf_counter()
+    pipe = pipeline(args.model, backend_config=cfg)
+    load_s = time.perf_counter() - t0
+    gens = [GenerationConfig(max_new_tokens=o, ignore_eos=True) for o in outs]
+    if args.warmup:
+        pipe(prompts[:2], gens[:2])
+    t0 = time.perf_counter()
+    responses = pipe(prompts, gens, use_tqdm=args.tqdm)
+    elapsed = time.perf_counter() - t0
+    stats = pipe.engine.stats()
+    device = pipe.engine.device.name
+    pipe.close()
+    generated = sum(r.generate_token_len for r in responses)
+    assert generated == sum(outs), (generated, sum(outs))
+    return dict(engine='lmdeploy', device=device, load_s=load_s, elapsed_s=elapsed, output_tokens=generated,
+                kv_capacity_tokens=stats.num_blocks * stats.block_size, preemptions=stats.num_preemptions)
+
+
+def run_hf(args, prompts, outs) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lmdeploy.default_model import resolve_model_path
+    dtype = {'auto': torch.float32, 'float32': torch.float32, 'bfloat16': torch.bfloat16,
+             'float16': torch.float16}[args.dtype]
+    device = 'cuda' if args.device in ('cuda', 'auto') and torch.cuda.is_available() else 'cpu'
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=dtype).to(device).eval()
+    t0 = time.perf_counter()
+    generated = 0
+    with torch.no_grad():
+        for ids, n in zip(prompts, outs):
+            x = torch.tensor([ids], device=device)
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+            generated += y.shape[1] - x.shape[1]
+    return dict(engine='transformers', device=device, elapsed_s=time.perf_counter() - t0, output_tokens=generated)
+
+
+def report(result: dict, prompts, outs) -> dict:
+    n, elapsed = len(prompts), result['elapsed_s']
+    ins = sum(len(p) for p in prompts)
+    result.update(requests=n, input_tokens=ins, requests_per_s=n / elapsed, input_tokens_per_s=ins / elapsed,
+                  output_tokens_per_s=result['output_tokens'] / elapsed,
+                  total_tokens_per_s=(ins + result['output_tokens']) / elapsed)
+    print(f"[{result['engine']} on {result['device']}] {n} requests in {elapsed:.2f} s: "
+          f"{result['requests_per_s']:.2f} req/s, input {result['input_tokens_per_s']:.1f} tok/s, "
+          f"output {result['output_tokens_per_s']:.1f} tok/s, total {result['total_tokens_per_s']:.1f} tok/s")
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--model', default=None, help='HF model dir (default: embedded SmolLM2-135M)')
+    p.add_argument('--device', default='auto')
+    p.add_argument('--dtype', default='auto')
+    p.add_argument('--num-requests', type=int, default=64)
+    p.add_argument('--input-len', type=int, default=128, help='median input length')
+    p.add_argument('--output-len', type=int, default=64, help='median output length')
+    p.add_argument('--input-sigma', type=float, default=0.0, help='lognormal sigma (0: fixed length)')
+    p.add_argument('--output-sigma', type=float, default=0.0)
+    p.add_argument('--max-input-len', type=int, default=2000)
+    p.add_argument('--max-output-len', type=int, default=1000)
+    p.add_argument('--max-batch-size', type=int, default=None)
+    p.add_argument('--max-prefill-token-num', type=int, default=4096)
+    p.add_argument('--cache-max-entry-count', type=float, default=0.8)
+    p.add_argument('--prefix-caching', action='store_true')
+    p.add_argument('--eager', action='store_true')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--warmup', action='store_true')
+    p.add_argument('--tqdm', action='store_true')
+    p.add_argument('--compare-hf', action='store_true', help='also time transformers.generate')
+    p.add_argument('--json', default=None, help='write the results here')
+    args = p.parse_args()
+
+    from lmdeploy.default_model import resolve_model_path
+    from lmdeploy.engine.model_config import load_model_config
+    vocab = load_model_config(resolve_model_path(args.model)).vocab_size
+    prompts, outs = make_workload(args, vocab)
+    results = [report(run_lmdeploy(args, prompts, outs), prompts, outs)]
+    if args.compare_hf:
+        results.append(report(run_hf(args, prompts, outs), prompts, outs))
+        print(f"speedup over transformers: {results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x")
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,64 @@
+"""``lmdeploy`` command line.
+
+    lmdeploy generate [PROMPT ...] [--model PATH] [--device cpu] [--max-new-tokens N]
+    lmdeploy --version
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def _generate(args) -> int:
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    backend = PytorchEngineConfig(device_type=args.device, dtype=args.dtype)
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
+                           temperature=args.temperature, top_p=args.top_p)
+    prompts = args.prompt or ['What is the capital of France?']
+    with pipeline(args.model, backend_config=backend) as pipe:
+        if args.stream:
+            for i, prompt in enumerate(prompts):
+                print(f'>>> {prompt}')
+                for piece in pipe.stream_infer(prompt, gen):
+                    print(piece.text, end='', flush=True)
+                print()
+        else:
+            for prompt, resp in zip(prompts, pipe(prompts, gen)):
+                print(f'>>> {prompt}\n{resp.text}')
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lmdeploy.version import __version__
+    parser = argparse.ArgumentParser(prog='lmdeploy', description='Serve large language models fast.')
+    parser.add_argument('--version', action='version', version=__version__)
+    sub = parser.add_subparsers(dest='command')
+    gen = sub.add_parser('generate', help='generate answers to prompts (chat template applied)')
+    gen.add_argument('prompt', nargs='*', help='prompts (default: a sample question)')
+    gen.add_argument('--model', default=None, help='local HF model directory (default: embedded SmolLM2-135M)')
+    gen.add_argument('--device', default='auto', choices=['auto', 'cuda', 'ascend', 'cpu'])
+    gen.add_argument('--dtype', default='auto', choices=['auto', 'float16', 'bfloat16', 'float32'])
+    gen.add_argument('--max-new-tokens', type=int, default=128)
+    gen.add_argument('--temperature', type=float, default=0.0, help='0 decodes greedily')
+    gen.add_argument('--top-p', type=float, default=1.0)
+    gen.add_argument('--stream', action='store_true', help='print text as it is generated')
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, 'func', None):
+        parser.print_help()
+        return 1
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The public pipeline on the embedded default model (SmolLM2-135M-Instruct)."""
+import pytest
+from helpers import hf_loss
+
+from lmdeploy import GenerationConfig, PytorchEngineConfig, Response, pipeline
+
+
+@pytest.fixture(scope='module')
+def pipe(smollm2_path):
+    p = pipeline(smollm2_path, backend_config=PytorchEngineConfig(device_type='cpu', session_len=2048))
+    yield p
+    p.close()
+
+
+def test_answers_paris_through_chat_template(pipe):
+    resp = pipe('What is the capital of France?', GenerationConfig(max_new_tokens=24))
+    assert isinstance(resp, Response)
+    assert 'Paris' in resp.text
+    assert resp.finish_reason == 'stop'
+    assert resp.generate_token_len == len(resp.token_ids) > 0
+    assert resp.input_token_len > 5
+
+
+def test_messages_and_batches_keep_input_order(pipe):
+    gen = GenerationConfig(max_new_tokens=12)
+    prompts = ['Shanghai is', [{'role': 'user', 'content': 'What is the capital of France?'}], 'Hi']
+    batch = pipe(prompts, gen)
+    assert [r.index for r in batch] == [0, 1, 2]
+    singles = [pipe(p, gen) for p in prompts]
+    assert [r.text for r in batch] == [r.text for r in singles]
+    assert 'Paris' in batch[1].text
+
+
+def test_stream_pieces_join_to_infer_text(pipe):
+    gen = GenerationConfig(max_new_tokens=40)
+    prompts = ['Say hello in Chinese and add an emoji.', 'Count from one to five.']
+    full = pipe(prompts, gen)
+    pieces = {0: [], 1: []}
+    finals = {}
+    for r in pipe.stream_infer(prompts, gen):
+        pieces[r.index].append(r.text)
+        if r.finish_reason:
+            finals[r.index] = r
+    for i in (0, 1):
+        assert ''.join(pieces[i]) == full[i].text
+        assert finals[i].generate_token_len == full[i].generate_token_len
+
+
+def test_get_ppl_matches_transformers_loss(pipe, smollm2_path):
+    tok = pipe.tokenizer
+    seqs = [tok.encode('The capital of France is Paris, a city on the Seine.'),
+            tok.encode('def add(a, b):\n    return a + b\n')]
+    got = pipe.get_ppl(seqs)
+    for ids, loss in zip(seqs, got):
+        want = hf_loss(smollm2_path, ids)
+        assert loss == pytest.approx(want, rel=1e-4)
+
+
+def test_get_ppl_with_chunked_prefill(smollm2_path):
+    ids = list(range(1000, 1150))
+    with pipeline(smollm2_path, backend_config=PytorchEngineConfig(device_type='cpu', max_prefill_token_num=32,
+                                                                   block_size=16)) as p:
+        got = p.get_ppl(ids)[0]
+        assert p.engine.wait_idle()
+        p.engine.check_invariants()
+    assert got == pytest.approx(hf_loss(smollm2_path, ids), rel=1e-4)
+
+
+def test_chat_keeps_session_and_refers_back(pipe):
+    sess = pipe.chat('My name is Alice. Please remember my name.', gen_config=GenerationConfig(max_new_tokens=30))
+    first_len = sess.response.input_token_len + sess.response.generate_token_len
+    sess = pipe.chat('What did I say my name was?', session=sess, gen_config=GenerationConfig(max_new_tokens=30))
+    assert sess.step == 2
+    # the second turn's context includes the whole first exchange
+    assert sess.response.input_token_len > first_len
+    pipe.end_session(sess)
+    assert pipe.engine.wait_idle()
+    pipe.engine.check_invariants()
+
+
+def test_default_model_alias_resolves(smollm2_path):
+    from lmdeploy.default_model import resolve_model_path
+    assert resolve_model_path(None) == smollm2_path
