@@ -330,15 +330,19 @@ class Engine:
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             out = self._with_extra(EngineOutput([]), extras.get(seq.seq_id))
             p = seq.params
-            if p.output_logits == 'generation' or (p.output_logits == 'all' and seq.num_generated > 0):
+            # a stop token is not reported (no id, no logprobs), so neither is its row: logits and
+            # hidden states stay one row per reported token ('generation'), as in LMDeploy
+            stopped = token in p.stop_token_ids
+            if not stopped and (p.output_logits == 'generation' or
+                                (p.output_logits == 'all' and seq.num_generated > 0)):
                 out.logits = logits[i:i + 1].cpu()
-            if p.output_last_hidden_state == 'generation' or (p.output_last_hidden_state == 'all'
-                                                              and seq.num_generated > 0):
+            if not stopped and (p.output_last_hidden_state == 'generation' or
+                                (p.output_last_hidden_state == 'all' and seq.num_generated > 0)):
                 out.last_hidden_state = last_hidden[i:i + 1].float().cpu()
             seq.token_ids.append(token)
             seq.num_generated += 1
             self._num_generated += 1
-            if token in p.stop_token_ids:
+            if stopped:
                 self._finish(seq, 'stop', output=out)
                 continue
             out.new_token_ids = [token]

@@ -115,6 +115,8 @@ class Gateway:
 
     def sampling_params(self, gen: GenerationConfig) -> SamplingParams:
         gen.validate()
+        if gen.response_format is not None:
+            raise ValueError('GenerationConfig.response_format (guided decoding) is not supported yet')
         stop_ids = [] if gen.ignore_eos else list(self.eos_token_ids)
         stop_ids += [i for i in (gen.stop_token_ids or []) if i not in stop_ids]
         bad_ids, bad_seqs = list(gen.bad_token_ids or []), []
