@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from lmdeploy.engine.engine import Engine, EngineRequest
+from lmdeploy.engine.model_config import load_model_config
 from lmdeploy.engine.sequence import EngineOutput, SamplingParams
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 
@@ -79,6 +80,8 @@ class Gateway:
         from transformers import AutoTokenizer
         self.model_path = model_path
         self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
+        # a directory without config.json fails here with a clear message, not in the tokenizer
+        load_model_config(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.engine = Engine(model_path, backend_config)
         self.session_len = self.engine.session_len

@@ -75,44 +75,39 @@ class CpuOps(DeviceOps):
         return cache[block_table[:n].long()].flatten(0, 1)[:length]
 
     @staticmethod
-    def _attend(q, k, v, scale, q_pos, kv_len):
-        """q [Q, H, D] at positions q_pos [Q]; k/v [L, Hkv, D]; causal."""
-        h, hkv = q.shape[1], k.shape[1]
-        k = k.float().repeat_interleave(h // hkv, dim=1)
-        v = v.float().repeat_interleave(h // hkv, dim=1)
-        scores = torch.einsum('qhd,khd->hqk', q.float(), k) * scale
-        allowed = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-        scores = scores.masked_fill(~allowed[None], float('-inf'))
-        probs = scores.softmax(dim=-1)
-        return torch.einsum('hqk,khd->qhd', probs, v).to(q.dtype)
+    def _attend(q, k, v, scale, allowed):
+        """q [B, H, Q, D], k/v [B, Hkv, L, D], allowed [B, 1, Q, L] bool.
+        Math in float32; GQA by sharing each KV head across its query group."""
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale,
+                                              enable_gqa=True).to(q.dtype)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
                                 max_q_len, max_kv_len):
         out = torch.empty_like(q)
         for b, (start, qlen, kvlen) in enumerate(zip(q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist())):
-            k = self._gather_context(k_cache, block_tables[b], kvlen)
-            v = self._gather_context(v_cache, block_tables[b], kvlen)
+            k = self._gather_context(k_cache, block_tables[b], kvlen).transpose(0, 1)[None]
+            v = self._gather_context(v_cache, block_tables[b], kvlen).transpose(0, 1)[None]
+            # query row i sits at position kvlen - qlen + i and sees positions <= it
             q_pos = torch.arange(kvlen - qlen, kvlen, device=q.device)
-            out[start:start + qlen] = self._attend(q[start:start + qlen], k, v, scale, q_pos, kvlen)
+            allowed = torch.arange(kvlen, device=q.device)[None, :] <= q_pos[:, None]
+            o = self._attend(q[start:start + qlen].transpose(0, 1)[None], k, v, scale, allowed[None, None])
+            out[start:start + qlen] = o[0].transpose(0, 1)
         return out
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len):
         """Batched over sequences: gather every block in the tables, mask the tail."""
-        bsz, h, d = q.shape
-        block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+        block_size = k_cache.shape[1]
         n = (max_kv_len + block_size - 1) // block_size
         tables = block_tables[:, :n].long()
-        k = k_cache[tables].flatten(1, 2).float()  # [B, L, Hkv, D]
-        v = v_cache[tables].flatten(1, 2).float()
+        k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
+        v = v_cache[tables].flatten(1, 2)
         valid = torch.arange(k.shape[1], device=q.device)[None, :] < kv_seqlens[:, None]  # [B, L]
         # never let unwritten cache memory (possibly NaN) reach the output
-        v = torch.where(valid[:, :, None, None], v, torch.zeros((), dtype=v.dtype, device=v.device))
-        k = k.repeat_interleave(h // hkv, dim=2)
-        v = v.repeat_interleave(h // hkv, dim=2)
-        scores = torch.einsum('bhd,blhd->bhl', q.float(), k) * scale
-        scores = scores.masked_fill(~valid[:, None, :], float('-inf'))
-        probs = scores.softmax(dim=-1)
-        return torch.einsum('bhl,blhd->bhd', probs, v).to(q.dtype)
+        zero = torch.zeros((), dtype=v.dtype, device=v.device)
+        k = torch.where(valid[:, :, None, None], k, zero)
+        v = torch.where(valid[:, :, None, None], v, zero)
+        o = self._attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, valid[:, None, None, :])
+        return o[:, :, 0]
 
     # -------------------------------------------------------------- sampling
     def apply_repetition_penalty(self, logits, token_ids, penalty):
