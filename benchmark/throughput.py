@@ -85,7 +85,9 @@ def report(result: dict, prompts, outs) -> dict:
                   total_tokens_per_s=(ins + result['output_tokens']) / elapsed)
     print(f"[{result['engine']} on {result['device']}] {n} requests in {elapsed:.2f} s: "
           f"{result['requests_per_s']:.2f} req/s, input {result['input_tokens_per_s']:.1f} tok/s, "
-          f"output {result['output_tokens_per_s']:.1f} tok/s, total {result['total_tokens_per_s']:.1f} tok/s")
+          f"output {result['output_tokens_per_s']:.1f} tok/s, total {result['total_tokens_per_s']:.1f} tok/s"
+          + (f", KV capacity {result['kv_capacity_tokens']} tokens, {result['preemptions']} preemptions"
+             if 'kv_capacity_tokens' in result else ''))
     return result
 
 

@@ -1,7 +1,15 @@
 """``lmdeploy`` command line.
 
+    lmdeploy serve api_server [MODEL] [--server-port 23333] [--device auto] ...   OpenAI-compatible server
+    lmdeploy chat [MODEL] [--device auto] [--temperature T] ...                    interactive terminal chat
     lmdeploy generate [PROMPT ...] [--model PATH] [--device cpu] [--max-new-tokens N]
+    lmdeploy check_env                                                             environment + op self-test
+    lmdeploy list                                                                  builtin chat templates
     lmdeploy --version
+
+MODEL is a local Hugging Face directory; omitted, the embedded default model
+(SmolLM2-135M-Instruct) is used. Subcommand modules: ``cli_serve``,
+``cli_chat``, ``check_env``.
 """
 from __future__ import annotations
 
@@ -29,11 +37,21 @@ def _generate(args) -> int:
     return 0
 
 
+def _list(args) -> int:
+    from lmdeploy.frontend.chat_template import list_builtin_templates
+    for name in list_builtin_templates():
+        print(name)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from lmdeploy import check_env, cli_chat, cli_serve
     from lmdeploy.version import __version__
     parser = argparse.ArgumentParser(prog='lmdeploy', description='Serve large language models fast.')
     parser.add_argument('--version', action='version', version=__version__)
-    sub = parser.add_subparsers(dest='command')
+    sub = parser.add_subparsers(dest='command', metavar='{serve,chat,generate,check_env,list}')
+    cli_serve.add_parser(sub)
+    cli_chat.add_parser(sub)
     gen = sub.add_parser('generate', help='generate answers to prompts (chat template applied)')
     gen.add_argument('prompt', nargs='*', help='prompts (default: a sample question)')
     gen.add_argument('--model', default=None, help='local HF model directory (default: embedded SmolLM2-135M)')
@@ -44,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument('--top-p', type=float, default=1.0)
     gen.add_argument('--stream', action='store_true', help='print text as it is generated')
     gen.set_defaults(func=_generate)
+    check_env.add_parser(sub)
+    lst = sub.add_parser('list', help='list the builtin chat template names')
+    lst.set_defaults(func=_list)
     return parser
 
 
@@ -55,9 +76,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError, NotImplementedError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == '__main__':

@@ -17,7 +17,7 @@ Paged KV cache: ``k_cache`` and ``v_cache`` of one layer are
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -51,10 +51,18 @@ class DeviceOps:
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float16, torch.bfloat16)
 
-    def make_graph_runner(self, forward: Callable, max_batch_size: int, eager: bool) -> Callable:
-        """Hook for graph capture: returns a callable with ``forward``'s
-        signature. Devices without graphs return ``forward`` itself."""
-        return forward
+    # graph capture: replaying a recorded step saves the per-kernel launch cost
+    supports_graphs: bool = False
+
+    def capture_graph(self, fn: Callable[[], Any]) -> Tuple[Callable[[], None], Any]:
+        """Warm up, then record ``fn()`` (which only touches tensors that stay
+        alive). Returns (replay, outputs): each ``replay()`` re-runs the
+        recorded work and rewrites ``outputs`` in place."""
+        raise NotImplementedError(f'device {self.name!r} has no graph capture')
+
+    # whether the KV budget must be measured after a profiling forward pass
+    # (devices whose allocator keeps activation memory reserved)
+    profile_memory: bool = False
 
     # -------------------------------------------------------------- dense ops
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -94,7 +102,8 @@ class DeviceOps:
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-        """Write k/v [T, Hkv, D] into the caches at flat slots [T] (in place)."""
+        """Write k/v [T, Hkv, D] into the caches at flat slots [T] (in place).
+        Tokens whose slot is negative are skipped (padding)."""
         raise NotImplementedError
 
     def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -20,7 +20,7 @@ from lmdeploy.messages import PytorchEngineConfig
 
 from .block_manager import BlockManager
 from .model_config import ModelConfig, load_model_config
-from .model_runner import ModelRunner, kv_bytes_per_block
+from .model_runner import ModelRunner, kv_bytes_per_block, profile_peak_memory
 from .sampler import sample
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import EngineOutput, SamplingParams, SeqStatus, Sequence
@@ -65,9 +65,13 @@ class Engine:
         self.dtype = self._pick_dtype()
         self.model = load_model(model_path, self.model_config, self.dtype, self.device.torch_device())
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks()
         self.session_len = self._session_len()
         self.max_batch_size = config.max_batch_size or (64 if self.device.name == 'cpu' else 256)
+        if self.device.profile_memory:
+            profile_peak_memory(self.model, self.model_config, self.device, self.dtype,
+                                min(config.max_prefill_token_num, self.session_len), self.block_size,
+                                self.max_batch_size)
+        self.num_blocks = self._num_blocks()
         prefix = config.enable_prefix_caching
         if prefix and self.model_config.rope.type == 'dynamic':
             logger.warning('prefix caching is off: dynamic NTK rotary makes cached keys depend on length')
@@ -76,7 +80,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
                                    self._finish_too_long)
         self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, self.num_blocks,
-                                  self.block_size, self.max_batch_size, config.eager_mode)
+                                  self.block_size, self.max_batch_size, config.eager_mode, self.session_len)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.RLock()
         self._active: Dict[int, Sequence] = {}  # session_id -> waiting/running sequence

@@ -7,6 +7,7 @@ import torch
 
 from lmdeploy.devices.interface import DeviceOps
 
+from .graph_runner import GraphRunner
 from .model_config import ModelConfig
 from .nn import StepContext
 from .scheduler import ScheduledBatch
@@ -20,7 +21,7 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype,
-                 num_blocks: int, block_size: int, max_batch_size: int, eager: bool):
+                 num_blocks: int, block_size: int, max_batch_size: int, eager: bool, session_len: int):
         self.model = model
         self.cfg = cfg
         self.device = device
@@ -31,7 +32,11 @@ class ModelRunner:
             (torch.empty(shape, dtype=dtype, device=self.torch_device),
              torch.empty(shape, dtype=dtype, device=self.torch_device)) for _ in range(cfg.num_layers)
         ]
-        self._forward = device.make_graph_runner(self._eager_forward, max_batch_size, eager)
+        self._forward = self._eager_forward
+        if device.supports_graphs and not eager:
+            self._forward = GraphRunner(device, self._eager_forward, self.kv_caches, max_batch_size,
+                                        -(-session_len // block_size), session_len, self.torch_device)
+        self._pin = self.torch_device.type != 'cpu'
 
     def _eager_forward(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
@@ -63,7 +68,9 @@ class ModelRunner:
         dev = self.torch_device
 
         def to(t):
-            return t.to(dev, non_blocking=True)
+            if not self._pin:
+                return t
+            return t.pin_memory().to(dev, non_blocking=True)
 
         ctx = StepContext(is_decode=batch.is_decode, q_start_loc=to(q_start), q_seqlens=to(q_lens_t),
                           kv_seqlens=to(torch.tensor(kv_lens, dtype=torch.int64)), block_tables=to(tables),
@@ -81,3 +88,28 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype,
+                        num_tokens: int, block_size: int, max_batch_size: int):
+    """Run the largest step the engine will run (one prefill of
+    ``num_tokens`` plus logits for a full batch) so that the allocator has
+    reserved its activation memory before the KV cache takes the rest."""
+    dev = device.torch_device()
+    num_blocks = -(-num_tokens // block_size)
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.empty(shape, dtype=dtype, device=dev), torch.empty(shape, dtype=dtype, device=dev))
+              for _ in range(cfg.num_layers)]
+    positions = torch.arange(num_tokens, device=dev)
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens, ), device=dev)
+    ctx = StepContext(is_decode=False, q_start_loc=torch.zeros(1, dtype=torch.int64, device=dev),
+                      q_seqlens=torch.tensor([num_tokens], device=dev), kv_seqlens=torch.tensor([num_tokens],
+                                                                                                device=dev),
+                      block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None], slot_mapping=positions,
+                      rope_lens=torch.full((num_tokens, ), num_tokens, device=dev), max_q_len=num_tokens,
+                      max_kv_len=num_tokens, kv_caches=caches)
+    hidden = model(ids, positions, ctx)
+    model.compute_logits(hidden[-1:].expand(max_batch_size, -1))
+    device.synchronize()
+    del caches, hidden

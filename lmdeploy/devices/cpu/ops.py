@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import psutil
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +22,7 @@ class CpuOps(DeviceOps):
         return True
 
     def memory_available(self) -> int:
+        import psutil
         return int(psutil.virtual_memory().available)
 
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
@@ -64,8 +64,10 @@ class CpuOps(DeviceOps):
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
         num_blocks, block_size, hkv, d = k_cache.shape
-        k_cache.view(num_blocks * block_size, hkv, d)[slot_mapping] = k.to(k_cache.dtype)
-        v_cache.view(num_blocks * block_size, hkv, d)[slot_mapping] = v.to(v_cache.dtype)
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_cache.view(num_blocks * block_size, hkv, d)[slots] = k[keep].to(k_cache.dtype)
+        v_cache.view(num_blocks * block_size, hkv, d)[slots] = v[keep].to(v_cache.dtype)
 
     @staticmethod
     def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

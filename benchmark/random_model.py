@@ -1,0 +1,81 @@
+"""Random-weight models of real shapes, with a synthetic tokenizer.
+
+    python benchmark/random_model.py --shape llama3-8b --out /tmp/llama3-8b
+
+Weights are drawn on the GPU when there is one (an 8B model takes ~40 s to
+create and save). The tokenizer is a word-level one with one token per id
+("t0", "t1", ...) so that any id decodes; it is for benchmarks, not text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+SHAPES = {
+    'llama3-8b': dict(arch='LlamaConfig', hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+                      max_position_embeddings=8192),
+    'qwen2-7b': dict(arch='Qwen2Config', hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, rope_theta=1000000.0,
+                     max_position_embeddings=32768),
+    # small shapes for end-to-end checks
+    'llama-small': dict(arch='LlamaConfig', hidden_size=1024, num_hidden_layers=6, num_attention_heads=16,
+                        num_key_value_heads=4, intermediate_size=2816, vocab_size=32000, rope_theta=500000.0,
+                        max_position_embeddings=4096),
+    'qwen2-small': dict(arch='Qwen2Config', hidden_size=896, num_hidden_layers=6, num_attention_heads=14,
+                        num_key_value_heads=2, intermediate_size=2432, vocab_size=32000, rope_theta=1000000.0,
+                        max_position_embeddings=4096),
+}
+
+
+def write_tokenizer(out: str, vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f't{i}': i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token='t0'))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(out, 'tokenizer.json'))
+    with open(os.path.join(out, 'tokenizer_config.json'), 'w') as f:
+        json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'eos_token': 't2', 'bos_token': 't1',
+                   'unk_token': 't0', 'model_max_length': 1 << 20}, f)
+
+
+def make_model(shape: str, out: str, dtype: str = 'bfloat16', seed: int = 0, **overrides) -> str:
+    import torch
+    import transformers
+    spec = dict(SHAPES[shape], **overrides)
+    cls = getattr(transformers, spec.pop('arch'))
+    theta = spec.pop('rope_theta')
+    cfg = cls(**spec, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cfg.rope_parameters = {'rope_type': 'default', 'rope_theta': theta}
+    torch.manual_seed(seed)
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # weights with O(1) activations, so logits are not flat
+        for name, p in model.named_parameters():
+            if 'norm' in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1:
+                p.normal_(0, 0.05)
+            elif 'embed_tokens' in name:
+                p.normal_(0, 1.0)
+            else:
+                p.normal_(0, p.shape[-1]**-0.5)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out)
+    write_tokenizer(out, cfg.vocab_size)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--shape', choices=sorted(SHAPES), default='llama3-8b')
+    p.add_argument('--out', required=True)
+    p.add_argument('--dtype', default='bfloat16')
+    args = p.parse_args()
+    print(make_model(args.shape, args.out, args.dtype))
+
+
+if __name__ == '__main__':
+    main()

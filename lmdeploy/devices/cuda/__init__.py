@@ -1,0 +1,3 @@
+from .ops import CudaOps
+
+__all__ = ['CudaOps']

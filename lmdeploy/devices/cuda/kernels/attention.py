@@ -1,0 +1,181 @@
+"""Paged attention: flash-attention prefill and split-context (flash-decoding) decode.
+
+Both read K/V through the block tables, token by token, so any block size
+works and the context may hold earlier blocks (prefix cache, chunked
+prefill). Softmax is online, in float32, with exp2.
+"""
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, tables_ptr, q_start_ptr, q_lens_ptr, kv_lens_ptr, scale_log2,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt,
+                    num_heads, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    m_block = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_len = tl.load(q_lens_ptr + b).to(tl.int32)
+    if m_block * BLOCK_M < q_len:
+        kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
+        q_start = tl.load(q_start_ptr + b).to(tl.int64)
+        kvh = h // GROUP
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        m_valid = offs_m < q_len
+        q_pos = kv_len - q_len + offs_m
+        q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=m_valid[:, None] & d_mask[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # causal: this block's last query sees up to its own position
+        kv_end = tl.minimum(kv_len, kv_len - q_len + (m_block + 1) * BLOCK_M)
+        table = tables_ptr + b.to(tl.int64) * stride_bt
+        for start_n in range(0, kv_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < kv_end
+            page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+            kv_off = page * stride_cn + (offs_n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+            kv_mask = n_valid[:, None] & d_mask[None, :]
+            k = tl.load(kc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            s = tl.where(allowed, s, float('-inf'))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
+                            max_kv_len):
+    t, h, d = q.shape
+    hkv = k_cache.shape[2]
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    block_d = triton.next_power_of_2(d)
+    block_m = 64 if block_d <= 128 else 32
+    block_n = 64 if block_d <= 64 else 32
+    grid = (triton.cdiv(max_q_len, block_m), q_seqlens.shape[0], h)
+    _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
+                          scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+                          k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), h, GROUP=h // hkv,
+                          BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                          BLOCK_D=block_d, num_warps=4, num_stages=2)
+    return out
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, scale_log2, stride_qb,
+                   stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt, stride_pb, stride_ph,
+                   stride_ps, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """One program: the GROUP query heads sharing KV head ``kvh`` of
+    sequence ``b``, over one slice of the context."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(kv_len, start + per_split)
+    g = tl.arange(0, BLOCK_G)
+    heads = kvh * GROUP + g
+    g_valid = g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_valid[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float('-inf'), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = tables_ptr + b * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_off = page * stride_cn + (offs_n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(n_valid[None, :], s, float('-inf'))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if NUM_SPLITS == 1:
+        out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None] & d_mask[None, :])
+    else:
+        # partial result: normalised output and its log2-sum-exp2, per split
+        out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float('-inf'))
+        base = part_ptr + b * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(base[:, None] + offs_d[None, :], out, mask=g_valid[:, None] & d_mask[None, :])
+        tl.store(base + HEAD_DIM, lse, mask=g_valid)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    base = part_ptr + b * stride_pb + h * stride_ph + s * stride_ps
+    lse = tl.load(base + HEAD_DIM)
+    top = tl.max(lse, axis=0)
+    w = tl.where(lse > float('-inf'), tl.exp2(lse - top), 0.0)
+    total = tl.sum(w, axis=0)
+    parts = tl.load(base[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def num_decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
+    """Enough programs to fill the GPU about twice, no slice under 256 tokens."""
+    want = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
+    by_len = max(1, max_kv_len // 256)
+    return min(64, triton.next_power_of_2(min(want, by_len)))
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms: int = 132):
+    bsz, h, d = q.shape
+    hkv = k_cache.shape[2]
+    group = h // hkv
+    out = torch.empty_like(q)
+    if bsz == 0:
+        return out
+    splits = num_decode_splits(bsz, hkv, max_kv_len, num_sms)
+    block_d = triton.next_power_of_2(d)
+    part = torch.empty((bsz, h, splits, d + 1), dtype=torch.float32, device=q.device) if splits > 1 else out
+    _decode_kernel[(bsz, hkv, splits)](q, k_cache, v_cache, part, out, block_tables, kv_seqlens, scale * _LOG2E,
+                                       q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+                                       k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                                       part.stride(0), part.stride(1), part.stride(2) if splits > 1 else 0,
+                                       GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                                       BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_N=64, BLOCK_D=block_d,
+                                       NUM_SPLITS=splits, num_warps=4, num_stages=2)
+    if splits > 1:
+        _decode_reduce_kernel[(bsz, h)](part, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
+                                        out.stride(1), HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_D=block_d,
+                                        num_warps=2)
+    return out

@@ -1,0 +1,41 @@
+"""RMSNorm with an optional fused residual add: one program per row."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n_cols,
+                     eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # normalise in float32, cast back, then scale (as the reference does)
+    y = (xf * inv_rms).to(x.dtype) * w
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor = None):
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    n = x2.shape[-1]
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    res2 = residual.reshape(-1, n) if residual is not None else x2
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if res2.stride(-1) != 1:
+        res2 = res2.contiguous()
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x2.shape[0], )](x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), out.stride(0),
+                                      res_out.stride(0), n, eps, HAS_RES=residual is not None, BLOCK=block,
+                                      num_warps=4 if block <= 4096 else 8)
+    out = out.view(shape)
+    return out, (res_out.view(shape) if residual is not None else None)

@@ -1,0 +1,47 @@
+"""Rotary embedding ("rotate half" layout), q and k in one launch each."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, n_heads,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HALF
+    hmask = heads < n_heads
+    cos = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0)
+    sin = tl.load(sin_ptr + t * stride_ct + d, mask=dmask, other=0.0)
+    base = x_ptr + t * stride_xt + heads[:, None] * stride_xh + d[None, :]
+    m = hmask[:, None] & dmask[None, :]
+    x1 = tl.load(base, mask=m, other=0.0)
+    x2 = tl.load(base + HALF, mask=m, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = x1f * cos[None, :] - x2f * sin[None, :]
+    o2 = x2f * cos[None, :] + x1f * sin[None, :]
+    obase = out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(obase, o1.to(x1.dtype), mask=m)
+    tl.store(obase + HALF, o2.to(x1.dtype), mask=m)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    t, h, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    half = d // 2
+    block_h = min(16, triton.next_power_of_2(h))
+    _rotary_kernel[(t, triton.cdiv(h, block_h))](x, out, cos, sin, x.stride(0), x.stride(1), out.stride(0),
+                                                 out.stride(1), cos.stride(0), h, HALF=half, BLOCK_H=block_h,
+                                                 BLOCK_D=triton.next_power_of_2(half), num_warps=2)
+    return out
+
+
+def apply_rotary(q, k, cos, sin):
+    cos = cos.float().contiguous()
+    sin = sin.float().contiguous()
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)

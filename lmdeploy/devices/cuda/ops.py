@@ -1,0 +1,104 @@
+"""NVIDIA GPUs: Triton kernels for the memory-bound ops, cuBLAS (through
+torch) for the GEMMs, torch-on-GPU for sampling (no host round trip per
+request), CUDA graphs for decode steps."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cpu import CpuOps
+from ..interface import DeviceOps
+
+
+class CudaOps(DeviceOps):
+    name = 'cuda'
+    torch_device_type = 'cuda'
+    supports_graphs = True
+    profile_memory = True
+    # the reference's plain-torch sampling ops already run well on a GPU
+    _torch = CpuOps()
+
+    def __init__(self):
+        from .kernels import activation, attention, kv_cache, norm, rotary
+        self._k_attention, self._k_kv, self._k_norm = attention, kv_cache, norm
+        self._k_rotary, self._k_act = rotary, activation
+        self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self._graph_pool = None
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return torch.cuda.is_available()
+
+    def torch_device(self) -> torch.device:
+        return torch.device('cuda', torch.cuda.current_device())
+
+    def memory_available(self) -> int:
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
+        if config_dtype == torch.float32 or (config_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported()):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return config_dtype
+
+    def capture_graph(self, fn):
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):  # warm-up: compiles kernels, settles the allocator
+            fn()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = fn()
+        self._graph_pool = graph.pool()
+        return graph.replay, out
+
+    # -------------------------------------------------------------- dense ops
+    def embedding(self, ids, weight):
+        return F.embedding(ids, weight)
+
+    def linear(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return self._k_norm.rms_norm(x, weight, eps, residual)
+
+    def apply_rotary(self, q, k, cos, sin):
+        return self._k_rotary.apply_rotary(q, k, cos, sin)
+
+    def silu_and_mul(self, x):
+        return self._k_act.silu_and_mul(x)
+
+    # ------------------------------------------------------------- attention
+    def fill_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
+        self._k_kv.fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
+                                max_q_len, max_kv_len):
+        return self._k_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens,
+                                                         kv_seqlens, scale, max_q_len, max_kv_len)
+
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len):
+        return self._k_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
+                                                        max_kv_len, self._num_sms)
+
+    # -------------------------------------------------------------- sampling
+    def apply_repetition_penalty(self, logits, token_ids, penalty):
+        return self._torch.apply_repetition_penalty(logits, token_ids, penalty)
+
+    def apply_temperature(self, logits, temperature):
+        return self._torch.apply_temperature(logits, temperature)
+
+    def top_k_top_p_min_p(self, logits, top_k, top_p, min_p):
+        return self._torch.top_k_top_p_min_p(logits, top_k, top_p, min_p)
+
+    def sample(self, logits, seeds, offsets):
+        return self._torch.sample(logits, seeds, offsets)

@@ -1,0 +1,264 @@
+"""Request and response bodies of the API server (pydantic v2).
+
+The OpenAI fields keep OpenAI's names and meaning; LMDeploy's extensions
+(``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``skip_special_tokens``, ``session_id``, ...) sit beside them, as in LMDeploy's
+own server. Unknown fields are ignored.
+
+Types are checked here (a wrong type is a 422); value ranges are declared here
+too, so that they show in the OpenAPI schema, but a value out of range is
+answered with a 400, like every other invalid value (see
+``api_server._validation_status``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    # NaN / inf are not valid numbers for any field (Python's json accepts them)
+    model_config = ConfigDict(allow_inf_nan=False, protected_namespaces=())
+
+
+# ---------------------------------------------------------------------- errors
+class ErrorInfo(_Model):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(_Model):
+    """Every error: ``{"error": {"message", "type", "param", "code"}}``."""
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------- models
+class ModelCard(_Model):
+    id: str
+    object: Literal['model'] = 'model'
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = 'lmdeploy'
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Model):
+    object: Literal['list'] = 'list'
+    data: List[ModelCard] = Field(default_factory=list)
+
+
+# ------------------------------------------------------------------- requests
+class StreamOptions(_Model):
+    include_usage: Optional[bool] = False
+
+
+class ContentPart(_Model):
+    """A part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+    model_config = ConfigDict(extra='allow', allow_inf_nan=False)
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Model):
+    model_config = ConfigDict(extra='allow', allow_inf_nan=False)
+    role: str = Field(description="'system', 'user' or 'assistant' ('developer' is read as 'system')")
+    content: Union[str, List[ContentPart], None] = None
+    name: Optional[str] = None
+
+
+class ResponseFormat(_Model):
+    model_config = ConfigDict(extra='allow', allow_inf_nan=False)
+    type: str
+
+
+class _SamplingFields(_Model):
+    """Fields /v1/chat/completions and /v1/completions share."""
+    model: str = Field(description='the served model name (see GET /v1/models)')
+    temperature: Optional[float] = Field(None, ge=0, le=2, description='0 decodes greedily; default 0.7')
+    top_p: Optional[float] = Field(None, gt=0, le=1, description='default 1.0')
+    n: Optional[int] = Field(1, description='only 1 is supported')
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, List[str], None] = Field(None, description='at most 16 non-empty strings')
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description='not supported: must be 0')
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description='not supported: must be 0')
+    logit_bias: Optional[Dict[str, float]] = Field(None, description='not supported: must be empty')
+    user: Optional[str] = None
+    # LMDeploy extensions
+    top_k: Optional[int] = Field(None, ge=0, description='0 disables; default 40')
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=100)
+    ignore_eos: Optional[bool] = False
+    skip_special_tokens: Optional[bool] = True
+    spaces_between_special_tokens: Optional[bool] = True
+    include_stop_str_in_output: Optional[bool] = False
+    min_new_tokens: Optional[int] = Field(None, ge=0)
+    session_id: Optional[int] = Field(None, description='a name for the request (cancel it with POST /generate '
+                                      '{"session_id": ID, "cancel": true}); -1 or absent: none')
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Union[str, List[ChatMessage]]
+    max_tokens: Optional[int] = Field(None, ge=1, description='default: up to session_len')
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description='overrides max_tokens')
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    response_format: Optional[ResponseFormat] = Field(None, description="only {'type': 'text'}")
+    tools: Optional[List[Dict[str, Any]]] = Field(None, description='not supported: must be empty')
+    tool_choice: Union[str, Dict[str, Any], None] = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, List[str], List[int], List[List[int]]] = Field(
+        description='a string, a list of strings, a list of token ids or a list of those')
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: Optional[bool] = Field(False, description='not supported: must be false')
+    suffix: Optional[str] = Field(None, description='not supported')
+    best_of: Optional[int] = Field(None, description='only 1 is supported')
+
+
+class GenerateRequest(_Model):
+    """LMDeploy's native ``/generate``.
+
+    session_id: -1 picks a fresh one. With ``interactive_mode`` the session
+    keeps its KV cache after the turn, and the next request with the same
+    session_id sends only the new turn. A request without
+    ``interactive_mode`` on a live session is its last turn; an empty prompt
+    (or ``end_session``) then just ends it. ``cancel`` stops the session's
+    running request.
+    """
+    prompt: Union[str, List[ChatMessage]] = ''
+    input_ids: Optional[List[int]] = Field(None, description='token ids sent as they are (no chat template)')
+    session_id: int = -1
+    interactive_mode: bool = False
+    stream: bool = False
+    stop: Union[str, List[str], None] = None
+    request_output_len: Optional[int] = Field(None, ge=1, description='max new tokens; default: up to '
+                                              'session_len')
+    top_p: float = Field(0.8, gt=0, le=1)
+    top_k: int = Field(40, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    temperature: float = Field(0.8, ge=0, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_new_tokens: Optional[int] = Field(None, ge=0)
+    seed: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    do_preprocess: bool = Field(True, description='apply the chat template to a string prompt')
+    cancel: bool = False
+    end_session: bool = False
+
+
+# ------------------------------------------------------------------ responses
+class UsageInfo(_Model):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]] = None
+
+
+class ChatLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]] = None
+    top_logprobs: List[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Model):
+    content: Optional[List[ChatLogprob]] = None
+
+
+class ChatResponseMessage(_Model):
+    role: str = 'assistant'
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(_Model):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(_Model):
+    id: str
+    object: Literal['chat.completion'] = 'chat.completion'
+    created: int
+    model: str
+    choices: List[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(_Model):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionStreamChoice(_Model):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionStreamResponse(_Model):
+    id: str
+    object: Literal['chat.completion.chunk'] = 'chat.completion.chunk'
+    created: int
+    model: str
+    choices: List[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class CompletionLogprobs(_Model):
+    tokens: List[str] = Field(default_factory=list)
+    token_logprobs: List[Optional[float]] = Field(default_factory=list)
+    top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
+    text_offset: List[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Model):
+    index: int = 0
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(_Model):
+    id: str
+    object: Literal['text_completion'] = 'text_completion'
+    created: int
+    model: str
+    choices: List[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class GenerateResponse(_Model):
+    """One /generate result, or one increment of it when streaming (newline-delimited JSON)."""
+    text: str
+    tokens: int = Field(description='tokens generated so far in this turn')
+    input_tokens: int = Field(description='tokens in the context before generation (history included)')
+    history_tokens: int = Field(0, description='tokens from earlier turns of the session')
+    finish_reason: Optional[str] = None
+    session_id: int
+    token_ids: List[int] = Field(default_factory=list, description='new token ids (all of them when not streaming)')
+    logprobs: Optional[List[Dict[str, float]]] = None
+
+
+class HealthResponse(_Model):
+    status: str

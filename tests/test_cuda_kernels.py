@@ -1,0 +1,158 @@
+"""The cuda device's Triton kernels against the cpu reference ops.
+
+Without a GPU they run through Triton's interpreter (TRITON_INTERPRET=1) on
+small shapes; with one (LMDEPLOY_TEST_FULL=1) at full size on the GPU.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault('TRITON_INTERPRET', '1')
+triton = pytest.importorskip('triton')
+
+from lmdeploy.devices import get_device  # noqa: E402
+from lmdeploy.devices.cuda.kernels import activation, attention, kv_cache, norm, rotary  # noqa: E402
+
+DEV = 'cuda' if HAS_CUDA else 'cpu'
+FULL = HAS_CUDA and os.environ.get('LMDEPLOY_TEST_FULL') == '1'
+REF = get_device('cpu')
+DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float32, torch.float16]
+
+
+def rel_err(out, ref):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(out).all(), 'non-finite output'
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def tol(dtype):
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(int.from_bytes(os.urandom(4), 'little'))
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('with_residual', [False, True])
+def test_rms_norm(dtype, with_residual):
+    t, n = (257, 4096) if FULL else (7, 96)
+    x = torch.randn(t, n, dtype=dtype, device=DEV)
+    w = (1 + 0.1 * torch.randn(n)).to(dtype).to(DEV)
+    res = torch.randn(t, n, dtype=dtype, device=DEV) if with_residual else None
+    out, r = norm.rms_norm(x, w, 1e-6, res)
+    ref, ref_r = REF.rms_norm(x.cpu().float(), w.cpu().float(), 1e-6, res.cpu().float() if with_residual else None)
+    assert rel_err(out, ref) < tol(dtype) * 2
+    if with_residual:
+        assert rel_err(r, ref_r) < tol(dtype)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('head_dim', [64, 128])
+def test_rotary(dtype, head_dim):
+    t, h, hkv = (333, 32, 8) if FULL else (5, 4, 2)
+    q = torch.randn(t, h, head_dim, dtype=dtype, device=DEV)
+    k = torch.randn(t, hkv, head_dim, dtype=dtype, device=DEV)
+    pos = torch.randint(0, 4000, (t, ), device=DEV).float()
+    inv = 1.0 / (10000**(torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
+    emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    oq, ok = rotary.apply_rotary(q, k, cos, sin)
+    rq, rk = REF.apply_rotary(q.cpu().float(), k.cpu().float(), cos.cpu(), sin.cpu())
+    assert rel_err(oq, rq) < tol(dtype) * 2 and rel_err(ok, rk) < tol(dtype) * 2
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_silu_and_mul(dtype):
+    t, i = (129, 14336) if FULL else (3, 200)
+    x = torch.randn(t, 2 * i, dtype=dtype, device=DEV)
+    assert rel_err(activation.silu_and_mul(x), REF.silu_and_mul(x.cpu().float())) < tol(dtype) * 2
+
+
+def make_paged(lengths, hkv, d, block_size, dtype, extra_blocks=3):
+    """K/V for each sequence scattered over shuffled blocks of a cache
+    poisoned with NaN; returns caches, tables and the dense K/V."""
+    nblocks = [-(-n // block_size) for n in lengths]
+    total = sum(nblocks) + extra_blocks
+    k_cache = torch.full((total, block_size, hkv, d), float('nan'), dtype=dtype, device=DEV)
+    v_cache = torch.full_like(k_cache, float('nan'))
+    perm = torch.randperm(total).tolist()
+    tables = torch.zeros((len(lengths), max(nblocks)), dtype=torch.int32)
+    dense, slots = [], []
+    for b, n in enumerate(lengths):
+        blocks = [perm.pop() for _ in range(nblocks[b])]
+        tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        dense.append((torch.randn(n, hkv, d, dtype=dtype, device=DEV), torch.randn(n, hkv, d, dtype=dtype,
+                                                                                  device=DEV)))
+        slots.append(torch.tensor([blocks[j // block_size] * block_size + j % block_size for j in range(n)]))
+    for (k, v), s in zip(dense, slots):
+        kv_cache.fill_kv_cache(k, v, k_cache, v_cache, s.to(DEV))
+    return k_cache, v_cache, tables.to(DEV), dense
+
+
+def test_fill_kv_cache_skips_negative_slots():
+    k_cache = torch.full((4, 8, 2, 16), float('nan'), device=DEV)
+    v_cache = torch.full_like(k_cache, float('nan'))
+    k, v = torch.randn(3, 2, 16, device=DEV), torch.randn(3, 2, 16, device=DEV)
+    kv_cache.fill_kv_cache(k, v, k_cache, v_cache, torch.tensor([9, -1, 30], device=DEV))
+    flat_k = k_cache.view(32, 2, 16)
+    assert torch.equal(flat_k[9], k[0]) and torch.equal(flat_k[30], k[2])
+    assert torch.isnan(flat_k[[i for i in range(32) if i not in (9, 30)]]).all()
+    assert torch.equal(v_cache.view(32, 2, 16)[30], v[2])
+
+
+CONFIGS = [(8, 8, 64, 16), (8, 2, 64, 64), (8, 1, 128, 16)]  # H, Hkv, D, block size
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('h,hkv,d,bs', CONFIGS)
+def test_paged_prefill_attention(dtype, h, hkv, d, bs):
+    # (kv_len, q_len): fresh prompts, and chunks after cached context
+    if FULL:
+        shapes = [(1000, 1000), (777, 129), (2048, 1), (301, 300), (4099, 64)]
+        h, hkv = h * 4, hkv * 4
+    else:
+        shapes = [(37, 37), (50, 13), (70, 1), (19, 18)]
+    kv_lens = [s[0] for s in shapes]
+    q_lens = [s[1] for s in shapes]
+    k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, d, bs, dtype)
+    q = torch.randn(sum(q_lens), h, d, dtype=dtype, device=DEV)
+    q_start = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(DEV)
+    args = (tables, q_start, torch.tensor(q_lens, device=DEV), torch.tensor(kv_lens, device=DEV), d**-0.5,
+            max(q_lens), max(kv_lens))
+    out = attention.paged_prefill_attention(q, k_cache, v_cache, *args)
+    cpu = [a.cpu() if torch.is_tensor(a) else a for a in args]
+    ref = REF.paged_prefill_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), *cpu)
+    assert rel_err(out, ref) < tol(dtype) * 2
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('h,hkv,d,bs', CONFIGS)
+def test_paged_decode_attention(dtype, h, hkv, d, bs):
+    kv_lens = [4000, 1, 517, 2049, 64, 333] if FULL else [1, 70, 300, 17, 64]
+    if FULL:
+        h, hkv = h * 4, hkv * 4
+    k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, d, bs, dtype)
+    q = torch.randn(len(kv_lens), h, d, dtype=dtype, device=DEV)
+    lens = torch.tensor(kv_lens, device=DEV)
+    for num_sms in (1, 132):  # one split, and several
+        out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5, max(kv_lens),
+                                               num_sms=num_sms)
+        ref = REF.paged_decode_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(),
+                                         tables.cpu(), lens.cpu(), d**-0.5, max(kv_lens))
+        assert rel_err(out, ref) < tol(dtype) * 2
+
+
+def test_decode_with_empty_padding_rows_gives_zeros():
+    k_cache, v_cache, tables, _ = make_paged([40, 8], 2, 64, 16, DTYPES[0])
+    q = torch.randn(3, 8, 64, dtype=DTYPES[0], device=DEV)
+    tables = torch.cat([tables, torch.zeros_like(tables[:1])])
+    lens = torch.tensor([40, 8, 0], device=DEV)
+    for num_sms in (1, 132):
+        out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 600, num_sms=num_sms)
+        assert torch.isfinite(out).all()
+        assert (out[2] == 0).all()
