@@ -118,6 +118,17 @@ def test_serve_calls_serve(tmp_path, monkeypatch):
     assert calls == [(expected.pop('model_path'), expected)]
 
 
+def test_serve_kwargs_fit_the_real_serve(tmp_path):
+    """Every keyword build_serve_kwargs makes is one serve() accepts."""
+    try:
+        from lmdeploy.serve.openai.api_server import serve
+    except ImportError as e:  # written concurrently; or the 'serve' extra is missing
+        pytest.skip(f'lmdeploy.serve.openai.api_server is not importable: {e}')
+    import inspect
+    kw = build_serve_kwargs(_serve_args(str(tmp_path)))
+    inspect.signature(serve).bind(kw.pop('model_path'), **kw)
+
+
 # ---------------------------------------------------------------- chat flags
 def _chat_args(*argv):
     return cli.build_parser().parse_args(['chat', *argv])

@@ -279,14 +279,16 @@ def _allowed(logits, temperature, top_k, top_p, min_p):
     return set(torch.isfinite(scores[0]).nonzero().flatten().tolist())
 
 
-@pytest.mark.parametrize('filters', [
-    dict(top_k=3),
-    dict(top_k=0, top_p=0.6),
-    dict(top_k=0, top_p=0.8, temperature=1.5),
-    dict(top_k=0, min_p=0.1),
-    dict(top_k=5, top_p=0.9, min_p=0.05, temperature=1.3),
-],
-                         ids=['top_k', 'top_p', 'top_p_temp', 'min_p', 'combined'])
+FILTERS = {
+    'top_k': dict(top_k=3),
+    'top_p': dict(top_k=0, top_p=0.6),
+    'top_p_temp': dict(top_k=0, top_p=0.8, temperature=1.5),
+    'min_p': dict(top_k=0, min_p=0.1),
+    'combined': dict(top_k=5, top_p=0.9, min_p=0.05, temperature=1.3),
+}
+
+
+@pytest.mark.parametrize('filters', list(FILTERS.values()), ids=list(FILTERS))
 def test_sampled_tokens_lie_in_allowed_set(pipe, tiny_path, prompt_ids, filters):
     cfg = {**dict(top_p=1.0, min_p=0.0, temperature=1.0), **filters}
     seeds = range(6)
