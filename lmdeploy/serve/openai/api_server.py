@@ -425,9 +425,15 @@ class _StreamResponse(StreamingResponse):
 _SSE_HEADERS = {'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'}
 
 
-def _sse(obj) -> str:
+def _sse(obj, with_usage: bool = True) -> str:
     if isinstance(obj, P._Model):
         obj = obj.model_dump(exclude_none=False)
+        for choice in obj.get('choices') or []:
+            delta = choice.get('delta')
+            if isinstance(delta, dict):  # as OpenAI: a delta names only what it carries
+                choice['delta'] = {k: v for k, v in delta.items() if v is not None}
+        if not with_usage:  # OpenAI sends "usage" only with stream_options.include_usage
+            obj.pop('usage', None)
     return f'data: {json.dumps(obj, ensure_ascii=False)}\n\n'
 
 
@@ -798,7 +804,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                 choices=[P.ChatCompletionStreamChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)])
 
         async def events():
-            yield _sse(chunk(P.DeltaMessage(role='assistant', content='')))
+            yield _sse(chunk(P.DeltaMessage(role='assistant', content='')), include_usage)
             r = _Result()
             async for _, out in run.iterate(firsts):
                 _accumulate(r, out)
@@ -808,7 +814,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                 logprobs = (_chat_logprobs(tt, out.token_ids, out.logprobs, top_n)
                             if req.logprobs and out.token_ids else None)
                 if out.text or out.finish_reason is not None or logprobs is not None:
-                    yield _sse(chunk(P.DeltaMessage(content=out.text), out.finish_reason, logprobs))
+                    yield _sse(chunk(P.DeltaMessage(content=out.text), out.finish_reason, logprobs), include_usage)
             if include_usage:
                 yield _sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=state.model_name,
                                                           choices=[], usage=_usage(r.input_tokens, r.generated)))
@@ -902,7 +908,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                     yield _sse(P.CompletionResponse(
                         id=rid, created=created, model=state.model_name,
                         choices=[P.CompletionChoice(index=i, text=out.text, logprobs=logprobs,
-                                                    finish_reason=out.finish_reason)]))
+                                                    finish_reason=out.finish_reason)]), include_usage)
             if include_usage:
                 yield _sse(P.CompletionResponse(id=rid, created=created, model=state.model_name, choices=[],
                                                 usage=_usage(sum(r.input_tokens for r in results),

@@ -1,0 +1,75 @@
+"""Where a step's time goes: host scheduling and input packing, the forward
+(graph replay or eager), logits, sampling and bookkeeping.
+
+    python benchmark/profile_step.py --model DIR --batch 256 --context 300 --steps 50
+
+Synchronises the device around each phase (so phases do not overlap, as in
+the engine today) and prints the mean milliseconds of each.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('--model', required=True)
+    p.add_argument('--device', default='cuda')
+    p.add_argument('--batch', type=int, default=256)
+    p.add_argument('--context', type=int, default=300)
+    p.add_argument('--steps', type=int, default=50)
+    p.add_argument('--eager', action='store_true')
+    args = p.parse_args()
+
+    import lmdeploy.engine.engine as engine_mod
+    from lmdeploy.engine.engine import Engine, EngineRequest
+    from lmdeploy.engine.sequence import SamplingParams
+    from lmdeploy.messages import PytorchEngineConfig
+    eng = Engine(args.model, PytorchEngineConfig(device_type=args.device, max_batch_size=args.batch,
+                                                 eager_mode=args.eager, max_prefill_token_num=8192))
+    sync = eng.device.synchronize
+    times = defaultdict(float)
+    counts = defaultdict(int)
+
+    phase = ['prefill']
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            if name == 'step':
+                phase[0] = 'decode' if a[0].is_decode else 'prefill'
+            sync()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            key = f'{phase[0]}:{name}'
+            times[key] += time.perf_counter() - t
+            counts[key] += 1
+            return out
+        return wrapper
+
+    runner = eng.runner
+    runner.build_inputs = timed('build_inputs', runner.build_inputs)
+    runner._forward = timed('forward', runner._forward)
+    runner.logits = timed('logits', runner.logits)
+    engine_mod.sample = timed('sample', engine_mod.sample)
+    eng._step = timed('step', eng._step)
+    eng.scheduler.schedule = timed('schedule', eng.scheduler.schedule)
+    rng = random.Random(0)
+    vocab = eng.model_config.vocab_size
+    done = []
+    n_steps = args.steps
+    for i in range(args.batch):
+        ids = [rng.randrange(100, vocab) for _ in range(args.context)]
+        eng.submit(EngineRequest(i + 1, ids, SamplingParams(max_new_tokens=n_steps + 20), lambda o: None))
+    time.sleep(0.5)
+    eng.wait_idle(600)
+    for k in sorted(times):
+        print(f'{k:14s} {1e3 * times[k] / max(1, counts[k]):8.3f} ms  x{counts[k]}')
+    eng.close()
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,490 @@
+"""The API server, started for real on 127.0.0.1 (uvicorn on a background
+thread, the embedded SmolLM2-135M on cpu) and driven with the unmodified
+``openai`` package, raw HTTP and ``lmdeploy.serve.client.APIClient``."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+
+openai = pytest.importorskip('openai')
+httpx = pytest.importorskip('httpx')
+pytest.importorskip('fastapi')
+pytest.importorskip('uvicorn')
+pytest.importorskip('prometheus_client')
+
+MODEL = 'smollm2'
+KEY = 'sk-test-key'
+SESSION_LEN = 1024
+MAX_BODY = 1 << 20
+
+
+def start_server(model_path: str, **app_kwargs) -> SimpleNamespace:
+    from lmdeploy.frontend.gateway import Gateway
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.serve.openai.api_server import BackgroundServer, create_app
+    gateway = Gateway(model_path, PytorchEngineConfig(device_type='cpu', session_len=SESSION_LEN), model_name=MODEL)
+    app = create_app(gateway, **{'api_keys': [KEY], 'max_body_bytes': MAX_BODY, 'max_log_len': 64, **app_kwargs})
+    server = BackgroundServer(app).start()
+    return SimpleNamespace(url=server.url, gateway=gateway, engine=gateway.engine, app=app,
+                           state=app.state.lmdeploy, server=server)
+
+
+def stop_server(srv: SimpleNamespace):
+    srv.server.stop()
+    srv.gateway.close()
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + ' ') or line.startswith(name + '{'):
+            return float(line.rsplit(' ', 1)[1])
+    raise KeyError(name)
+
+
+def assert_clean(srv, timeout: float = 30.0):
+    """Nothing running, no KV block leaked, and /metrics agrees."""
+    assert srv.engine.wait_idle(timeout)
+    srv.engine.check_invariants()
+    stats = srv.engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_blocks, stats
+    text = httpx.get(srv.url + '/metrics').text
+    assert metric(text, 'lmdeploy_num_requests_running') == 0
+    assert metric(text, 'lmdeploy_kv_cache_blocks_free') == metric(text, 'lmdeploy_kv_cache_blocks_total')
+    deadline = time.monotonic() + 5
+    while metric(text, 'lmdeploy_api_requests_in_flight') != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        text = httpx.get(srv.url + '/metrics').text
+    assert metric(text, 'lmdeploy_api_requests_in_flight') == 0
+
+
+@pytest.fixture(scope='module')
+def srv(smollm2_path):
+    s = start_server(smollm2_path)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope='module')
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + '/v1', api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope='module')
+def http(srv):
+    with httpx.Client(base_url=srv.url, headers={'Authorization': f'Bearer {KEY}'}, timeout=120) as c:
+        yield c
+
+
+MESSAGES = [{'role': 'user', 'content': 'What is the capital of France?'}]
+
+
+# ------------------------------------------------------------------- openai
+def test_models_list(client, srv):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == 'model'
+
+
+def test_chat_non_stream_usage(client, srv):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    choice = r.choices[0]
+    assert r.object == 'chat.completion' and choice.message.role == 'assistant'
+    assert 'Paris' in choice.message.content
+    assert choice.finish_reason in ('stop', 'length')
+    # usage: the tokens sent (the rendered chat prompt) and received
+    assert r.usage.prompt_tokens == len(srv.gateway.encode_prompt(MESSAGES))
+    assert r.usage.completion_tokens == len(choice.logprobs.content) > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert ''.join(t.token for t in choice.logprobs.content).strip() == choice.message.content.strip()
+    for t in choice.logprobs.content:
+        assert t.logprob <= 0 and 1 <= len(t.top_logprobs) <= 2
+        assert t.top_logprobs[0].logprob >= t.logprob - 1e-6  # greedy: the chosen one is the best
+
+
+def test_chat_stream_matches_non_stream(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_completion_tokens=24, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={'include_usage': True}, **kwargs))
+    text = ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_raw_sse_ends_with_done(http):
+    with http.stream('POST', '/v1/chat/completions', json=dict(model=MODEL, messages='Hi', max_tokens=4,
+                                                                 stream=True)) as r:
+        assert r.status_code == 200 and r.headers['content-type'].startswith('text/event-stream')
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == 'data: [DONE]'
+    first = json.loads(events[0][len('data: '):])
+    assert first['object'] == 'chat.completion.chunk' and first['choices'][0]['delta']['role'] == 'assistant'
+    assert 'usage' not in first  # only with stream_options.include_usage
+
+
+def test_chat_content_parts_equal_text(client):
+    parts = [{'role': 'user', 'content': [{'type': 'text', 'text': 'What is the capital'},
+                                          {'type': 'text', 'text': 'of France?'}]}]
+    text = [{'role': 'user', 'content': 'What is the capital\nof France?'}]
+    a = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
+    b = client.chat.completions.create(model=MODEL, messages=text, max_tokens=8, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+def test_chat_seed_reproducible(client):
+    kwargs = dict(model=MODEL, messages=[{'role': 'user', 'content': 'Write a short poem.'}], max_tokens=16,
+                  temperature=1.0, seed=1234, extra_body={'top_k': 0})
+    a = client.chat.completions.create(**kwargs).choices[0].message.content
+    b = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert a == b and a
+
+
+def test_completions(client, srv):
+    prompt = '1, 2, 3, 4, 5,'
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={'ignore_eos': True})
+    assert r.object == 'text_completion'
+    assert r.choices[0].text.startswith(' 6, 7')
+    assert r.choices[0].finish_reason == 'length'
+    assert r.usage.prompt_tokens == len(srv.gateway.tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == 6
+    # stream: same text, usage at the end
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={'include_usage': True}, extra_body={'ignore_eos': True}))
+    assert ''.join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_completions_list_of_prompts_and_logprobs(client, srv):
+    prompts = ['1, 2, 3, 4,', 'a, b, c, d,']
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    by_index = {c.index: c for c in r.choices}
+    assert by_index[0].text.startswith(' 5')
+    assert by_index[1].text.startswith(' e')
+    for c in r.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(c.logprobs.top_logprobs)
+        assert ''.join(c.logprobs.tokens) == c.text
+    tok = srv.gateway.tokenizer
+    assert r.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    # token-id prompts
+    ids = tok.encode(prompts[0])
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert r2.choices[0].text == by_index[0].text
+
+
+def test_stop_words(client):
+    base = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
+    text = base.choices[0].message.content
+    assert ' is ' in text
+    stopped = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+                                             stop=[' is '])
+    assert stopped.choices[0].message.content == text[:text.index(' is ')]
+    assert stopped.choices[0].finish_reason == 'stop'
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+                                                 stop=' is ', stream=True))
+    assert ''.join(c.choices[0].delta.content or '' for c in chunks) == text[:text.index(' is ')]
+    comp = client.completions.create(model=MODEL, prompt='1, 2, 3, 4, 5,', max_tokens=12, temperature=0,
+                                     stop=['8'])
+    assert comp.choices[0].text == ' 6, 7, ' and comp.choices[0].finish_reason == 'stop'
+
+
+def test_wrong_and_missing_key_401(srv, client):
+    bad = openai.OpenAI(base_url=srv.url + '/v1', api_key='sk-wrong', max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401
+    assert set(e.value.body) >= {'message', 'type', 'code'}  # openai unwraps {"error": ...}
+    r = httpx.post(srv.url + '/v1/chat/completions', json=dict(model=MODEL, messages='hi'))
+    assert r.status_code == 401 and set(r.json()['error']) >= {'message', 'type', 'code'}
+    r = httpx.get(srv.url + '/v1/models', headers={'Authorization': 'Basic abc'})
+    assert r.status_code == 401
+    assert client.models.list().data  # still serving
+
+
+# -------------------------------------------------------------------- errors
+LONG_PROMPT = 'hello ' * (SESSION_LEN + 10)
+CHAT = '/v1/chat/completions'
+COMP = '/v1/completions'
+ERROR_CASES = [
+    # (path, body, status, code)
+    (CHAT, dict(model='gpt-4', messages='hi'), 400, 'model_not_found'),
+    (COMP, dict(model='nope', prompt='hi'), 400, 'model_not_found'),
+    (CHAT, dict(model=MODEL, messages='hi', n=2), 400, 'unsupported_parameter'),
+    (COMP, dict(model=MODEL, prompt='hi', n=3), 400, 'unsupported_parameter'),
+    (CHAT, dict(model=MODEL, messages='hi', temperature=-1), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', top_p=0), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', max_tokens=0), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', max_tokens=SESSION_LEN), 400, 'context_length_exceeded'),
+    (CHAT, dict(model=MODEL, messages=LONG_PROMPT), 400, 'context_length_exceeded'),
+    (COMP, dict(model=MODEL, prompt=LONG_PROMPT, max_tokens=4), 400, 'context_length_exceeded'),
+    (COMP, dict(model=MODEL, prompt='hi', max_tokens=SESSION_LEN), 400, 'context_length_exceeded'),
+    (CHAT, dict(model=MODEL, messages='hi', presence_penalty=0.5), 400, 'unsupported_parameter'),
+    (CHAT, dict(model=MODEL, messages='hi', frequency_penalty=-0.5), 400, 'unsupported_parameter'),
+    (CHAT, dict(model=MODEL, messages='hi', top_logprobs=2), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', logprobs=True, top_logprobs=50), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', stop=['']), 400, None),
+    (CHAT, dict(model=MODEL, messages=[]), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages=[{'role': 'wizard', 'content': 'hi'}]), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages=[{'role': 'user', 'content': [
+        {'type': 'image_url', 'image_url': {'url': 'http://x/y.png'}}]}]), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {'name': 'f'}}]), 400,
+     'unsupported_parameter'),
+    (CHAT, dict(model=MODEL, messages='hi', response_format={'type': 'json_object'}), 400,
+     'unsupported_parameter'),
+    (COMP, dict(model=MODEL, prompt=[]), 400, 'invalid_value'),
+    (COMP, dict(model=MODEL, prompt=''), 400, 'invalid_value'),
+    (COMP, dict(model=MODEL, prompt=[1, 2, 10 ** 9]), 400, 'invalid_value'),
+    (COMP, dict(model=MODEL, prompt='hi', echo=True), 400, 'unsupported_parameter'),
+    (COMP, dict(model=MODEL, prompt='hi', logprobs=100), 400, 'invalid_value'),
+    ('/generate', dict(prompt=LONG_PROMPT), 400, 'context_length_exceeded'),
+    ('/generate', dict(prompt='hi', top_k=-1), 400, 'invalid_value'),
+    # malformed bodies: 422
+    (CHAT, dict(model=MODEL), 422, 'invalid_body'),
+    (CHAT, dict(messages='hi'), 422, 'invalid_body'),
+    (CHAT, dict(model=MODEL, messages=12), 422, 'invalid_body'),
+    (CHAT, dict(model=MODEL, messages='hi', max_tokens='many'), 422, 'invalid_body'),
+    (COMP, dict(model=MODEL, prompt={'a': 1}), 422, 'invalid_body'),
+    (COMP, [1, 2, 3], 422, 'invalid_body'),
+]
+
+
+@pytest.mark.parametrize('path,body,status,code', ERROR_CASES,
+                         ids=[f'{i}-{c[0].strip("/").replace("/", "_")}-{c[2]}' for i, c in enumerate(ERROR_CASES)])
+def test_error_cases(http, path, body, status, code):
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()['error']
+    assert set(err) >= {'message', 'type', 'code'} and err['message']
+    if code is not None:
+        assert err['code'] == code, err
+
+
+def test_error_cases_raw(http, srv):
+    # not JSON at all
+    r = http.post(CHAT, content=b'{"model": ', headers={'Content-Type': 'application/json'})
+    assert r.status_code == 422 and r.json()['error']['code'] == 'invalid_body'
+    # unknown route, wrong method
+    r = http.get('/v1/nothing-here')
+    assert r.status_code == 404 and r.json()['error']['code'] == 'not_found'
+    r = http.get(CHAT)
+    assert r.status_code == 405 and 'error' in r.json()
+    # body over the limit
+    r = http.post(CHAT, json=dict(model=MODEL, messages='x' * (MAX_BODY + 1)))
+    assert r.status_code == 413 and r.json()['error']['code'] == 'request_too_large'
+
+
+def test_server_keeps_serving_after_errors(client, srv):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert r.choices[0].message.content
+    assert_clean(srv)
+
+
+def test_openai_client_error_classes(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model='unknown-model', messages=MESSAGES)
+    assert e.value.code == 'model_not_found'
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+
+
+def test_not_ready_and_draining_503(srv):
+    from fastapi.testclient import TestClient
+
+    from lmdeploy.serve.openai.api_server import create_app
+    app = create_app(None, model_name=MODEL)
+    with TestClient(app) as c:
+        for path in ('/health', '/v1/models'):
+            r = c.get(path)
+            assert r.status_code == 503 and r.json()['error']['code'] == 'engine_not_ready'
+        r = c.post(CHAT, json=dict(model=MODEL, messages='hi'))
+        assert r.status_code == 503
+        app.state.lmdeploy.set_gateway(srv.gateway)
+        assert c.get('/health').status_code == 200
+        assert c.get('/v1/models').json()['data'][0]['id'] == MODEL
+        app.state.lmdeploy.draining = True
+        r = c.post(CHAT, json=dict(model=MODEL, messages='hi'))
+        assert r.status_code == 503 and r.json()['error']['code'] == 'shutting_down'
+        assert c.get('/health').status_code == 503
+
+
+def test_health_and_metrics(srv, http):
+    assert httpx.get(srv.url + '/health').json() == {'status': 'ok'}
+    http.post(CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=4))
+    text = httpx.get(srv.url + '/metrics').text  # no key needed
+    for name in ('lmdeploy_num_requests_running', 'lmdeploy_num_requests_waiting', 'lmdeploy_kv_cache_blocks_used',
+                 'lmdeploy_kv_cache_blocks_free', 'lmdeploy_engine_generated_tokens_total',
+                 'lmdeploy_time_to_first_token_seconds_count', 'lmdeploy_time_per_output_token_seconds_count',
+                 'lmdeploy_e2e_request_latency_seconds_count'):
+        metric(text, name)
+    assert metric(text, 'lmdeploy_time_to_first_token_seconds_count') > 0
+    assert metric(text, 'lmdeploy_time_per_output_token_seconds_count') > 0
+    assert metric(text, 'lmdeploy_engine_generated_tokens_total') > 0
+    assert 'lmdeploy_requests_total{endpoint="chat"' in text
+    assert 'lmdeploy_http_errors_total{status="400"}' in text
+
+
+# --------------------------------------------------------------- disconnect
+def test_client_disconnect_cancels_and_frees_blocks(srv, http):
+    engine = srv.engine
+    body = dict(model=MODEL, messages='Tell me a very long story.', max_tokens=800, stream=True, ignore_eos=True)
+    before = engine.stats().num_generated_tokens
+    with http.stream('POST', CHAT, json=body) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith('data: {'):
+                got += 1
+            if got >= 3:
+                break
+        assert engine.stats().num_running == 1
+    # the connection is closed: the request is cancelled within a step or two
+    deadline = time.monotonic() + 10
+    while engine.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+    assert stats.num_generated_tokens - before < 200  # far from the 800 asked for
+    assert_clean(srv)
+
+
+def test_disconnect_while_not_streaming(srv):
+    """A non-streaming request whose client goes away is cancelled too."""
+    engine = srv.engine
+    body = json.dumps(dict(model=MODEL, messages='Tell me a very long story.', max_tokens=800, ignore_eos=True))
+    host, port = srv.url.rsplit('//', 1)[1].split(':')
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall((f'POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n'
+                   f'Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}').encode())
+        deadline = time.monotonic() + 10
+        while engine.stats().num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.stats().num_running == 1
+    deadline = time.monotonic() + 10
+    while engine.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats().num_running == 0
+    assert_clean(srv)
+
+
+def test_slow_reader_does_not_block_others(srv, client):
+    """A client that stops reading its stream does not hold up anyone else."""
+    host, port = srv.url.rsplit('//', 1)[1].split(':')
+    body = json.dumps(dict(model=MODEL, messages='Tell me a long story.', max_tokens=300, ignore_eos=True,
+                           stream=True))
+    s = socket.create_connection((host, int(port)))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        s.sendall((f'POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n'
+                   f'Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}').encode())
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content and time.monotonic() - t0 < 30
+    finally:
+        s.close()
+    assert_clean(srv)
+
+
+# ----------------------------------------------------------------- /generate
+def test_generate_interactive_session(srv):
+    from lmdeploy.serve.client import APIClient
+    with APIClient(srv.url, api_key=KEY) as api:
+        assert api.health() and api.available_models == [MODEL]
+        first = next(api.generate('My name is Bob.', session_id=42, interactive_mode=True, request_output_len=16,
+                                  temperature=0))
+        assert first['session_id'] == 42 and first['history_tokens'] == 0 and first['tokens'] > 0
+        assert srv.engine.wait_idle(10) and srv.engine.stats().num_idle_sessions == 1
+        items = list(api.generate('What is my name?', session_id=42, interactive_mode=True, stream=True,
+                                  request_output_len=16, temperature=0))
+        second = items[-1]
+        assert second['finish_reason'] in ('stop', 'length')
+        # the second turn's context holds the first turn (prompt + reply)
+        assert second['history_tokens'] >= first['input_tokens'] + first['tokens']
+        assert ''.join(i['text'] for i in items)
+        # a concurrent request on a busy session is refused; a chat request can't take it over
+        r = httpx.post(srv.url + CHAT, json=dict(model=MODEL, messages='hi', session_id=42),
+                       headers={'Authorization': f'Bearer {KEY}'})
+        assert r.status_code == 400 and r.json()['error']['code'] == 'session_busy'
+        api.end_session(42)
+        assert srv.engine.wait_idle(10) and srv.engine.stats().num_idle_sessions == 0
+        # after the end, the same id starts afresh
+        again = next(api.generate('My name is Bob.', session_id=42, interactive_mode=False, request_output_len=16,
+                                  temperature=0))
+        assert again['history_tokens'] == 0 and again['text'] == first['text']
+    assert_clean(srv)
+
+
+def test_generate_stream_equals_non_stream(srv):
+    from lmdeploy.serve.client import APIClient
+    with APIClient(srv.url, api_key=KEY) as api:
+        full = next(api.generate('Name three colors.', request_output_len=20, temperature=0))
+        parts = list(api.generate('Name three colors.', request_output_len=20, temperature=0, stream=True))
+        assert ''.join(p['text'] for p in parts) == full['text']
+        assert parts[-1]['tokens'] == full['tokens'] and parts[-1]['finish_reason'] == full['finish_reason']
+        assert sum(len(p['token_ids']) for p in parts) == len(full['token_ids'])
+
+
+def test_generate_cancel(srv):
+    import threading
+
+    from lmdeploy.serve.client import APIClient
+    api = APIClient(srv.url, api_key=KEY)
+    result = {}
+
+    def run():
+        result['r'] = next(api.generate('Tell me a long story.', session_id=77, request_output_len=800,
+                                        ignore_eos=True))
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 10
+    while srv.engine.stats().num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    APIClient(srv.url, api_key=KEY).cancel(77)
+    t.join(30)
+    assert result['r']['finish_reason'] == 'abort' and result['r']['tokens'] < 800
+    assert_clean(srv)
+
+
+# ----------------------------------------------------------------- APIClient
+def test_api_client_openai_endpoints(srv):
+    from lmdeploy.serve.client import APIClient, APIClientError
+    api = APIClient(srv.url + '/v1', api_key=KEY)
+    out = list(api.chat_completions_v1(MODEL, MESSAGES, max_tokens=8, temperature=0))
+    assert len(out) == 1 and out[0]['choices'][0]['message']['content']
+    chunks = list(api.chat_completions_v1(MODEL, MESSAGES, max_tokens=8, temperature=0, stream=True))
+    assert ''.join(c['choices'][0]['delta'].get('content') or '' for c in chunks) == \
+        out[0]['choices'][0]['message']['content']
+    comp = list(api.completions_v1(MODEL, '1, 2, 3,', max_tokens=4, temperature=0, stream=True))
+    assert ''.join(c['choices'][0]['text'] for c in comp).startswith(' 4')
+    with pytest.raises(APIClientError) as e:
+        list(api.chat_completions_v1('other', MESSAGES))
+    assert e.value.status == 400 and e.value.code == 'model_not_found'
+    assert APIClient(srv.url, api_key='wrong').health()  # /health needs no key
+    with pytest.raises(APIClientError) as e:
+        APIClient(srv.url, api_key='wrong').available_models
+    assert e.value.status == 401
+    assert 'lmdeploy_kv_cache_blocks_total' in api.metrics()
+
+
+def test_import_lmdeploy_stays_server_free():
+    import subprocess
+    import sys
+    code = ('import sys, lmdeploy, lmdeploy.engine, lmdeploy.serve.client; '
+            'bad = [m for m in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "starlette") '
+            'if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)')
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120,
+                       cwd=__import__('os').path.dirname(__import__('os').path.dirname(__file__)))
+    assert r.returncode == 0, r.stdout + r.stderr
