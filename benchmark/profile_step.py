@@ -22,6 +22,7 @@ def main():
     p.add_argument('--context', type=int, default=300)
     p.add_argument('--steps', type=int, default=50)
     p.add_argument('--eager', action='store_true')
+    p.add_argument('--kernels', action='store_true', help='also print the top GPU kernels of the decode steps')
     args = p.parse_args()
 
     import lmdeploy.engine.engine as engine_mod
@@ -64,8 +65,18 @@ def main():
     for i in range(args.batch):
         ids = [rng.randrange(100, vocab) for _ in range(args.context)]
         eng.submit(EngineRequest(i + 1, ids, SamplingParams(max_new_tokens=n_steps + 20), lambda o: None))
+    prof = None
+    if args.kernels:
+        from torch.profiler import ProfilerActivity, profile
+        time.sleep(2.0)  # past the prefill, into decoding
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
+        time.sleep(1.0)
+        prof.__exit__(None, None, None)
     time.sleep(0.5)
     eng.wait_idle(600)
+    if prof is not None:
+        print(prof.key_averages().table(sort_by='cuda_time_total', row_limit=15, max_name_column_width=60))
     for k in sorted(times):
         print(f'{k:14s} {1e3 * times[k] / max(1, counts[k]):8.3f} ms  x{counts[k]}')
     eng.close()

@@ -60,6 +60,8 @@ def make_model(shape: str, out: str, dtype: str = 'bfloat16', seed: int = 0, **o
                 p.normal_(0, 0.05)
             elif 'embed_tokens' in name:
                 p.normal_(0, 1.0)
+            elif 'o_proj' in name or 'down_proj' in name:  # writes to the residual: scaled by depth
+                p.normal_(0, p.shape[-1]**-0.5 / (2 * cfg.num_hidden_layers)**0.5)
             else:
                 p.normal_(0, p.shape[-1]**-0.5)
     os.makedirs(out, exist_ok=True)

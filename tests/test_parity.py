@@ -26,6 +26,8 @@ SCENARIOS = {
     'prefix_cache': dict(block_size=4, enable_prefix_caching=True),
     'chunked_prefill': dict(block_size=8, max_prefill_token_num=7),
     'preemption': dict(block_size=4, num_gpu_blocks=40),
+    # prefill and decode in separate steps, as on devices that replay graphs
+    'separate_phases': dict(block_size=8, max_prefill_token_num=16, prefill_interval=2),
 }
 
 
@@ -45,6 +47,8 @@ def references(tiny_model_factory):
 def run_scenario(path, scenario, prompts, rounds=1):
     cfg = PytorchEngineConfig(device_type='cpu', session_len=256, **SCENARIOS[scenario])
     engine = Engine(path, cfg)
+    if scenario == 'separate_phases':
+        engine.scheduler.mix = False
     try:
         results = [generate_all(engine, prompts, greedy(NEW_TOKENS)) for _ in range(rounds)]
         assert engine.wait_idle()
@@ -63,7 +67,7 @@ def test_tiny_models_match_transformers(name, tiny_model_factory, references):
 
 
 @pytest.mark.parametrize('name', ['llama', 'qwen2', 'qwen3', 'llama3_rope'])
-@pytest.mark.parametrize('scenario', ['prefix_cache', 'chunked_prefill', 'preemption'])
+@pytest.mark.parametrize('scenario', ['prefix_cache', 'chunked_prefill', 'preemption', 'separate_phases'])
 def test_engine_features_keep_parity(name, scenario, tiny_model_factory, references):
     # shared prefixes so the cache has something to reuse; several rounds reuse it again
     prompts = make_prompts(2, [3, 10, 19, 1], shared_prefix=13)

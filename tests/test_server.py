@@ -488,3 +488,60 @@ def test_import_lmdeploy_stays_server_free():
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120,
                        cwd=__import__('os').path.dirname(__import__('os').path.dirname(__file__)))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_json_body_without_content_type(srv):
+    """``curl -d '{...}'`` (a form content type) still reads as JSON."""
+    r = httpx.post(srv.url + '/generate', content=json.dumps(dict(prompt='hi', request_output_len=2)),
+                   headers={'Authorization': f'Bearer {KEY}', 'Content-Type': 'application/x-www-form-urlencoded'})
+    assert r.status_code == 200 and r.json()['tokens'] >= 1
+
+
+def test_stalled_reader_asgi_level(srv):
+    """In one event loop: a response whose send() never returns (a reader that
+    stopped reading) does not hold up another request; when that client goes
+    away its request is cancelled."""
+    import asyncio
+
+    from lmdeploy.serve.openai.api_server import create_app
+    app = create_app(srv.gateway, model_name=MODEL)
+
+    async def call(body: dict, stall_after: int = None):
+        data = json.dumps(body).encode()
+        scope = {'type': 'http', 'asgi': {'version': '3.0', 'spec_version': '2.3'}, 'http_version': '1.1',
+                 'method': 'POST', 'scheme': 'http', 'path': CHAT, 'raw_path': CHAT.encode(), 'query_string': b'',
+                 'root_path': '', 'client': ('127.0.0.1', 1), 'server': ('127.0.0.1', 80),
+                 'headers': [(b'content-type', b'application/json'), (b'content-length', str(len(data)).encode())]}
+        state = {'body_sent': False, 'chunks': [], 'stalled': asyncio.Event(), 'gone': asyncio.Event()}
+
+        async def receive():
+            if not state['body_sent']:
+                state['body_sent'] = True
+                return {'type': 'http.request', 'body': data, 'more_body': False}
+            await state['gone'].wait()
+            return {'type': 'http.disconnect'}
+
+        async def send(message):
+            if message['type'] == 'http.response.body' and message.get('body'):
+                if stall_after is not None and len(state['chunks']) >= stall_after:
+                    state['stalled'].set()
+                    await asyncio.Event().wait()  # never returns: the reader stopped
+                state['chunks'].append(message['body'])
+
+        task = asyncio.ensure_future(app(scope, receive, send))
+        return task, state
+
+    async def main():
+        slow, slow_state = await call(dict(model=MODEL, messages='Tell me a long story.', max_tokens=400,
+                                           ignore_eos=True, stream=True), stall_after=2)
+        await asyncio.wait_for(slow_state['stalled'].wait(), 60)
+        fast, fast_state = await call(dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0))
+        await asyncio.wait_for(fast, 60)  # served while the other one is stuck in send()
+        reply = json.loads(b''.join(fast_state['chunks']))
+        assert reply['choices'][0]['message']['content']
+        assert not slow.done() and srv.engine.stats().num_running == 1
+        slow_state['gone'].set()  # the stalled client disconnects
+        await asyncio.wait_for(slow, 30)
+
+    asyncio.run(main())
+    assert_clean(srv)

@@ -54,10 +54,11 @@ class DeviceOps:
     # graph capture: replaying a recorded step saves the per-kernel launch cost
     supports_graphs: bool = False
 
-    def capture_graph(self, fn: Callable[[], Any]) -> Tuple[Callable[[], None], Any]:
+    def capture_graph(self, fn: Callable[[], Any], pool: Any = None) -> Tuple[Callable[[], None], Any, Any]:
         """Warm up, then record ``fn()`` (which only touches tensors that stay
-        alive). Returns (replay, outputs): each ``replay()`` re-runs the
-        recorded work and rewrites ``outputs`` in place."""
+        alive). Returns (replay, outputs, pool): each ``replay()`` re-runs the
+        recorded work and rewrites ``outputs`` in place; graphs recorded with
+        the same ``pool`` share their memory (pass None for the first)."""
         raise NotImplementedError(f'device {self.name!r} has no graph capture')
 
     # whether the KV budget must be measured after a profiling forward pass

@@ -77,8 +77,10 @@ class Engine:
             logger.warning('prefix caching is off: dynamic NTK rotary makes cached keys depend on length')
             prefix = False
         self.block_manager = BlockManager(self.num_blocks, self.block_size, prefix)
+        graphs = self.device.supports_graphs and not config.eager_mode
         self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
-                                   self._finish_too_long)
+                                   self._finish_too_long, mix_prefill_decode=not graphs,
+                                   prefill_interval=config.prefill_interval)
         self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, self.num_blocks,
                                   self.block_size, self.max_batch_size, config.eager_mode, self.session_len)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -47,6 +47,13 @@ class GraphRunner:
         self.slots = buf(-1, n)
         self.rope_lens = buf(1, n)
         self.graphs: Dict[int, Tuple[Callable[[], None], torch.Tensor]] = {}
+        self.pool = None  # one memory pool for this engine's graphs
+
+    def capture_all(self):
+        """Record every batch size now (largest first, so the pool is sized
+        once), so no request pays for a capture."""
+        for n in reversed(self.sizes):
+            self._graph(n)
 
     def _context(self, n: int) -> StepContext:
         return StepContext(is_decode=True, q_start_loc=self.q_start[:n], q_seqlens=self.q_lens[:n],
@@ -57,8 +64,9 @@ class GraphRunner:
     def _graph(self, n: int):
         if n not in self.graphs:
             ctx = self._context(n)
-            self.graphs[n] = self.device.capture_graph(
-                lambda: self.forward(self.input_ids[:n], self.positions[:n], ctx))
+            replay, out, self.pool = self.device.capture_graph(
+                lambda: self.forward(self.input_ids[:n], self.positions[:n], ctx), self.pool)
+            self.graphs[n] = (replay, out)
         return self.graphs[n]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:

@@ -36,48 +36,52 @@ class ModelRunner:
         if device.supports_graphs and not eager:
             self._forward = GraphRunner(device, self._eager_forward, self.kv_caches, max_batch_size,
                                         -(-session_len // block_size), session_len, self.torch_device)
+            with torch.inference_mode():
+                self._forward.capture_all()
         self._pin = self.torch_device.type != 'cpu'
 
     def _eager_forward(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
     def build_inputs(self, batch: ScheduledBatch):
-        ids: List[int] = []
-        positions: List[int] = []
-        slots: List[int] = []
-        rope_lens: List[int] = []
-        q_lens, kv_lens = [], []
-        bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        """One host list -> one host-to-device copy; positions, slots and
+        per-token lengths are then derived on the device."""
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        bsz = len(seqs)
+        flat: List[int] = []
+        for seq, n in zip(seqs, counts):
             start = seq.num_computed
-            ids.extend(seq.token_ids[start:start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            table = seq.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            rope_lens.extend([seq.num_tokens] * n)
-            q_lens.append(n)
-            kv_lens.append(start + n)
-        width = max(len(s.block_ids) for s in batch.seqs)
-        tables = torch.zeros((len(batch.seqs), width), dtype=torch.int32)
-        for i, seq in enumerate(batch.seqs):
-            tables[i, :len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-        q_start = torch.zeros_like(q_lens_t)
-        q_start[1:] = q_lens_t.cumsum(0)[:-1]
-        dev = self.torch_device
-
-        def to(t):
-            if not self._pin:
-                return t
-            return t.pin_memory().to(dev, non_blocking=True)
-
-        ctx = StepContext(is_decode=batch.is_decode, q_start_loc=to(q_start), q_seqlens=to(q_lens_t),
-                          kv_seqlens=to(torch.tensor(kv_lens, dtype=torch.int64)), block_tables=to(tables),
-                          slot_mapping=to(torch.tensor(slots, dtype=torch.int64)),
-                          rope_lens=to(torch.tensor(rope_lens, dtype=torch.int64)), max_q_len=max(q_lens),
-                          max_kv_len=max(kv_lens), kv_caches=self.kv_caches)
-        return (to(torch.tensor(ids, dtype=torch.int64)), to(torch.tensor(positions, dtype=torch.int64)), ctx)
+            flat.extend(seq.token_ids[start:start + n])
+        num_tokens = len(flat)
+        starts = [seq.num_computed for seq in seqs]
+        flat.extend(counts)
+        flat.extend(starts)
+        flat.extend(seq.num_tokens for seq in seqs)  # rotary length (dynamic NTK)
+        width = max(len(seq.block_ids) for seq in seqs)
+        for seq in seqs:
+            flat.extend(seq.block_ids)
+            flat.extend([0] * (width - len(seq.block_ids)))
+        host = torch.tensor(flat, dtype=torch.int64)
+        dev = host.pin_memory().to(self.torch_device, non_blocking=True) if self._pin else host
+        ids = dev[:num_tokens]
+        q_lens = dev[num_tokens:num_tokens + bsz]
+        computed = dev[num_tokens + bsz:num_tokens + 2 * bsz]
+        rope = dev[num_tokens + 2 * bsz:num_tokens + 3 * bsz]
+        tables = dev[num_tokens + 3 * bsz:].view(bsz, width)
+        q_start = q_lens.cumsum(0) - q_lens
+        if batch.is_decode:
+            seq_idx = torch.arange(bsz, device=dev.device)
+            positions = computed
+        else:
+            seq_idx = torch.repeat_interleave(torch.arange(bsz, device=dev.device), q_lens, output_size=num_tokens)
+            positions = computed[seq_idx] + torch.arange(num_tokens, device=dev.device) - q_start[seq_idx]
+        bs = self.block_size
+        slots = tables[seq_idx, positions // bs] * bs + positions % bs
+        ctx = StepContext(is_decode=batch.is_decode, q_start_loc=q_start, q_seqlens=q_lens,
+                          kv_seqlens=computed + q_lens, block_tables=tables.to(torch.int32), slot_mapping=slots,
+                          rope_lens=rope[seq_idx], max_q_len=max(counts),
+                          max_kv_len=max(c + n for c, n in zip(starts, counts)), kv_caches=self.kv_caches)
+        return ids, positions, ctx
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -102,7 +106,7 @@ def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: Device
     caches = [(torch.empty(shape, dtype=dtype, device=dev), torch.empty(shape, dtype=dtype, device=dev))
               for _ in range(cfg.num_layers)]
     positions = torch.arange(num_tokens, device=dev)
-    ids = torch.randint(0, cfg.vocab_size, (num_tokens, ), device=dev)
+    ids = torch.arange(num_tokens, device=dev) % cfg.vocab_size
     ctx = StepContext(is_decode=False, q_start_loc=torch.zeros(1, dtype=torch.int64, device=dev),
                       q_seqlens=torch.tensor([num_tokens], device=dev), kv_seqlens=torch.tensor([num_tokens],
                                                                                                 device=dev),

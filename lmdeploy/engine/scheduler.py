@@ -30,10 +30,17 @@ class ScheduledBatch:
 class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_tokens: int,
-                 on_too_long: Callable[[Sequence, str], None]):
+                 on_too_long: Callable[[Sequence, str], None], mix_prefill_decode: bool = True,
+                 prefill_interval: int = 16):
         self.bm = block_manager
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        # mixing prefill chunks into decode steps suits eager devices; devices
+        # that replay recorded decode steps keep the two apart, and prefill at
+        # most every ``prefill_interval`` decode steps while the batch is full
+        self.mix = mix_prefill_decode
+        self.prefill_interval = prefill_interval
+        self._decode_steps = 0
         self.on_too_long = on_too_long  # finishes a sequence that can never fit
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []
@@ -93,7 +100,25 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------- stepping
+    def _phase(self) -> str:
+        if self.mix:
+            return 'mixed'
+        decoding = sum(1 for s in self.running if s.num_pending == 1)
+        prefilling = len(self.running) - decoding
+        if prefilling or (self.waiting and (decoding == 0 or self._decode_steps >= self.prefill_interval
+                                            or decoding <= self.max_batch_size // 2)):
+            return 'prefill'
+        return 'decode'
+
     def schedule(self) -> ScheduledBatch:
+        phase = self._phase()
+        batch = self._schedule(phase)
+        if phase == 'prefill' and not batch.seqs:  # nothing could be prefilled now
+            phase, batch = 'decode', self._schedule('decode')
+        self._decode_steps = self._decode_steps + 1 if phase == 'decode' else 0
+        return batch
+
+    def _schedule(self, phase: str) -> ScheduledBatch:
         seqs, counts = [], []
         budget = self.max_prefill_tokens
         # running sequences, oldest first; the youngest give way when blocks run out
@@ -101,6 +126,9 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             n = seq.num_pending
+            if (phase == 'decode' and n > 1) or (phase == 'prefill' and n == 1):
+                i += 1
+                continue
             if n > 1:
                 n = min(n, budget)
                 if n == 0:
@@ -126,7 +154,7 @@ class Scheduler:
                 continue
             # seq left the running list; i now points at the next one
         # admit waiting sequences
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while phase != 'decode' and self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             if self.bm.blocks_for(seq.num_tokens) > self.bm.num_blocks:
                 self.waiting.popleft()

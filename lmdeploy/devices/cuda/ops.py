@@ -23,7 +23,6 @@ class CudaOps(DeviceOps):
         self._k_attention, self._k_kv, self._k_norm = attention, kv_cache, norm
         self._k_rotary, self._k_act = rotary, activation
         self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        self._graph_pool = None
 
     @classmethod
     def is_available(cls) -> bool:
@@ -48,7 +47,7 @@ class CudaOps(DeviceOps):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return config_dtype
 
-    def capture_graph(self, fn):
+    def capture_graph(self, fn, pool=None):
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(current)
@@ -56,10 +55,9 @@ class CudaOps(DeviceOps):
             fn()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=pool):
             out = fn()
-        self._graph_pool = graph.pool()
-        return graph.replay, out
+        return graph.replay, out, graph.pool()
 
     # -------------------------------------------------------------- dense ops
     def embedding(self, ids, weight):

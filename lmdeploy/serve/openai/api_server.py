@@ -240,6 +240,12 @@ class _GuardMiddleware:
                 return await _send_json(counting_send, 413, too_big, [(b'connection', b'close')])
             if not message.get('more_body', False):
                 break
+        content_type = headers.get(b'content-type', b'')
+        if b'json' not in content_type and bytes(body[:64]).lstrip()[:1] in (b'{', b'['):
+            # `curl -d '{...}'` sends JSON as a form: read it as the JSON it is
+            scope = dict(scope)
+            scope['headers'] = [(k, v) for k, v in scope['headers'] if k != b'content-type'] + [
+                (b'content-type', b'application/json')]
         replayed = False
 
         async def replay():

@@ -18,6 +18,17 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 
+def _hint(**by_type: Dict[str, Any]):
+    """Schema-only limits, by JSON type (``string={'minLength': 1}``): documented in
+    the OpenAPI schema, checked by the handlers with their own clear messages."""
+
+    def apply(schema: Dict[str, Any]):
+        for arm in schema.get('anyOf') or [schema]:
+            arm.update(by_type.get(arm.get('type'), {}))
+
+    return apply
+
+
 class _Model(BaseModel):
     # NaN / inf are not valid numbers for any field (Python's json accepts them)
     model_config = ConfigDict(allow_inf_nan=False, protected_namespaces=())
@@ -66,14 +77,15 @@ class ContentPart(_Model):
 
 class ChatMessage(_Model):
     model_config = ConfigDict(extra='allow', allow_inf_nan=False)
-    role: str = Field(description="'system', 'user' or 'assistant' ('developer' is read as 'system')")
+    role: Literal['system', 'user', 'assistant', 'tool', 'developer'] = Field(
+        description="'developer' is read as 'system'; 'tool' only where the model's template has it")
     content: Union[str, List[ContentPart], None] = None
     name: Optional[str] = None
 
 
 class ResponseFormat(_Model):
     model_config = ConfigDict(extra='allow', allow_inf_nan=False)
-    type: str
+    type: str = Field(description="only 'text' is supported", json_schema_extra={'enum': ['text']})
 
 
 class _SamplingFields(_Model):
@@ -81,14 +93,18 @@ class _SamplingFields(_Model):
     model: str = Field(description='the served model name (see GET /v1/models)')
     temperature: Optional[float] = Field(None, ge=0, le=2, description='0 decodes greedily; default 0.7')
     top_p: Optional[float] = Field(None, gt=0, le=1, description='default 1.0')
-    n: Optional[int] = Field(1, description='only 1 is supported')
+    n: Optional[int] = Field(1, description='only 1 is supported', json_schema_extra=_hint(
+        integer={'minimum': 1, 'maximum': 1}))
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, List[str], None] = Field(None, description='at most 16 non-empty strings')
     seed: Optional[int] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description='not supported: must be 0')
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description='not supported: must be 0')
-    logit_bias: Optional[Dict[str, float]] = Field(None, description='not supported: must be empty')
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description='not supported: must be 0',
+                                              json_schema_extra=_hint(number={'minimum': 0, 'maximum': 0}))
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description='not supported: must be 0',
+                                               json_schema_extra=_hint(number={'minimum': 0, 'maximum': 0}))
+    logit_bias: Optional[Dict[str, float]] = Field(None, description='not supported: must be empty',
+                                                   json_schema_extra=_hint(object={'maxProperties': 0}))
     user: Optional[str] = None
     # LMDeploy extensions
     top_k: Optional[int] = Field(None, ge=0, description='0 disables; default 40')
@@ -104,24 +120,29 @@ class _SamplingFields(_Model):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Union[str, List[ChatMessage]]
+    messages: Union[str, List[ChatMessage]] = Field(json_schema_extra=_hint(string={'minLength': 1},
+                                                                            array={'minItems': 1}))
     max_tokens: Optional[int] = Field(None, ge=1, description='default: up to session_len')
     max_completion_tokens: Optional[int] = Field(None, ge=1, description='overrides max_tokens')
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     response_format: Optional[ResponseFormat] = Field(None, description="only {'type': 'text'}")
+    # tools are refused (400); declared so that clients sending them get that clear answer
     tools: Optional[List[Dict[str, Any]]] = Field(None, description='not supported: must be empty')
     tool_choice: Union[str, Dict[str, Any], None] = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, List[str], List[int], List[List[int]]] = Field(
-        description='a string, a list of strings, a list of token ids or a list of those')
+        description='a string, a list of strings, a list of token ids or a list of those',
+        json_schema_extra=_hint(string={'minLength': 1}, array={'minItems': 1}))
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
-    echo: Optional[bool] = Field(False, description='not supported: must be false')
-    suffix: Optional[str] = Field(None, description='not supported')
-    best_of: Optional[int] = Field(None, description='only 1 is supported')
+    echo: Optional[bool] = Field(False, description='not supported: must be false',
+                                 json_schema_extra=_hint(boolean={'enum': [False]}))
+    suffix: Optional[str] = Field(None, description='not supported', json_schema_extra=_hint(string={'maxLength': 0}))
+    best_of: Optional[int] = Field(None, description='only 1 is supported',
+                                   json_schema_extra=_hint(integer={'minimum': 1, 'maximum': 1}))
 
 
 class GenerateRequest(_Model):

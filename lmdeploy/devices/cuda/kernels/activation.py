@@ -10,8 +10,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.c
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    dt = out_ptr.dtype.element_ty
+    # silu rounded to the activation dtype before the product, as silu(gate) * up does
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(dt), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -18,12 +18,17 @@ def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, strid
     m = hmask[:, None] & dmask[None, :]
     x1 = tl.load(base, mask=m, other=0.0)
     x2 = tl.load(base + HALF, mask=m, other=0.0)
+    # round after every product and sum, as x * cos + rotate_half(x) * sin
+    # does in x's dtype (the reference, and transformers)
+    dt = x1.dtype
+    c = cos.to(dt).to(tl.float32)[None, :]
+    s = sin.to(dt).to(tl.float32)[None, :]
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    o1 = x1f * cos[None, :] - x2f * sin[None, :]
-    o2 = x2f * cos[None, :] + x1f * sin[None, :]
+    o1 = (x1f * c).to(dt).to(tl.float32) + (-x2f * s).to(dt).to(tl.float32)
+    o2 = (x2f * c).to(dt).to(tl.float32) + (x1f * s).to(dt).to(tl.float32)
     obase = out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(obase, o1.to(x1.dtype), mask=m)
-    tl.store(obase + HALF, o2.to(x1.dtype), mask=m)
+    tl.store(obase, o1.to(dt), mask=m)
+    tl.store(obase + HALF, o2.to(dt), mask=m)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
