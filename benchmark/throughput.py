@@ -53,8 +53,16 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     pipe.close()
     generated = sum(r.generate_token_len for r in responses)
     assert generated == sum(outs), (generated, sum(outs))
+    x = stats.extra
+    for phase in ('prefill', 'decode'):
+        if x.get(f'{phase}_steps'):
+            print(f"  {phase}: {x[f'{phase}_steps']} steps, {x[f'{phase}_seconds']:.1f} s, "
+                  f"{1e3 * x[f'{phase}_seconds'] / x[f'{phase}_steps']:.1f} ms/step, "
+                  f"{x[f'{phase}_seqs'] / x[f'{phase}_steps']:.1f} seqs/step, "
+                  f"{x[f'{phase}_tokens'] / x[f'{phase}_steps']:.1f} tokens/step")
     return dict(engine='lmdeploy', device=device, load_s=load_s, elapsed_s=elapsed, output_tokens=generated,
-                kv_capacity_tokens=stats.num_blocks * stats.block_size, preemptions=stats.num_preemptions)
+                kv_capacity_tokens=stats.num_blocks * stats.block_size, preemptions=stats.num_preemptions,
+                step_stats=x)
 
 
 def run_hf(args, prompts, outs) -> dict:

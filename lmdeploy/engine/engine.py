@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import queue
 import random
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -88,7 +90,14 @@ class Engine:
         self._active: Dict[int, Sequence] = {}  # session_id -> waiting/running sequence
         self._next_seq_id = 0
         self._num_generated = 0
+        # per phase ('prefill' | 'decode'): steps, sequences, tokens, seconds
+        self._step_stats = {p: [0, 0, 0, 0.0] for p in ('prefill', 'decode')}
         self._stopping = False
+        # The engine thread waits on the device with the GIL released; when the
+        # wait ends it must get the GIL back quickly from threads that are
+        # detokenizing, not after Python's default 5 ms switch interval.
+        if sys.getswitchinterval() > 0.001:
+            sys.setswitchinterval(0.001)
         self._thread = threading.Thread(target=self._loop, name='lmdeploy-engine', daemon=True)
         self._thread.start()
 
@@ -141,7 +150,9 @@ class Engine:
                                num_waiting=len(s.waiting), num_idle_sessions=len(s.idle),
                                num_preemptions=s.num_preemptions,
                                num_prefix_hit_tokens=self.block_manager.num_prefix_hits,
-                               num_generated_tokens=self._num_generated)
+                               num_generated_tokens=self._num_generated,
+                               extra={f'{p}_{k}': v for p, vals in self._step_stats.items()
+                                      for k, v in zip(('steps', 'seqs', 'tokens', 'seconds'), vals)})
 
     def check_invariants(self):
         """Assert that every KV block is free or owned, counts consistent."""
@@ -191,6 +202,8 @@ class Engine:
                 barriers.clear()
 
     def _run_step(self, batch: ScheduledBatch):
+        stats = self._step_stats['decode' if batch.is_decode else 'prefill']
+        start = time.perf_counter()
         try:
             with torch.inference_mode():
                 self._step(batch)
@@ -199,6 +212,10 @@ class Engine:
             for seq in batch.seqs:
                 if seq.status != SeqStatus.FINISHED:
                     self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
+        stats[0] += 1
+        stats[1] += len(batch.seqs)
+        stats[2] += sum(batch.num_new_tokens)
+        stats[3] += time.perf_counter() - start
 
     # ------------------------------------------------------------- commands
     def _on_add(self, req: EngineRequest):

@@ -10,6 +10,8 @@ import asyncio
 import itertools
 import logging
 import random
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
@@ -70,6 +72,41 @@ class _StopMatcher:
             if any(w.startswith(tail) for w in self.words):
                 return cut
         return len(text)
+
+
+class _Courier:
+    """Hands engine outputs (made on the engine thread) to one event loop,
+    waking it once per batch of outputs rather than once per output."""
+    _by_loop: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: List[tuple] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> '_Courier':
+        courier = cls._by_loop.get(loop)
+        if courier is None:
+            courier = cls._by_loop[loop] = cls(loop)
+        return courier
+
+    def deliver(self, queue: asyncio.Queue, out: EngineOutput):
+        with self.lock:
+            self.pending.append((queue, out))
+            if len(self.pending) > 1:  # a flush is already on its way
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the consumer's loop is closed: nobody waits (its cancel is on the way)
+            with self.lock:
+                self.pending.clear()
+
+    def _flush(self):
+        with self.lock:
+            items, self.pending = self.pending, []
+        for queue, out in items:
+            queue.put_nowait(out)
 
 
 class Gateway:
@@ -168,11 +205,11 @@ class Gateway:
         except (ValueError, TypeError) as e:
             yield GenOut('', 0, 0, finish_reason='error', error=str(e))
             return
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
+        courier = _Courier.of(asyncio.get_running_loop())
 
         def on_output(out: EngineOutput):
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            courier.deliver(outputs, out)
 
         self.engine.submit(EngineRequest(session_id, list(ids), params, on_output, interactive=interactive))
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=gen.skip_special_tokens,

@@ -78,6 +78,22 @@ _VALUE_ERRORS = {'greater_than', 'greater_than_equal', 'less_than', 'less_than_e
                  'literal_error', 'enum'}
 
 
+def _validation_status(errors: List[Dict[str, Any]]) -> int:
+    """400 when every field in error had the right shape but a bad value (for a
+    union, some variant's value check failed); 422 when a field is missing or
+    of the wrong type, or the body is not JSON."""
+    by_field: Dict[Any, List[str]] = {}
+    for e in errors:
+        loc = [x for x in e.get('loc', ()) if x != 'body']
+        by_field.setdefault(loc[0] if loc else None, []).append(e.get('type'))
+    if not by_field:
+        return 422
+    for field_name, types in by_field.items():
+        if field_name is None or not any(t in _VALUE_ERRORS for t in types):
+            return 422
+    return 400
+
+
 # ---------------------------------------------------------------------- errors
 class APIError(Exception):
     """Raised anywhere in a handler: becomes an OpenAI-shaped error response."""
@@ -674,7 +690,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        status = 400 if errors and all(e.get('type') in _VALUE_ERRORS for e in errors) else 422
+        status = _validation_status(errors)
         parts, param = [], None
         for e in errors[:5]:
             loc = [str(x) for x in e.get('loc', ()) if x != 'body']
