@@ -112,7 +112,7 @@ def main():
     p.add_argument('--max-input-len', type=int, default=2000)
     p.add_argument('--max-output-len', type=int, default=1000)
     p.add_argument('--max-batch-size', type=int, default=None)
-    p.add_argument('--max-prefill-token-num', type=int, default=4096)
+    p.add_argument('--max-prefill-token-num', type=int, default=8192)
     p.add_argument('--cache-max-entry-count', type=float, default=0.8)
     p.add_argument('--prefix-caching', action='store_true')
     p.add_argument('--eager', action='store_true')

@@ -127,7 +127,7 @@ class PytorchEngineConfig:
     quant_policy: int = 0
     cpu_kv_cache_cap_gb: float = 4.0
     # with graph replay, prefill steps are kept apart from decode steps and,
-    # while the batch is more than half full, run at most every this many steps
+    # unless an eighth of the batch is free, run at most every this many steps
     prefill_interval: int = 16
     # accepted for LMDeploy compatibility; no effect here
     num_cpu_blocks: int = 0

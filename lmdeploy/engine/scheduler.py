@@ -105,8 +105,10 @@ class Scheduler:
             return 'mixed'
         decoding = sum(1 for s in self.running if s.num_pending == 1)
         prefilling = len(self.running) - decoding
+        # refill when a good share of the batch is free, or every prefill_interval steps
+        free_slots = self.max_batch_size - len(self.running)
         if prefilling or (self.waiting and (decoding == 0 or self._decode_steps >= self.prefill_interval
-                                            or decoding <= self.max_batch_size // 2)):
+                                            or free_slots >= max(1, self.max_batch_size // 8))):
             return 'prefill'
         return 'decode'
 
