@@ -549,3 +549,30 @@ def test_stalled_reader_asgi_level(srv):
 
     asyncio.run(main())
     assert_clean(srv)
+
+
+EXTREMES = [
+    dict(top_k=10 ** 12, temperature=1.0),
+    dict(seed=2 ** 80, temperature=1.0),
+    dict(seed=-5, temperature=1.0),
+    dict(repetition_penalty=100.0),
+    dict(repetition_penalty=1e-9),
+    dict(temperature=1e-300),
+    dict(temperature=2.0, top_p=1e-300),
+    dict(min_p=1.0, temperature=1.0),
+    dict(min_new_tokens=10 ** 9),
+    dict(stop=['a' * 256] * 16),
+    dict(top_k=0, temperature=2.0, top_p=1.0, min_p=0.0),
+]
+
+
+@pytest.mark.parametrize('extra', EXTREMES, ids=[str(i) for i in range(len(EXTREMES))])
+def test_extreme_valid_values_do_not_break_the_engine(http, srv, extra):
+    """Odd but valid settings: answered (200 or a clear 400), never a 5xx, and
+    the engine keeps serving."""
+    r = http.post(CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=3, **extra))
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 200:
+        assert r.json()['choices'][0]['finish_reason'] in ('stop', 'length')
+    ok = http.post(CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=2))
+    assert ok.status_code == 200

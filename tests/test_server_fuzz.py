@@ -62,7 +62,7 @@ def test_fuzz_openapi_no_5xx(srv, mode):
     operations = [r.ok() for r in schema.get_all_operations()]
     assert {op.path for op in operations} >= {'/v1/models', '/v1/chat/completions', '/v1/completions', '/generate',
                                               '/health', '/metrics'}
-    tested, statuses, calls = 0, {}, []
+    tested, statuses = 0, {}
     for op in operations:
         if mode == 'negative' and op.method.upper() != 'POST':
             continue  # nothing to break in a GET without parameters
@@ -74,14 +74,14 @@ def test_fuzz_openapi_no_5xx(srv, mode):
             _clamp(case, srv.state.model_name if mode == 'positive' else None)
             response = case.call(base_url=srv.url, headers=headers, timeout=120)
             statuses[(op.path, response.status_code)] = statuses.get((op.path, response.status_code), 0) + 1
-            calls.append(op.path)
             _check(case, response)
 
         run()
         tested += 1
     assert tested >= (3 if mode == 'negative' else 6)
     if mode == 'positive':  # valid bodies do reach the engine
-        assert sum(n for (path, status), n in statuses.items() if status == 200 and path != '/health') > 20
+        generating = ('/v1/chat/completions', '/v1/completions', '/generate')
+        assert sum(n for (path, status), n in statuses.items() if status == 200 and path in generating) >= 15
     # fuzzed interactive sessions stay open: end them, then nothing may be left behind
     for sess in list(srv.state.sessions.by_client.values()):
         srv.gateway.end_session(sess.internal_id)

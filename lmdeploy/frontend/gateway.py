@@ -190,12 +190,15 @@ class Gateway:
     async def generate(self, prompt: Optional[Prompt], session_id: int, gen_config: Optional[GenerationConfig] = None,
                        input_ids: Optional[List[int]] = None, do_preprocess: bool = True,
                        sequence_start: bool = True, interactive: bool = False,
-                       prompt_loss: bool = False) -> AsyncIterator[GenOut]:
+                       prompt_loss: bool = False, stream_text: bool = True) -> AsyncIterator[GenOut]:
         """Stream GenOut increments; the last one has finish_reason set.
 
         interactive: the session keeps its KV cache after this turn; the
         next call with the same session_id and sequence_start=False sends
         only the new turn.
+        stream_text=False: the caller wants the text only at the end, so
+        (without stop words, which need the text as it grows) it is decoded
+        once there instead of token by token; the result is the same.
         """
         gen = gen_config or GenerationConfig()
         try:
@@ -216,13 +219,20 @@ class Gateway:
                                        spaces_between_special_tokens=gen.spaces_between_special_tokens)
         stops = _StopMatcher(gen.stop_words or [], gen.include_stop_str_in_output)
         text, shown, num_generated = '', 0, 0
+        lazy = not stream_text and not stops.words
+        held: List[int] = []  # ids not yet detokenized (lazy mode)
         finished = False
         try:
             while True:
                 out: EngineOutput = await outputs.get()
                 num_generated += len(out.new_token_ids)
                 searched = len(text)
-                text += detok.step(out.new_token_ids)
+                if lazy:
+                    held.extend(out.new_token_ids)
+                    if out.finished:
+                        text += detok.step(held)
+                else:
+                    text += detok.step(out.new_token_ids)
                 reason = out.finish_reason if out.finished else None
                 if out.finished:
                     text += detok.finish()

@@ -123,6 +123,7 @@ class Pipeline:
         acc = _Accumulator(session_id, index)
         if _is_token_ids(prompt):
             prompt, kwargs['input_ids'] = None, prompt
+        kwargs.setdefault('stream_text', sink is not None)
         async for out in self.gateway.generate(prompt, session_id, gen, do_preprocess=do_preprocess, **kwargs):
             resp = acc.add(out)
             if sink is not None:

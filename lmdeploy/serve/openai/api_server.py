@@ -63,6 +63,7 @@ DEFAULT_DRAIN_TIMEOUT = 60
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_LEN = 256
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
+_CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never received
 # LMDeploy's server defaults
 DEFAULT_TEMPERATURE = 0.7
 DEFAULT_TOP_P = 1.0
@@ -794,7 +795,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
             run, firsts = await run_jobs(request, 'chat', [_Job(0, ids, gen, sess.internal_id)])
             failed = False
         except _ClientGone:
-            return Response(status_code=400)
+            return Response(status_code=_CLIENT_GONE)
         finally:
             if failed:
                 _end_lease(state, client_id, sess, keep=False, failed=True)
@@ -805,7 +806,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
             try:
                 results = await finish_jobs(request, run, firsts)
             except _ClientGone:
-                return Response(status_code=400)
+                return Response(status_code=_CLIENT_GONE)
             finally:
                 _end_lease(state, client_id, sess, keep=False, failed=False)
             r = results[0]
@@ -887,7 +888,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                 _Job(i, ids, gen, sid) for i, (ids, gen, sid) in enumerate(zip(all_ids, gens, internal))])
             failed = False
         except _ClientGone:
-            return Response(status_code=400)
+            return Response(status_code=_CLIENT_GONE)
         finally:
             if failed:
                 _end_lease(state, client_id, sess, keep=False, failed=True)
@@ -898,7 +899,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
             try:
                 results = await finish_jobs(request, run, firsts)
             except _ClientGone:
-                return Response(status_code=400)
+                return Response(status_code=_CLIENT_GONE)
             finally:
                 _end_lease(state, client_id, sess, keep=False, failed=False)
             for r in results:
@@ -988,7 +989,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
             run, firsts = await run_jobs(request, 'generate', [job])
             outcome['failed'] = False
         except _ClientGone:
-            return Response(status_code=400)
+            return Response(status_code=_CLIENT_GONE)
         finally:
             if outcome['failed']:
                 _end_lease(state, client_id, sess, keep=keep, failed=True)
@@ -1007,7 +1008,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                 r = results[0]
                 failed = r.finish_reason == 'error'
             except _ClientGone:
-                return Response(status_code=400)
+                return Response(status_code=_CLIENT_GONE)
             finally:
                 _end_lease(state, client_id, sess, keep=keep, failed=failed)
             if r.finish_reason == 'error':
