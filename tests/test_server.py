@@ -26,7 +26,9 @@ def start_server(model_path: str, **app_kwargs) -> SimpleNamespace:
     from lmdeploy.frontend.gateway import Gateway
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.serve.openai.api_server import BackgroundServer, create_app
-    gateway = Gateway(model_path, PytorchEngineConfig(device_type='cpu', session_len=SESSION_LEN), model_name=MODEL)
+    # 256 blocks of 64 tokens: room for every test (the load test runs 64 sequences at a time)
+    config = PytorchEngineConfig(device_type='cpu', session_len=SESSION_LEN, num_gpu_blocks=256)
+    gateway = Gateway(model_path, config, model_name=MODEL)
     app = create_app(gateway, **{'api_keys': [KEY], 'max_body_bytes': MAX_BODY, 'max_log_len': 64, **app_kwargs})
     server = BackgroundServer(app).start()
     return SimpleNamespace(url=server.url, gateway=gateway, engine=gateway.engine, app=app,

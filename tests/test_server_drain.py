@@ -35,7 +35,7 @@ def server_proc(smollm2_path):
     env = dict(os.environ)
     env['PYTHONPATH'] = REPO + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')
     cmd = [sys.executable, '-m', 'lmdeploy.serve.openai.api_server', smollm2_path, '--server-name', '127.0.0.1',
-           '--server-port', str(port), '--device', 'cpu', '--session-len', '1024', '--api-keys', KEY,
+           '--server-port', str(port), '--device', 'cpu', '--session-len', '1024', '--num-gpu-blocks', '64', '--api-keys', KEY,
            '--model-name', MODEL, '--log-level', 'INFO', '--max-log-len', '12']
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []

@@ -41,6 +41,8 @@ class EngineRequest:
     on_output: Callable[[EngineOutput], None]
     # keep the session's cache after this turn (interactive chat)
     interactive: bool = False
+    # False: deliver one merged output when the request finishes (no per-token traffic)
+    stream: bool = True
 
 
 @dataclass
@@ -245,6 +247,8 @@ class Engine:
                            self.session_len)
             self._next_seq_id += 1
         seq.interactive = req.interactive
+        seq.stream = req.stream
+        seq.held = None
         self._active[seq.session_id] = seq
         self.scheduler.add(seq)
 
@@ -291,7 +295,7 @@ class Engine:
         out.num_prompt_tokens = seq.num_prompt_tokens
         if seq.params.prompt_loss and seq.loss_count:
             out.prompt_loss = seq.loss_sum / seq.loss_count
-        seq.on_output(out)
+        self._emit(seq, out)
 
     def _step(self, batch: ScheduledBatch):
         hidden = self.runner.forward(batch)
@@ -337,7 +341,7 @@ class Engine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             extra = extras.get(seq.seq_id)
             if extra and seq.num_pending > 0:  # a prompt chunk: stream what was asked for
-                seq.on_output(EngineOutput([], logits=extra.get('logits'), last_hidden_state=extra.get('hidden')))
+                self._emit(seq, EngineOutput([], logits=extra.get('logits'), last_hidden_state=extra.get('hidden')))
         if not done:
             return
         loss_done = [(s, r) for s, r in done if s.params.prompt_loss]
@@ -373,7 +377,19 @@ class Engine:
             if seq.num_generated >= p.max_new_tokens or seq.num_tokens >= seq.max_len:
                 self._finish(seq, 'length', output=out)
             else:
-                seq.on_output(out)
+                self._emit(seq, out)
+
+    @staticmethod
+    def _emit(seq: Sequence, out: EngineOutput):
+        """Deliver an output now, or (non-streaming requests) hold it and
+        deliver everything merged when the request finishes."""
+        if seq.held is not None:
+            out = seq.held.merged_with(out)
+            seq.held = None
+        if seq.stream or out.finished:
+            seq.on_output(out)
+        else:
+            seq.held = out
 
     @staticmethod
     def _with_extra(out: EngineOutput, extra: Optional[dict]) -> EngineOutput:

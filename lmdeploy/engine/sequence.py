@@ -46,6 +46,19 @@ class EngineOutput:
     prompt_loss: Optional[float] = None  # mean cross-entropy over the prompt
     error: Optional[str] = None
 
+    def merged_with(self, later: 'EngineOutput') -> 'EngineOutput':
+        """This output followed by ``later``, as one (the later one's status wins)."""
+        import torch
+
+        def cat(a, b):
+            return b if a is None else a if b is None else torch.cat([a, b])
+
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return EngineOutput(self.new_token_ids + later.new_token_ids, later.finished, later.finish_reason,
+                            later.num_prompt_tokens, logprobs, cat(self.logits, later.logits),
+                            cat(self.last_hidden_state, later.last_hidden_state), later.prompt_loss, later.error)
+
 
 class SeqStatus(enum.Enum):
     WAITING = 'waiting'  # queued, nothing (or nothing any more) in the cache
@@ -80,6 +93,8 @@ class Sequence:
         self.loss_count = 0
         self.num_reported = 0  # prompt positions whose logits/hidden states were delivered
         self.interactive = False
+        self.stream = True  # False: outputs are held and delivered merged at the end
+        self.held: Optional[EngineOutput] = None
 
     @property
     def num_tokens(self) -> int:

@@ -214,12 +214,13 @@ class Gateway:
         def on_output(out: EngineOutput):
             courier.deliver(outputs, out)
 
-        self.engine.submit(EngineRequest(session_id, list(ids), params, on_output, interactive=interactive))
+        stops = _StopMatcher(gen.stop_words or [], gen.include_stop_str_in_output)
+        lazy = not stream_text and not stops.words
+        self.engine.submit(EngineRequest(session_id, list(ids), params, on_output, interactive=interactive,
+                                         stream=not lazy))
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=gen.skip_special_tokens,
                                        spaces_between_special_tokens=gen.spaces_between_special_tokens)
-        stops = _StopMatcher(gen.stop_words or [], gen.include_stop_str_in_output)
         text, shown, num_generated = '', 0, 0
-        lazy = not stream_text and not stops.words
         held: List[int] = []  # ids not yet detokenized (lazy mode)
         finished = False
         try:
