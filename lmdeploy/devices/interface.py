@@ -61,6 +61,8 @@ class DeviceOps:
         the same ``pool`` share their memory (pass None for the first)."""
         raise NotImplementedError(f'device {self.name!r} has no graph capture')
 
+    default_max_batch_size: int = 256
+
     # whether the KV budget must be measured after a profiling forward pass
     # (devices whose allocator keeps activation memory reserved)
     profile_memory: bool = False

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import sys
 import threading
 import time
@@ -70,7 +69,7 @@ class Engine:
         self.model = load_model(model_path, self.model_config, self.dtype, self.device.torch_device())
         self.block_size = config.block_size
         self.session_len = self._session_len()
-        self.max_batch_size = config.max_batch_size or (64 if self.device.name == 'cpu' else 256)
+        self.max_batch_size = config.max_batch_size or self.device.default_max_batch_size
         if self.device.profile_memory:
             profile_peak_memory(self.model, self.model_config, self.device, self.dtype,
                                 min(config.max_prefill_token_num, self.session_len), self.block_size,
@@ -192,12 +191,23 @@ class Engine:
                         getattr(self, f'_on_{cmd}')(arg)
             except queue.Empty:
                 pass
+            except Exception:  # a bug in handling one command must not stop the loop
+                logger.exception('engine command failed')
+            stalled = False
             with self._lock:
                 if self.scheduler.has_work():
-                    batch = self.scheduler.schedule()
+                    try:
+                        batch = self.scheduler.schedule()
+                    except Exception as e:
+                        logger.exception('scheduling failed')
+                        self._fail_all(f'{type(e).__name__}: {e}')
+                        batch = ScheduledBatch([], [])
                     if batch.seqs:
                         self._run_step(batch)
+                    stalled = not batch.seqs
                 busy = self.scheduler.has_work()
+            if stalled and busy:  # nothing fits right now: do not spin
+                time.sleep(0.001)
             if not busy:
                 for ev in barriers:
                     ev.set()
@@ -270,6 +280,11 @@ class Engine:
         with self._lock:
             for seq in list(self._active.values()):
                 self._finish(seq, 'abort', error='the engine is shutting down')
+
+    def _fail_all(self, error: str):
+        for seq in list(self._active.values()):
+            seq.interactive = False
+            self._finish(seq, 'error', error=error)
 
     def _finish_too_long(self, seq: Sequence, why: str):
         seq.interactive = False
@@ -397,7 +412,3 @@ class Engine:
             out.logits = extra.get('logits')
             out.last_hidden_state = extra.get('hidden')
         return out
-
-    @staticmethod
-    def new_seed() -> int:
-        return random.SystemRandom().randrange(1 << 31)

@@ -16,6 +16,7 @@ from ..interface import DeviceOps
 class CpuOps(DeviceOps):
     name = 'cpu'
     torch_device_type = 'cpu'
+    default_max_batch_size = 64
 
     @classmethod
     def is_available(cls) -> bool:
