@@ -324,6 +324,9 @@ def test_not_ready_and_draining_503(srv):
 def test_health_and_metrics(srv, http):
     assert httpx.get(srv.url + '/health').json() == {'status': 'ok'}
     http.post(CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=4))
+    with http.stream('POST', CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=4, ignore_eos=True,
+                                             stream=True)) as r:
+        r.read()
     text = httpx.get(srv.url + '/metrics').text  # no key needed
     for name in ('lmdeploy_num_requests_running', 'lmdeploy_num_requests_waiting', 'lmdeploy_kv_cache_blocks_used',
                  'lmdeploy_kv_cache_blocks_free', 'lmdeploy_engine_generated_tokens_total',
@@ -454,8 +457,10 @@ def test_generate_cancel(srv):
     deadline = time.monotonic() + 10
     while srv.engine.stats().num_running == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    APIClient(srv.url, api_key=KEY).cancel(77)
+    with APIClient(srv.url, api_key=KEY) as other:
+        other.cancel(77)
     t.join(30)
+    api.close()
     assert result['r']['finish_reason'] == 'abort' and result['r']['tokens'] < 800
     assert_clean(srv)
 
@@ -474,11 +479,13 @@ def test_api_client_openai_endpoints(srv):
     with pytest.raises(APIClientError) as e:
         list(api.chat_completions_v1('other', MESSAGES))
     assert e.value.status == 400 and e.value.code == 'model_not_found'
-    assert APIClient(srv.url, api_key='wrong').health()  # /health needs no key
-    with pytest.raises(APIClientError) as e:
-        APIClient(srv.url, api_key='wrong').available_models
-    assert e.value.status == 401
+    with APIClient(srv.url, api_key='wrong') as wrong:
+        assert wrong.health()  # /health needs no key
+        with pytest.raises(APIClientError) as e:
+            wrong.available_models
+        assert e.value.status == 401
     assert 'lmdeploy_kv_cache_blocks_total' in api.metrics()
+    api.close()
 
 
 def test_import_lmdeploy_stays_server_free():

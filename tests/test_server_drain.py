@@ -35,8 +35,8 @@ def server_proc(smollm2_path):
     env = dict(os.environ)
     env['PYTHONPATH'] = REPO + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')
     cmd = [sys.executable, '-m', 'lmdeploy.serve.openai.api_server', smollm2_path, '--server-name', '127.0.0.1',
-           '--server-port', str(port), '--device', 'cpu', '--session-len', '1024', '--num-gpu-blocks', '64', '--api-keys', KEY,
-           '--model-name', MODEL, '--log-level', 'INFO', '--max-log-len', '12']
+           '--server-port', str(port), '--device', 'cpu', '--session-len', '1024', '--num-gpu-blocks', '64',
+           '--api-keys', KEY, '--model-name', MODEL, '--log-level', 'INFO', '--max-log-len', '12']
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
@@ -60,6 +60,8 @@ def server_proc(smollm2_path):
     if proc.poll() is None:
         proc.kill()
         proc.wait(10)
+    reader.join(10)
+    proc.stdout.close()
 
 
 def test_sigterm_drains_running_stream_then_exits_0(server_proc):

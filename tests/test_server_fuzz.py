@@ -37,7 +37,7 @@ def _clamp(case, model=None):
     if path in ('/v1/chat/completions', '/v1/completions', '/generate'):
         for name in LENGTH_FIELDS:
             value = body.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_NEW_TOKENS:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_NEW_TOKENS:
                 body[name] = MAX_NEW_TOKENS
         if path == '/generate':
             if body.get('request_output_len') is None:

@@ -46,13 +46,13 @@ from fastapi import FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig
 
 from . import protocol as P
-from .metrics import CONTENT_TYPE_LATEST, RequestTimer, ServerMetrics
+from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 
 logger = logging.getLogger('lmdeploy.serve')
 
@@ -305,6 +305,7 @@ class _Job:
     gen: GenerationConfig
     session_id: int  # the engine's
     interactive: bool = False
+    stream: bool = True  # False: the engine hands over the whole result at the end (less per-token work)
 
 
 @dataclass
@@ -334,14 +335,15 @@ class _Run:
         gateway = state.gateway
         self.jobs = jobs
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.timers = [state.metrics.timer(endpoint) for _ in jobs]
+        self.timers = [state.metrics.timer(endpoint, streaming=job.stream) for job in jobs]
         for timer, job in zip(self.timers, jobs):
             timer.prompt_tokens = len(job.input_ids)
         self._generated = [0] * len(jobs)
         self._open = len(jobs)
         self._closed = False
         self.tasks = [asyncio.ensure_future(self._pump(job, gateway.generate(
-            None, job.session_id, job.gen, input_ids=job.input_ids, interactive=job.interactive))) for job in jobs]
+            None, job.session_id, job.gen, input_ids=job.input_ids, interactive=job.interactive,
+            stream_text=job.stream))) for job in jobs]
 
     async def _pump(self, job: _Job, gen):
         try:
@@ -384,12 +386,6 @@ class _Run:
             items.append(item)
             seen.add(item[0])
         return items
-
-    async def collect(self) -> List[_Result]:
-        results = [_Result() for _ in self.jobs]
-        while (item := await self.next()) is not None:
-            _accumulate(results[item[0]], item[1])
-        return results
 
     async def iterate(self, buffered) -> AsyncIterator[Tuple[int, Any]]:
         for item in buffered:
@@ -792,7 +788,8 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         client_id, sess = _begin_session(state, req.session_id, exclusive=True)
         failed = True
         try:
-            run, firsts = await run_jobs(request, 'chat', [_Job(0, ids, gen, sess.internal_id)])
+            job = _Job(0, ids, gen, sess.internal_id, stream=bool(req.stream))
+            run, firsts = await run_jobs(request, 'chat', [job])
             failed = False
         except _ClientGone:
             return Response(status_code=_CLIENT_GONE)
@@ -885,7 +882,8 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         failed = True
         try:
             run, firsts = await run_jobs(request, 'completions', [
-                _Job(i, ids, gen, sid) for i, (ids, gen, sid) in enumerate(zip(all_ids, gens, internal))])
+                _Job(i, ids, gen, sid, stream=bool(req.stream))
+                for i, (ids, gen, sid) in enumerate(zip(all_ids, gens, internal))])
             failed = False
         except _ClientGone:
             return Response(status_code=_CLIENT_GONE)
@@ -983,7 +981,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         log_request(rid, 'generate', prompt_for_log, ids, gen)
         client_id, sess = _begin_session(state, client_id)
         keep = req.interactive_mode
-        job = _Job(0, ids, gen, sess.internal_id, interactive=keep)
+        job = _Job(0, ids, gen, sess.internal_id, interactive=keep, stream=req.stream)
         outcome = {'failed': True}
         try:
             run, firsts = await run_jobs(request, 'generate', [job])

@@ -22,8 +22,8 @@ lmdeploy_api_requests_in_flight             gauge      generation requests the s
 lmdeploy_requests_total                     counter    finished generation requests {endpoint, finish_reason}
 lmdeploy_prompt_tokens_total                counter    prompt tokens of finished requests
 lmdeploy_generation_tokens_total            counter    tokens returned to clients
-lmdeploy_time_to_first_token_seconds        histogram  request arrival -> first token
-lmdeploy_time_per_output_token_seconds      histogram  time between output tokens
+lmdeploy_time_to_first_token_seconds        histogram  request arrival -> first token (streaming requests)
+lmdeploy_time_per_output_token_seconds      histogram  time between output tokens (streaming requests)
 lmdeploy_e2e_request_latency_seconds        histogram  request arrival -> last output
 lmdeploy_http_errors_total                  counter    error responses {status}
 ==========================================  =========  ===================================================
@@ -109,17 +109,19 @@ class ServerMetrics:
         """The text exposition (blocking: run it in a thread)."""
         return generate_latest(self.registry)
 
-    def timer(self, endpoint: str) -> 'RequestTimer':
-        return RequestTimer(self, endpoint)
+    def timer(self, endpoint: str, streaming: bool = True) -> 'RequestTimer':
+        return RequestTimer(self, endpoint, streaming)
 
 
 class RequestTimer:
-    """Observes one request's latencies; ``start`` at arrival, ``tokens`` as
-    outputs come, ``finish`` once (idempotent)."""
+    """Observes one request's latencies; made at arrival, ``tokens`` as
+    outputs come, ``finish`` once (idempotent). A non-streaming request gets its
+    tokens all at once at the end: it counts in the e2e latency only."""
 
-    def __init__(self, metrics: ServerMetrics, endpoint: str):
+    def __init__(self, metrics: ServerMetrics, endpoint: str, streaming: bool = True):
         self.m = metrics
         self.endpoint = endpoint
+        self.streaming = streaming
         self.t0 = time.perf_counter()
         self.last: Optional[float] = None
         self.num_tokens = 0
@@ -131,7 +133,9 @@ class RequestTimer:
         if n <= 0:
             return
         now = time.perf_counter()
-        if self.last is None:
+        if not self.streaming:
+            pass
+        elif self.last is None:
             self.m.ttft.observe(now - self.t0)
         else:
             per = (now - self.last) / n
