@@ -166,6 +166,10 @@ class Engine:
         self._inbox.put(('barrier', done))
         return done.wait(timeout)
 
+    def is_alive(self) -> bool:
+        """True while the engine accepts and runs requests."""
+        return not self._stopping and self._thread.is_alive()
+
     def close(self):
         if not self._stopping:
             self._stopping = True

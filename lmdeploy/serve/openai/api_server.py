@@ -193,8 +193,7 @@ class ServerState:
         if self.gateway is None:
             return 'the engine is not ready yet', 'engine_not_ready'
         engine = self.gateway.engine
-        thread = getattr(engine, '_thread', None)
-        if getattr(engine, '_stopping', False) or (thread is not None and not thread.is_alive()):
+        if not engine.is_alive():
             return 'the engine has stopped', 'engine_stopped'
         return None
 
