@@ -55,12 +55,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    attention_cls = LlamaAttention
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attention_cls=LlamaAttention):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = self.attention_cls(cfg, layer_idx)
+        self.self_attn = attention_cls(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -75,12 +74,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    layer_cls = LlamaDecoderLayer
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention_cls=LlamaAttention):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, attention_cls) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
 
@@ -95,14 +93,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    model_cls = LlamaModel
+    """Variants (Qwen) differ only in their attention block."""
+    attention_cls = LlamaAttention
     stacked_params = [('qkv_proj', 'q_proj', 'q'), ('qkv_proj', 'k_proj', 'k'), ('qkv_proj', 'v_proj', 'v'),
                       ('gate_up_proj', 'gate_proj', 'gate'), ('gate_up_proj', 'up_proj', 'up')]
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = self.model_cls(cfg)
+        self.model = LlamaModel(cfg, self.attention_cls)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         self.tie_weights()
 

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 from ..model_config import ModelConfig
 from ..nn import RMSNorm
-from .llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from .llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen2Attention(LlamaAttention):
     qkv_bias_default = True
 
 
-class Qwen2DecoderLayer(LlamaDecoderLayer):
-    attention_cls = Qwen2Attention
-
-
-class Qwen2Model(LlamaModel):
-    layer_cls = Qwen2DecoderLayer
-
-
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    model_cls = Qwen2Model
+    attention_cls = Qwen2Attention
 
 
 class Qwen3Attention(LlamaAttention):
@@ -35,13 +27,5 @@ class Qwen3Attention(LlamaAttention):
         return self.q_norm(q.reshape(-1, d)).view_as(q), self.k_norm(k.reshape(-1, d)).view_as(k)
 
 
-class Qwen3DecoderLayer(LlamaDecoderLayer):
-    attention_cls = Qwen3Attention
-
-
-class Qwen3Model(LlamaModel):
-    layer_cls = Qwen3DecoderLayer
-
-
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    model_cls = Qwen3Model
+    attention_cls = Qwen3Attention

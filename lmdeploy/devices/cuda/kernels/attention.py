@@ -12,6 +12,26 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tile(q, kc_ptr, vc_ptr, table, offs_n, n_valid, allowed, kvh, offs_d, d_mask, m_i, l_i, acc,
+                 scale_log2, stride_cn, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
+    """Fold one tile of context tokens into the online softmax: gather K/V
+    through the block table, score, rescale the running max/sum/output."""
+    page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    kv_off = page * stride_cn + (offs_n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+    kv_mask = n_valid[:, None] & d_mask[None, :]
+    k = tl.load(kc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    s = tl.where(allowed, s, float('-inf'))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, tables_ptr, q_start_ptr, q_lens_ptr, kv_lens_ptr, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt,
                     num_heads, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -40,20 +60,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, tables_ptr, q_start_ptr, q_l
         for start_n in range(0, kv_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_end
-            page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-            kv_off = page * stride_cn + (offs_n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-            kv_mask = n_valid[:, None] & d_mask[None, :]
-            k = tl.load(kc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
             allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-            s = tl.where(allowed, s, float('-inf'))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, table, offs_n, n_valid, allowed, kvh, offs_d, d_mask,
+                                         m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch, BLOCK_SIZE)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
@@ -106,19 +115,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
-        page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        kv_off = page * stride_cn + (offs_n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = n_valid[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(n_valid[None, :], s, float('-inf'))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, table, offs_n, n_valid, n_valid[None, :], kvh, offs_d,
+                                     d_mask, m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch, BLOCK_SIZE)
     if NUM_SPLITS == 1:
         out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
