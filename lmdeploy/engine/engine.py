@@ -62,6 +62,11 @@ class Engine:
 
     def __init__(self, model_path: str, config: Optional[PytorchEngineConfig] = None):
         self.config = config = config or PytorchEngineConfig()
+        if config.quant_policy != 0:
+            raise NotImplementedError(f'quant_policy={config.quant_policy} (KV cache int4/int8) is not '
+                                      'implemented yet; use quant_policy=0')
+        if config.tp != 1:
+            raise NotImplementedError(f'tp={config.tp}: tensor parallelism is not implemented yet; use tp=1')
         self.model_path = model_path
         self.device = get_device(config.device_type)
         self.model_config: ModelConfig = load_model_config(model_path)
