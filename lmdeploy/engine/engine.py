@@ -323,7 +323,19 @@ class Engine:
 
     def _step(self, batch: ScheduledBatch):
         hidden = self.runner.forward(batch)
-        starts, rows_for_logits, done = [], [], []
+        starts, done = self._advance(batch)
+        extras = self._prompt_outputs(batch, hidden, starts)
+        for seq, _ in done:
+            if seq.params.prompt_loss:  # get_ppl: the whole prompt is scored, nothing is generated
+                self._finish(seq, 'length', output=self._with_extra(EngineOutput([]), extras.get(seq.seq_id)))
+        done = [(s, r) for s, r in done if not s.params.prompt_loss]
+        if done:
+            self._sample_and_emit(done, hidden, extras)
+
+    def _advance(self, batch: ScheduledBatch):
+        """Count the step's tokens as computed; returns each sequence's first
+        row in ``hidden`` and (sequence, last row) for those ready to sample."""
+        starts, done = [], []
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             starts.append(row)
@@ -333,7 +345,11 @@ class Engine:
             if seq.num_pending == 0:
                 done.append((seq, row + n - 1))
             row += n
-        # prompt-wide outputs: get_ppl losses and 'all' logits / hidden states
+        return starts, done
+
+    def _prompt_outputs(self, batch: ScheduledBatch, hidden: torch.Tensor, starts: List[int]) -> Dict[int, dict]:
+        """Prompt-wide outputs: get_ppl losses, 'all' logits and hidden states.
+        Chunks of a prompt still being prefilled are streamed right away."""
         extras: Dict[int, dict] = {}
         for seq, n, start in zip(batch.seqs, batch.num_new_tokens, starts):
             p = seq.params
@@ -356,24 +372,16 @@ class Engine:
                     extra['logits'] = logits.cpu()
                 if p.prompt_loss:
                     targets = seq.token_ids[first + 1:last + 1][:last - first]
-                    k = len(targets)
-                    if k:
+                    if targets:
                         t = torch.tensor(targets, device=logits.device)
-                        loss = torch.nn.functional.cross_entropy(logits[:k], t, reduction='sum')
+                        loss = torch.nn.functional.cross_entropy(logits[:len(targets)], t, reduction='sum')
                         seq.loss_sum += float(loss)
-                        seq.loss_count += k
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            extra = extras.get(seq.seq_id)
-            if extra and seq.num_pending > 0:  # a prompt chunk: stream what was asked for
+                        seq.loss_count += len(targets)
+            if extra and seq.num_pending > 0:
                 self._emit(seq, EngineOutput([], logits=extra.get('logits'), last_hidden_state=extra.get('hidden')))
-        if not done:
-            return
-        loss_done = [(s, r) for s, r in done if s.params.prompt_loss]
-        for seq, _ in loss_done:
-            self._finish(seq, 'length', output=self._with_extra(EngineOutput([]), extras.get(seq.seq_id)))
-        done = [(s, r) for s, r in done if not s.params.prompt_loss]
-        if not done:
-            return
+        return extras
+
+    def _sample_and_emit(self, done, hidden: torch.Tensor, extras: Dict[int, dict]):
         seqs = [s for s, _ in done]
         last_hidden = hidden[[r for _, r in done]]
         logits = self.runner.logits(last_hidden)
