@@ -11,7 +11,7 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault('TRITON_INTERPRET', '1')
-triton = pytest.importorskip('triton')
+import triton  # noqa: E402,F401  (a test dependency: these tests must not skip silently)
 
 from lmdeploy.devices import get_device  # noqa: E402
 from lmdeploy.devices.cuda.kernels import activation, attention, kv_cache, norm, rotary  # noqa: E402
