@@ -8,7 +8,7 @@ own server. Unknown fields are ignored.
 Types are checked here (a wrong type is a 422); value ranges are declared here
 too, so that they show in the OpenAPI schema, but a value out of range is
 answered with a 400, like every other invalid value (see
-``api_server._validation_status``).
+``errors._validation_status``).
 """
 from __future__ import annotations
 

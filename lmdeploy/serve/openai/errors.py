@@ -1,0 +1,110 @@
+"""OpenAI-shaped errors: the APIError handlers raise, and how exceptions become error responses."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger('lmdeploy.serve')
+
+_CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never received
+_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 404: 'invalid_request_error',
+          405: 'invalid_request_error', 413: 'invalid_request_error', 422: 'invalid_request_error',
+          500: 'internal_server_error', 503: 'service_unavailable_error'}
+# pydantic error types that mean "a value out of range", answered with 400 (the rest are 422)
+_VALUE_ERRORS = {'greater_than', 'greater_than_equal', 'less_than', 'less_than_equal', 'multiple_of',
+                 'finite_number', 'too_short', 'too_long', 'string_too_short', 'string_too_long', 'value_error',
+                 'literal_error', 'enum'}
+
+
+def _validation_status(errors: List[Dict[str, Any]]) -> int:
+    """400 when every field in error had the right shape but a bad value (for a
+    union, some variant's value check failed); 422 when a field is missing or
+    of the wrong type, or the body is not JSON."""
+    by_field: Dict[Any, List[str]] = {}
+    for e in errors:
+        loc = [x for x in e.get('loc', ()) if x != 'body']
+        by_field.setdefault(loc[0] if loc else None, []).append(e.get('type'))
+    if not by_field:
+        return 422
+    for field_name, types in by_field.items():
+        if field_name is None or not any(t in _VALUE_ERRORS for t in types):
+            return 422
+    return 400
+
+
+
+class APIError(Exception):
+    """Raised anywhere in a handler: becomes an OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, code: Optional[str] = None, param: Optional[str] = None,
+                 type: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.type = type or _TYPES.get(status, 'invalid_request_error')
+
+
+def error_body(status: int, message: str, code: Optional[str] = None, param: Optional[str] = None,
+               type: Optional[str] = None) -> Dict[str, Any]:
+    return {'error': {'message': message, 'type': type or _TYPES.get(status, 'invalid_request_error'),
+                      'param': param, 'code': code}}
+
+
+def error_response(status: int, message: str, code: Optional[str] = None, param: Optional[str] = None,
+                   headers: Optional[Dict[str, str]] = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+
+
+async def _send_json(send, status: int, body: Dict[str, Any], headers: Sequence[Tuple[bytes, bytes]] = ()):
+    data = json.dumps(body).encode()
+    await send({'type': 'http.response.start', 'status': status,
+                'headers': [(b'content-type', b'application/json'), (b'content-length', str(len(data)).encode()),
+                            *headers]})
+    await send({'type': 'http.response.body', 'body': data})
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def install_error_handlers(app: FastAPI):
+    """Answer every exception a handler lets out with an OpenAI-shaped error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(error_body(exc.status, exc.message, exc.code, exc.param, exc.type),
+                            status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        status = _validation_status(errors)
+        parts, param = [], None
+        for e in errors[:5]:
+            loc = [str(x) for x in e.get('loc', ()) if x != 'body']
+            param = param or ('.'.join(loc) or None)
+            parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+        more = f' (and {len(errors) - 5} more)' if len(errors) > 5 else ''
+        code = 'invalid_value' if status == 400 else 'invalid_body'
+        return error_response(status, '; '.join(parts) + more, code, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            msg = f'{request.method} {request.url.path} not found'
+        elif exc.status_code == 405:
+            msg = f'method {request.method} is not allowed on {request.url.path}'
+        else:
+            msg = str(exc.detail)
+        return error_response(exc.status_code, msg, {404: 'not_found', 405: 'method_not_allowed'}.get(
+            exc.status_code), headers=getattr(exc, 'headers', None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception('unhandled error')
+        return error_response(500, f'internal error: {type(exc).__name__}', 'internal_error')

@@ -1,0 +1,202 @@
+"""Running generations for one request: pumping engine outputs, client disconnects, streaming responses."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Tuple
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from lmdeploy.messages import GenerationConfig
+
+from . import protocol as P
+from .errors import APIError, _ClientGone
+
+if TYPE_CHECKING:
+    from .state import ServerState
+
+logger = logging.getLogger('lmdeploy.serve')
+
+
+async def _wait_disconnect(receive):
+    while True:
+        message = await receive()
+        if message['type'] == 'http.disconnect':
+            return
+
+
+async def _race(request: Request, coro):
+    """Await ``coro``; if the client disconnects first, cancel it and raise _ClientGone."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise _ClientGone()
+
+
+@dataclass
+class _Job:
+    index: int
+    input_ids: List[int]
+    gen: GenerationConfig
+    session_id: int  # the engine's
+    interactive: bool = False
+    stream: bool = True  # False: the engine hands over the whole result at the end (less per-token work)
+
+
+@dataclass
+class _Result:
+    text: str = ''
+    token_ids: List[int] = field(default_factory=list)
+    logprobs: List[Dict[int, float]] = field(default_factory=list)
+    input_tokens: int = 0
+    generated: int = 0
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+
+def _failed_early(out) -> bool:
+    """An engine refusal or failure before any token was generated."""
+    return bool(out.error) and out.generate_token_len == 0 and out.finish_reason is not None
+
+
+class _Run:
+    """One request's generations (one per prompt), merged into one stream of
+    (index, GenOut). Outputs are pulled from the engine as they come, whatever
+    the client's reading speed. :meth:`close` (synchronous, idempotent)
+    cancels what still runs, which frees its KV blocks."""
+
+    def __init__(self, state: ServerState, endpoint: str, jobs: List[_Job]):
+        self.state = state
+        gateway = state.gateway
+        self.jobs = jobs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.timers = [state.metrics.timer(endpoint, streaming=job.stream) for job in jobs]
+        for timer, job in zip(self.timers, jobs):
+            timer.prompt_tokens = len(job.input_ids)
+        self._generated = [0] * len(jobs)
+        self._open = len(jobs)
+        self._closed = False
+        self.tasks = [asyncio.ensure_future(self._pump(job, gateway.generate(
+            None, job.session_id, job.gen, input_ids=job.input_ids, interactive=job.interactive,
+            stream_text=job.stream))) for job in jobs]
+
+    async def _pump(self, job: _Job, gen):
+        try:
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    self.queue.put_nowait((job.index, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never expected: report it as this prompt's failure
+            logger.exception('generation failed')
+            from lmdeploy.frontend.gateway import GenOut
+            self.queue.put_nowait((job.index, GenOut('', len(job.input_ids), self._generated[job.index],
+                                                     finish_reason='error', error=f'{type(e).__name__}: {e}')))
+        finally:
+            self.queue.put_nowait((job.index, None))
+
+    async def next(self):
+        """The next (index, GenOut), or None when every generation has finished."""
+        while self._open > 0:
+            index, out = await self.queue.get()
+            if out is None:
+                self._open -= 1
+                continue
+            timer = self.timers[index]
+            timer.tokens(out.generate_token_len - self._generated[index])
+            self._generated[index] = out.generate_token_len
+            if out.finish_reason is not None:
+                timer.prompt_tokens = out.input_token_len or timer.prompt_tokens
+                timer.finish(out.finish_reason)
+            return index, out
+        return None
+
+    async def firsts(self) -> List[Tuple[int, Any]]:
+        """Wait for the first output of every generation (errors before generation show here)."""
+        seen, items = set(), []
+        while len(seen) < len(self.jobs):
+            item = await self.next()
+            if item is None:
+                break
+            items.append(item)
+            seen.add(item[0])
+        return items
+
+    async def iterate(self, buffered) -> AsyncIterator[Tuple[int, Any]]:
+        for item in buffered:
+            yield item
+        while (item := await self.next()) is not None:
+            yield item
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()
+        for timer in self.timers:
+            timer.finish('abort')
+
+
+def _accumulate(r: _Result, out):
+    r.text += out.text
+    r.token_ids.extend(out.token_ids)
+    if out.logprobs:
+        r.logprobs.extend(out.logprobs)
+    r.input_tokens = out.input_token_len or r.input_tokens
+    r.generated = out.generate_token_len
+    if out.finish_reason is not None:
+        r.finish_reason = out.finish_reason
+    if out.error:
+        r.error = out.error
+
+
+def _raise_early_failure(items, state: ServerState):
+    for _, out in items:
+        if _failed_early(out):
+            if out.finish_reason == 'abort' and (state.draining or 'shutting down' in (out.error or '')):
+                raise APIError(503, out.error or 'the server is shutting down', 'shutting_down')
+            code = 'context_length_exceeded' if out.finish_reason == 'length' else 'invalid_request'
+            raise APIError(400, out.error, code)
+
+
+class _StreamResponse(StreamingResponse):
+    """A StreamingResponse that always runs ``on_close`` (sync), however it ends:
+    finished, client gone, or cancelled."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+_SSE_HEADERS = {'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'}
+
+
+def _sse(obj, with_usage: bool = True) -> str:
+    if isinstance(obj, P._Model):
+        obj = obj.model_dump(exclude_none=False)
+        for choice in obj.get('choices') or []:
+            delta = choice.get('delta')
+            if isinstance(delta, dict):  # as OpenAI: a delta names only what it carries
+                choice['delta'] = {k: v for k, v in delta.items() if v is not None}
+        if not with_usage:  # OpenAI sends "usage" only with stream_options.include_usage
+            obj.pop('usage', None)
+    return f'data: {json.dumps(obj, ensure_ascii=False)}\n\n'

@@ -1,0 +1,179 @@
+"""Request fields turned into engine inputs (prompt ids, GenerationConfig) and outputs into response fields."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+
+from lmdeploy.messages import GenerationConfig
+
+from . import protocol as P
+from .errors import APIError
+
+if TYPE_CHECKING:
+    from .state import ServerState
+
+MAX_STOP_WORDS = 16
+MAX_STOP_WORD_LEN = 256
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+# LMDeploy's server defaults
+DEFAULT_TEMPERATURE = 0.7
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 40
+
+
+# ---------------------------------------------------------------- validation
+def _check_model(state: ServerState, model: str):
+    if model != state.model_name:
+        raise APIError(400, f'the model {model!r} does not exist; this server serves {state.model_name!r} '
+                       '(see GET /v1/models)', 'model_not_found', 'model')
+
+
+def _stop_words(stop) -> Optional[List[str]]:
+    if stop is None:
+        return None
+    words = [stop] if isinstance(stop, str) else list(stop)
+    if len(words) > MAX_STOP_WORDS:
+        raise APIError(400, f'stop: at most {MAX_STOP_WORDS} strings, got {len(words)}', param='stop')
+    for w in words:
+        if not w:
+            raise APIError(400, 'stop: the strings must not be empty', param='stop')
+        if len(w) > MAX_STOP_WORD_LEN:
+            raise APIError(400, f'stop: each string has at most {MAX_STOP_WORD_LEN} characters', param='stop')
+    return words or None
+
+
+def _check_unsupported(req):
+    if req.n not in (None, 1):
+        raise APIError(400, f'n={req.n} is not supported: only n=1', 'unsupported_parameter', 'n')
+    for name in ('presence_penalty', 'frequency_penalty'):
+        if getattr(req, name):
+            raise APIError(400, f'{name} is not supported (must be 0); use repetition_penalty',
+                           'unsupported_parameter', name)
+    if req.logit_bias:
+        raise APIError(400, 'logit_bias is not supported', 'unsupported_parameter', 'logit_bias')
+
+
+def _gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional[int], *, temperature=None,
+                top_p=None, top_k=None) -> GenerationConfig:
+    temperature = req.temperature if temperature is None else temperature
+    top_p = req.top_p if top_p is None else top_p
+    top_k = req.top_k if top_k is None else top_k
+    seed = req.seed
+    vocab = state.gateway.engine.model_config.vocab_size
+    try:
+        return GenerationConfig(
+            n=1, max_new_tokens=max_new_tokens, do_sample=True,
+            temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
+            top_p=DEFAULT_TOP_P if top_p is None else top_p,
+            top_k=min(DEFAULT_TOP_K if top_k is None else top_k, vocab),
+            min_p=req.min_p or 0.0,
+            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+            ignore_eos=bool(req.ignore_eos),
+            # the sampler hashes 32 bits of the seed: any int maps onto them
+            random_seed=None if seed is None else seed & 0xFFFFFFFF,
+            stop_words=_stop_words(req.stop),
+            min_new_tokens=req.min_new_tokens,
+            skip_special_tokens=req.skip_special_tokens is not False,
+            spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
+            logprobs=logprobs,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output))
+    except ValueError as e:
+        raise APIError(400, str(e).replace('GenerationConfig.', ''), 'invalid_value') from None
+
+
+def _max_new_tokens(state: ServerState, num_prompt: int, max_tokens: Optional[int], history: int = 0,
+                    check: bool = True) -> int:
+    session_len = state.gateway.session_len
+    if num_prompt == 0:
+        raise APIError(400, 'the prompt is empty', 'invalid_value', 'prompt')
+    total = num_prompt + history
+    if check and total >= session_len:
+        raise APIError(400, f"This model's maximum context length is {session_len} tokens. However, the prompt "
+                       f'has {total} tokens, leaving no room for the completion.', 'context_length_exceeded')
+    if max_tokens is None:
+        return max(1, session_len - total)
+    if check and total + max_tokens > session_len:
+        raise APIError(400, f"This model's maximum context length is {session_len} tokens. However, you requested "
+                       f'{total + max_tokens} tokens ({total} in the prompt, {max_tokens} for the completion). '
+                       'Please reduce the length of the prompt or of the completion.', 'context_length_exceeded',
+                       'max_tokens')
+    return max_tokens
+
+
+def _check_ids(state: ServerState, ids: List[int], param: str) -> List[int]:
+    vocab = state.gateway.engine.model_config.vocab_size
+    if any(i < 0 or i >= vocab for i in ids):
+        raise APIError(400, f'{param}: token ids must be in [0, {vocab})', 'invalid_value', param)
+    return list(ids)
+
+
+def _encode(state: ServerState, prompt, do_preprocess: bool = True, sequence_start: bool = True) -> List[int]:
+    try:
+        return state.gateway.encode_prompt(prompt, do_preprocess=do_preprocess, sequence_start=sequence_start)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), 'invalid_value', 'messages' if isinstance(prompt, list) else 'prompt') from None
+    except Exception as e:  # a chat template that trips on the input is still the input's fault
+        raise APIError(400, f'cannot render the prompt: {type(e).__name__}: {e}', 'invalid_value') from None
+
+
+def _messages(messages) -> Union[str, List[Dict[str, Any]]]:
+    if isinstance(messages, str):
+        return messages
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if d.get('role') == 'developer':
+            d['role'] = 'system'
+        content = d.get('content')
+        if isinstance(content, list):
+            d['content'] = [p for p in content]
+        d.pop('name', None)
+        out.append({'role': d['role'], 'content': d.get('content')})
+    return out
+
+
+# ------------------------------------------------------------------- logprobs
+class _TokenText:
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: Dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self.cache.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self.cache) < 65536:
+                self.cache[token_id] = s
+        return s
+
+
+def _chat_logprobs(tt: _TokenText, token_ids: List[int], logprobs, top_n: int) -> P.ChatChoiceLogprobs:
+    content = []
+    for tid, lp in zip(token_ids, logprobs or []):
+        tok = tt(tid)
+        tops = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append(P.ChatLogprob(token=tok, logprob=_finite(lp.get(tid, 0.0)), bytes=list(tok.encode()),
+                                     top_logprobs=[P.TopLogprob(token=tt(i), logprob=_finite(v),
+                                                                bytes=list(tt(i).encode())) for i, v in tops]))
+    return P.ChatChoiceLogprobs(content=content)
+
+
+def _completion_logprobs(tt: _TokenText, token_ids: List[int], logprobs, top_n: int,
+                         offset: int = 0) -> P.CompletionLogprobs:
+    out = P.CompletionLogprobs()
+    for tid, lp in zip(token_ids, logprobs or []):
+        tok = tt(tid)
+        out.tokens.append(tok)
+        out.token_logprobs.append(_finite(lp.get(tid, 0.0)))
+        out.top_logprobs.append({tt(i): _finite(v) for i, v in sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]})
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out
+
+
+def _finite(x: float) -> float:
+    return max(float(x), -1e30)  # -inf is not JSON
+
+
+def _usage(prompt: int, completion: int) -> P.UsageInfo:
+    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
