@@ -663,3 +663,10 @@ def test_chat_keeps_history_in_cache(pipe, tiny_path, prompt_ids):
     assert pipe.engine.wait_idle()
     stats = pipe.engine.stats()
     assert stats.num_idle_sessions == 0 and stats.num_free_blocks == stats.num_blocks
+
+
+def test_unknown_pipeline_arguments_are_refused(pipe):
+    with pytest.raises(TypeError, match='adapter'):
+        pipe('Hi', GenerationConfig(max_new_tokens=2), adapter_name='lora1')
+    # a None value changes nothing and passes (LMDeploy callers send adapter_name=None)
+    assert pipe('Hi', GenerationConfig(max_new_tokens=2), adapter_name=None).generate_token_len == 2

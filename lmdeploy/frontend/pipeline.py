@@ -46,6 +46,14 @@ def normalize_prompts(prompts: Prompts):
     raise TypeError(f'prompts must be a str, a list of messages, or a list of those; got {type(prompts).__name__}')
 
 
+def _reject_unknown(method: str, kwargs: Dict[str, Any]):
+    """Unknown arguments are refused, not silently ignored (None values,
+    e.g. LMDeploy's adapter_name=None, change nothing and pass)."""
+    unknown = sorted(k for k, v in kwargs.items() if v is not None)
+    if unknown:
+        raise TypeError(f'Pipeline.{method}() got unsupported arguments: {unknown}')
+
+
 class _Accumulator:
     """Builds a Response out of GenOut increments."""
 
@@ -142,6 +150,7 @@ class Pipeline:
     def infer(self, prompts: Prompts, gen_config=None, do_preprocess: bool = True, use_tqdm: bool = False,
               **kwargs) -> Union[Response, List[Response]]:
         """Generate for one prompt or a batch; results come back in input order."""
+        _reject_unknown('infer', kwargs)
         items, single = normalize_prompts(prompts)
         gens = self._gen_configs(gen_config, len(items))
 
@@ -170,6 +179,7 @@ class Pipeline:
                      **kwargs) -> Iterator[Response]:
         """Yield increments (``Response.text`` holds the new text; ``index``
         says which prompt) as they are produced."""
+        _reject_unknown('stream_infer', kwargs)
         items, _ = normalize_prompts(prompts)
         gens = self._gen_configs(gen_config, len(items))
         q: queue.Queue = queue.Queue()
@@ -198,6 +208,7 @@ class Pipeline:
              **kwargs) -> Union[Session, Iterator[Response]]:
         """One turn of a multi-turn chat. The session's KV cache stays in the
         engine, so earlier turns are not prefilled again."""
+        _reject_unknown('chat', kwargs)
         if session is None:
             session = Session(self.gateway.next_session_id())
         messages = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else list(prompt)
