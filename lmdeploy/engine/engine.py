@@ -416,7 +416,7 @@ class Engine:
         """Deliver an output now, or (non-streaming requests) hold it and
         deliver everything merged when the request finishes."""
         if seq.held is not None:
-            out = seq.held.merged_with(out)
+            out = seq.held.absorb(out)
             seq.held = None
         if seq.stream or out.finished:
             seq.on_output(out)

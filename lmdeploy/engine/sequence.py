@@ -46,18 +46,22 @@ class EngineOutput:
     prompt_loss: Optional[float] = None  # mean cross-entropy over the prompt
     error: Optional[str] = None
 
-    def merged_with(self, later: 'EngineOutput') -> 'EngineOutput':
-        """This output followed by ``later``, as one (the later one's status wins)."""
+    def absorb(self, later: 'EngineOutput') -> 'EngineOutput':
+        """Append ``later`` to this output in place (its status wins): held
+        outputs of a non-streaming request grow without copying."""
         import torch
-
-        def cat(a, b):
-            return b if a is None else a if b is None else torch.cat([a, b])
-
-        logprobs = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or []) + (later.logprobs or [])
-        return EngineOutput(self.new_token_ids + later.new_token_ids, later.finished, later.finish_reason,
-                            later.num_prompt_tokens, logprobs, cat(self.logits, later.logits),
-                            cat(self.last_hidden_state, later.last_hidden_state), later.prompt_loss, later.error)
+        self.new_token_ids.extend(later.new_token_ids)
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(later.logprobs)
+        for name in ('logits', 'last_hidden_state'):
+            mine, theirs = getattr(self, name), getattr(later, name)
+            if theirs is not None:
+                setattr(self, name, theirs if mine is None else torch.cat([mine, theirs]))
+        self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
+        self.num_prompt_tokens, self.prompt_loss = later.num_prompt_tokens, later.prompt_loss
+        return self
 
 
 class SeqStatus(enum.Enum):
