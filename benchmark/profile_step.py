@@ -60,7 +60,6 @@ def main():
     eng.scheduler.schedule = timed('schedule', eng.scheduler.schedule)
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
-    done = []
     n_steps = args.steps
     for i in range(args.batch):
         ids = [rng.randrange(100, vocab) for _ in range(args.context)]

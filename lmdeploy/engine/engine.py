@@ -20,7 +20,7 @@ from lmdeploy.devices import get_device
 from lmdeploy.messages import PytorchEngineConfig
 
 from .block_manager import BlockManager
-from .model_config import ModelConfig, load_model_config
+from .model_config import DTYPES, ModelConfig, load_model_config
 from .model_runner import ModelRunner, kv_bytes_per_block, profile_peak_memory
 from .sampler import sample
 from .scheduler import ScheduledBatch, Scheduler
@@ -29,7 +29,6 @@ from .weights import load_model
 
 logger = logging.getLogger('lmdeploy')
 
-_DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16, 'float32': torch.float32}
 
 
 @dataclass
@@ -85,12 +84,11 @@ class Engine:
             logger.warning('prefix caching is off: dynamic NTK rotary makes cached keys depend on length')
             prefix = False
         self.block_manager = BlockManager(self.num_blocks, self.block_size, prefix)
-        graphs = self.device.supports_graphs and not config.eager_mode
-        self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
-                                   self._finish_too_long, mix_prefill_decode=not graphs,
-                                   prefill_interval=config.prefill_interval)
         self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, self.num_blocks,
                                   self.block_size, self.max_batch_size, config.eager_mode, self.session_len)
+        self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
+                                   self._finish_too_long, mix_prefill_decode=not self.runner.uses_graphs,
+                                   prefill_interval=config.prefill_interval)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.RLock()
         self._active: Dict[int, Sequence] = {}  # session_id -> waiting/running sequence
@@ -110,7 +108,7 @@ class Engine:
     # --------------------------------------------------------------- sizing
     def _pick_dtype(self) -> torch.dtype:
         name = self.config.dtype
-        dtype = self.device.default_dtype(self.model_config.dtype) if name == 'auto' else _DTYPES[name]
+        dtype = self.device.default_dtype(self.model_config.dtype) if name == 'auto' else DTYPES[name]
         if not self.device.supports_dtype(dtype):
             raise ValueError(f'dtype {dtype} is not supported on device {self.device.name!r}')
         return dtype

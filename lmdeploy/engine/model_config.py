@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-_DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16, 'float32': torch.float32}
+DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16, 'float32': torch.float32}
 
 
 @dataclass
@@ -114,7 +114,7 @@ def load_model_config(model_path: str) -> ModelConfig:
         rms_norm_eps=float(cfg.get('rms_norm_eps', 1e-6)),
         max_position_embeddings=int(cfg.get('max_position_embeddings', 4096)),
         tie_word_embeddings=bool(cfg.get('tie_word_embeddings', False)),
-        dtype=_DTYPES.get(str(dtype_name).replace('torch.', ''), torch.float32),
+        dtype=DTYPES.get(str(dtype_name).replace('torch.', ''), torch.float32),
         rope=_rope_from(cfg),
         attention_bias=bool(cfg.get('attention_bias', False)),
         mlp_bias=bool(cfg.get('mlp_bias', False)),

@@ -33,7 +33,9 @@ class ModelRunner:
              torch.empty(shape, dtype=dtype, device=self.torch_device)) for _ in range(cfg.num_layers)
         ]
         self._forward = self._eager_forward
-        if device.supports_graphs and not eager:
+        # decode steps replay recorded graphs where the device can record them
+        self.uses_graphs = device.supports_graphs and not eager
+        if self.uses_graphs:
             self._forward = GraphRunner(device, self._eager_forward, self.kv_caches, max_batch_size,
                                         -(-session_len // block_size), session_len, self.torch_device)
             with torch.inference_mode():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Tuple
+from typing import Callable, Deque, Dict, List
 
 from .block_manager import BlockManager
 from .sequence import SeqStatus, Sequence

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig, Response
 
 from .chat_template import ChatTemplateConfig
-from .gateway import Gateway, GenOut, Prompt
+from .gateway import Gateway, GenOut
 
 Prompts = Union[str, List[Dict[str, Any]], List[int], List[str], List[List[Dict[str, Any]]], List[List[int]]]
 _DONE = object()

@@ -1,5 +1,4 @@
 """Scatter the step's K and V into the paged cache (negative slot: skip)."""
-import torch
 import triton
 import triton.language as tl
 
