@@ -14,7 +14,7 @@ if not HAS_CUDA:
 import triton  # noqa: E402,F401  (a test dependency: these tests must not skip silently)
 
 from lmdeploy.devices import get_device  # noqa: E402
-from lmdeploy.devices.cuda.kernels import activation, attention, kv_cache, norm, rotary  # noqa: E402
+from lmdeploy.devices.cuda.kernels import activation, attention, kv_cache, linear, norm, rotary  # noqa: E402
 
 DEV = 'cuda' if HAS_CUDA else 'cpu'
 FULL = HAS_CUDA and os.environ.get('LMDEPLOY_TEST_FULL') == '1'
@@ -49,6 +49,21 @@ def test_rms_norm(dtype, with_residual):
     assert rel_err(out, ref) < tol(dtype) * 2
     if with_residual:
         assert rel_err(r, ref_r) < tol(dtype)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('rows', [1, 3, 8])
+@pytest.mark.parametrize('with_bias', [False, True])
+def test_skinny_linear(dtype, rows, with_bias):
+    shapes = [(4096, 6144), (14336, 4096), (4096, 128256)] if FULL else [(300, 70), (48, 33)]
+    for k, n in shapes:  # K and N that are not multiples of the block sizes too
+        x = torch.randn(rows, k, dtype=dtype, device=DEV)
+        w = (torch.randn(n, k) * k**-0.5).to(dtype).to(DEV)
+        b = torch.randn(n, dtype=dtype, device=DEV) if with_bias else None
+        out = linear.skinny_linear(x, w, b)
+        ref = REF.linear(x.cpu().float(), w.cpu().float(), b.cpu().float() if with_bias else None)
+        assert out.shape == (rows, n) and out.dtype == dtype
+        assert rel_err(out, ref) < tol(dtype)
 
 
 @pytest.mark.parametrize('dtype', DTYPES)

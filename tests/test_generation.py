@@ -626,9 +626,9 @@ def test_chat_keeps_history_in_cache(pipe, tiny_path, prompt_ids):
     fed = []
     orig = runner.forward
 
-    def spy(batch):
+    def spy(batch, prev_tokens=None):
         fed.append(sum(batch.num_new_tokens))
-        return orig(batch)
+        return orig(batch, prev_tokens)
 
     runner.forward = spy
     try:

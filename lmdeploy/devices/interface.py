@@ -44,6 +44,13 @@ class DeviceOps:
     def synchronize(self) -> None:
         """Wait until queued work on the device is done."""
 
+    def to_host_async(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start copying ``t`` to host memory behind the work queued so far;
+        returns a function that waits for the copy and gives the host tensor.
+        Lets the host prepare the next step while this one still runs."""
+        host = t.cpu()
+        return lambda: host
+
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
         """dtype used for dtype='auto' given the checkpoint's dtype."""
         return config_dtype

@@ -22,7 +22,7 @@ from lmdeploy.messages import PytorchEngineConfig
 from .block_manager import BlockManager
 from .model_config import DTYPES, ModelConfig, load_model_config
 from .model_runner import ModelRunner, kv_bytes_per_block, profile_peak_memory
-from .sampler import sample
+from .sampler import needs_host_history, sample_tokens, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import EngineOutput, SamplingParams, SeqStatus, Sequence
 from .weights import load_model
@@ -55,6 +55,15 @@ class EngineStats:
     num_prefix_hit_tokens: int
     num_generated_tokens: int
     extra: Dict = field(default_factory=dict)
+
+
+@dataclass
+class _Sampled:
+    """Tokens drawn for ``seqs`` (row i for seqs[i]), possibly still on the
+    device: ``read`` waits for them and returns the host copy."""
+    seqs: List[Sequence]
+    tokens: torch.Tensor
+    read: Callable[[], torch.Tensor]
 
 
 class Engine:
@@ -97,6 +106,9 @@ class Engine:
         # per phase ('prefill' | 'decode'): steps, sequences, tokens, seconds
         self._step_stats = {p: [0, 0, 0, 0.0] for p in ('prefill', 'decode')}
         self._stopping = False
+        # the step whose sampled tokens are not read back yet: the next step is
+        # launched first, so the host's bookkeeping overlaps the device's work
+        self._inflight: Optional[_Sampled] = None
         # The engine thread waits on the device with the GIL released; when the
         # wait ends it must get the GIL back quickly from threads that are
         # detokenizing, not after Python's default 5 ms switch interval.
@@ -183,7 +195,7 @@ class Engine:
     def _loop(self):
         barriers: List[threading.Event] = []
         while True:
-            block = not self.scheduler.has_work()
+            block = not self._busy()
             try:
                 while True:
                     cmd, arg = self._inbox.get(block=block, timeout=None if block else 0)
@@ -202,23 +214,31 @@ class Engine:
                 logger.exception('engine command failed')
             stalled = False
             with self._lock:
+                if self._inflight is not None and not self.scheduler.can_run_ahead():
+                    self._resolve_inflight()
+                batch = ScheduledBatch([], [])
                 if self.scheduler.has_work():
                     try:
                         batch = self.scheduler.schedule()
                     except Exception as e:
                         logger.exception('scheduling failed')
                         self._fail_all(f'{type(e).__name__}: {e}')
-                        batch = ScheduledBatch([], [])
-                    if batch.seqs:
-                        self._run_step(batch)
-                    stalled = not batch.seqs
-                busy = self.scheduler.has_work()
+                if batch.seqs:
+                    self._run_step(batch)
+                elif self._inflight is not None:
+                    self._resolve_inflight()
+                else:
+                    stalled = True
+                busy = self._busy()
             if stalled and busy:  # nothing fits right now: do not spin
                 time.sleep(0.001)
             if not busy:
                 for ev in barriers:
                     ev.set()
                 barriers.clear()
+
+    def _busy(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
 
     def _run_step(self, batch: ScheduledBatch):
         stats = self._step_stats['decode' if batch.is_decode else 'prefill']
@@ -228,7 +248,11 @@ class Engine:
                 self._step(batch)
         except Exception as e:  # a failed step must not take the engine down
             logger.exception('engine step failed')
-            for seq in batch.seqs:
+            failed = list(batch.seqs)
+            if self._inflight is not None:
+                failed += self._inflight.seqs
+                self._inflight = None
+            for seq in failed:
                 if seq.status != SeqStatus.FINISHED:
                     self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
         stats[0] += 1
@@ -285,10 +309,12 @@ class Engine:
 
     def _abort_all(self):
         with self._lock:
+            self._inflight = None
             for seq in list(self._active.values()):
                 self._finish(seq, 'abort', error='the engine is shutting down')
 
     def _fail_all(self, error: str):
+        self._inflight = None
         for seq in list(self._active.values()):
             seq.interactive = False
             self._finish(seq, 'error', error=error)
@@ -301,6 +327,9 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None, release: bool = True,
                 output: Optional[EngineOutput] = None):
         self._active.pop(seq.session_id, None)
+        if seq.unresolved:  # a token still in flight is dropped with the request
+            seq.token_ids.pop()
+            seq.num_generated -= 1
         seq.finish_reason = reason
         keep = seq.interactive and reason != 'error'
         if release:
@@ -320,15 +349,19 @@ class Engine:
         self._emit(seq, out)
 
     def _step(self, batch: ScheduledBatch):
-        hidden = self.runner.forward(batch)
+        prev, self._inflight = self._inflight, None
+        hidden = self.runner.forward(batch, prev.tokens if prev is not None else None)
         starts, done = self._advance(batch)
+        if prev is not None:  # the device runs this step while the host settles the previous one
+            self._resolve(prev)
         extras = self._prompt_outputs(batch, hidden, starts)
         for seq, _ in done:
             if seq.params.prompt_loss:  # get_ppl: the whole prompt is scored, nothing is generated
                 self._finish(seq, 'length', output=self._with_extra(EngineOutput([]), extras.get(seq.seq_id)))
-        done = [(s, r) for s, r in done if not s.params.prompt_loss]
+        # a sequence that stopped (or was cancelled) at the previous step computed one wasted row here
+        done = [(s, r) for s, r in done if not s.params.prompt_loss and s.status == SeqStatus.RUNNING]
         if done:
-            self._sample_and_emit(done, hidden, extras)
+            self._sample(done, hidden, extras)
 
     def _advance(self, batch: ScheduledBatch):
         """Count the step's tokens as computed; returns each sequence's first
@@ -338,8 +371,9 @@ class Engine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             starts.append(row)
             seq.num_computed += n
-            self.block_manager.register_full_blocks(seq.token_ids, seq.num_computed, seq.block_ids,
-                                                    seq.block_keys)
+            # only known tokens are keyed (a block holding a token in flight is keyed next step)
+            self.block_manager.register_full_blocks(seq.token_ids, min(seq.num_computed, seq.num_resolved),
+                                                    seq.block_ids, seq.block_keys)
             if seq.num_pending == 0:
                 done.append((seq, row + n - 1))
             row += n
@@ -379,32 +413,61 @@ class Engine:
                 self._emit(seq, EngineOutput([], logits=extra.get('logits'), last_hidden_state=extra.get('hidden')))
         return extras
 
-    def _sample_and_emit(self, done, hidden: torch.Tensor, extras: Dict[int, dict]):
+    def _sample(self, done, hidden: torch.Tensor, extras: Dict[int, dict]):
+        """Draw the next tokens on the device. Plain requests leave them in
+        flight (read back while the next step runs); requests whose sampling
+        or outputs need the host are settled now."""
         seqs = [s for s, _ in done]
         last_hidden = hidden[[r for _, r in done]]
         logits = self.runner.logits(last_hidden)
-        tokens, logprobs = sample(logits, seqs)
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            out = self._with_extra(EngineOutput([]), extras.get(seq.seq_id))
+        tokens = sample_tokens(logits, seqs)
+        for i, seq in enumerate(seqs):
+            seq.token_ids.append(-1 - i)
+            seq.num_generated += 1
+        sampled = _Sampled(seqs, tokens, self.device.to_host_async(tokens))
+        if extras or any(needs_host_history(s) for s in seqs):
+            self._resolve(sampled, logits, last_hidden, extras, token_logprobs(logits, tokens, seqs))
+        else:
+            self._inflight = sampled
+
+    def _resolve_inflight(self):
+        sampled, self._inflight = self._inflight, None
+        try:
+            with torch.inference_mode():
+                self._resolve(sampled)
+        except Exception as e:
+            logger.exception('reading sampled tokens failed')
+            for seq in sampled.seqs:
+                if seq.status != SeqStatus.FINISHED:
+                    self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
+
+    def _resolve(self, sampled: _Sampled, logits=None, last_hidden=None, extras=None, logprobs=None):
+        """Put the sampled tokens in place of their placeholders, then stop,
+        finish or report each sequence."""
+        tokens = sampled.read().tolist()
+        for i, (seq, token) in enumerate(zip(sampled.seqs, tokens)):
+            if seq.token_ids[-1:] != [-1 - i] or seq.status == SeqStatus.FINISHED:
+                continue  # the request ended while its token was in flight
+            seq.token_ids[-1] = token
+            self._num_generated += 1
+            out = self._with_extra(EngineOutput([]), extras.get(seq.seq_id) if extras else None)
             p = seq.params
             # a stop token is not reported (no id, no logprobs), so neither is its row: logits and
             # hidden states stay one row per reported token ('generation'), as in LMDeploy
             stopped = token in p.stop_token_ids
-            if not stopped and (p.output_logits == 'generation' or
-                                (p.output_logits == 'all' and seq.num_generated > 0)):
-                out.logits = logits[i:i + 1].cpu()
-            if not stopped and (p.output_last_hidden_state == 'generation' or
-                                (p.output_last_hidden_state == 'all' and seq.num_generated > 0)):
-                out.last_hidden_state = last_hidden[i:i + 1].float().cpu()
-            seq.token_ids.append(token)
-            seq.num_generated += 1
-            self._num_generated += 1
+            if logits is not None and not stopped:
+                if p.output_logits == 'generation' or (p.output_logits == 'all' and seq.num_generated > 1):
+                    out.logits = logits[i:i + 1].cpu()
+                if p.output_last_hidden_state == 'generation' or (p.output_last_hidden_state == 'all'
+                                                                   and seq.num_generated > 1):
+                    out.last_hidden_state = last_hidden[i:i + 1].float().cpu()
             if stopped:
                 self._finish(seq, 'stop', output=out)
                 continue
             out.new_token_ids = [token]
-            out.logprobs = [logprobs[i]] if logprobs[i] is not None else None
-            if seq.num_generated >= p.max_new_tokens or seq.num_tokens >= seq.max_len:
+            if logprobs is not None and logprobs[i] is not None:
+                out.logprobs = [logprobs[i]]
+            if seq.sampling_done:
                 self._finish(seq, 'length', output=out)
             else:
                 self._emit(seq, out)

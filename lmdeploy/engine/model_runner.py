@@ -1,7 +1,7 @@
 """Packs a scheduled batch into tensors, runs the model, owns the KV cache."""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -45,9 +45,11 @@ class ModelRunner:
     def _eager_forward(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
-    def build_inputs(self, batch: ScheduledBatch):
+    def build_inputs(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor] = None):
         """One host list -> one host-to-device copy; positions, slots and
-        per-token lengths are then derived on the device."""
+        per-token lengths are then derived on the device. A placeholder
+        token ``-1 - row`` is taken from ``prev_tokens[row]`` (the sampled
+        tokens of the step still in flight) on the device."""
         seqs, counts = batch.seqs, batch.num_new_tokens
         bsz = len(seqs)
         flat: List[int] = []
@@ -66,6 +68,8 @@ class ModelRunner:
         host = torch.tensor(flat, dtype=torch.int64)
         dev = host.pin_memory().to(self.torch_device, non_blocking=True) if self._pin else host
         ids = dev[:num_tokens]
+        if prev_tokens is not None and min(flat[:num_tokens]) < 0:
+            ids = torch.where(ids >= 0, ids, prev_tokens[(-1 - ids).clamp(min=0)])
         q_lens = dev[num_tokens:num_tokens + bsz]
         computed = dev[num_tokens + bsz:num_tokens + 2 * bsz]
         rope = dev[num_tokens + 2 * bsz:num_tokens + 3 * bsz]
@@ -86,9 +90,9 @@ class ModelRunner:
         return ids, positions, ctx
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+    def forward(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states [T, hidden] of every token of the batch."""
-        input_ids, positions, ctx = self.build_inputs(batch)
+        input_ids, positions, ctx = self.build_inputs(batch, prev_tokens)
         return self._forward(input_ids, positions, ctx)
 
     @torch.inference_mode()

@@ -38,7 +38,7 @@ def _padded(rows: List[List[int]], device) -> torch.Tensor:
     return out.to(device)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: List[Sequence]) -> List[Optional[Dict[int, float]]]:
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: List[Sequence]) -> List[Optional[Dict[int, float]]]:
     out: List[Optional[Dict[int, float]]] = [None] * len(seqs)
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
@@ -56,9 +56,18 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: List[Sequence]) -> 
     return out
 
 
-def sample(logits: torch.Tensor, seqs: List[Sequence]) -> Tuple[List[int], List[Optional[Dict[int, float]]]]:
-    """logits [B, V] float32 on the device -> token per row, logprobs per row."""
-    raw = logits
+def needs_host_history(seq: Sequence) -> bool:
+    """Whether sampling this sequence reads its generated tokens on the host
+    (so its previous token must be known before the next one is drawn), or
+    its outputs need more than the token id."""
+    p = seq.params
+    return bool(p.logits_processors or p.repetition_penalty != 1.0 or p.bad_sequences or p.logprobs is not None
+                or p.output_logits or p.output_last_hidden_state)
+
+
+def sample_tokens(logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
+    """logits [B, V] float32 on the device -> next token per row, still on
+    the device (nothing here waits for the device)."""
     logits = logits.clone()
     device = logits.device
     for i, seq in enumerate(seqs):
@@ -72,10 +81,13 @@ def sample(logits: torch.Tensor, seqs: List[Sequence]) -> Tuple[List[int], List[
         ids = _padded([seqs[i].token_ids for i in penalised], device)
         penalty = torch.tensor([seqs[i].params.repetition_penalty for i in penalised], device=device)
         logits[penalised] = ops.apply_repetition_penalty(sub, ids, penalty)
+    rows, cols = [], []
     for i, seq in enumerate(seqs):
         banned = _banned_ids(seq)
-        if banned:
-            logits[i, torch.tensor(banned, dtype=torch.int64, device=device)] = NEG_INF
+        rows.extend([i] * len(banned))
+        cols.extend(banned)
+    if rows:
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = NEG_INF
 
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -89,4 +101,10 @@ def sample(logits: torch.Tensor, seqs: List[Sequence]) -> Tuple[List[int], List[
         seeds = torch.tensor([p.seed for p in ps], dtype=torch.int64, device=device)
         offsets = torch.tensor([seqs[i].num_generated for i in sampled], dtype=torch.int64, device=device)
         tokens[sampled] = ops.sample(sub, seeds, offsets)
-    return tokens.tolist(), _logprobs(raw, tokens, seqs)
+    return tokens
+
+
+def sample(logits: torch.Tensor, seqs: List[Sequence]) -> Tuple[List[int], List[Optional[Dict[int, float]]]]:
+    """logits [B, V] float32 on the device -> token per row, logprobs per row."""
+    tokens = sample_tokens(logits, seqs)
+    return tokens.tolist(), token_logprobs(logits, tokens, seqs)

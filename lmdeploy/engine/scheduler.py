@@ -99,6 +99,16 @@ class Scheduler:
             seq.block_ids.extend(self.bm.allocate(need))
         return True
 
+    def can_run_ahead(self) -> bool:
+        """Whether the next step can be scheduled while the step in flight
+        still holds unresolved tokens: nothing may need preempting (a
+        preempted sequence would be re-prefilled from an unknown token)."""
+        need = 0
+        for seq in self.running:
+            if not (seq.unresolved and seq.sampling_done):
+                need += max(0, self.bm.blocks_for(seq.num_tokens) - len(seq.block_ids))
+        return need <= self.bm.num_free
+
     # ------------------------------------------------------------- stepping
     def _phase(self) -> str:
         if self.mix:
@@ -128,6 +138,9 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             n = seq.num_pending
+            if seq.unresolved and seq.sampling_done:  # its last token is in flight: nothing more to run
+                i += 1
+                continue
             if (phase == 'decode' and n > 1) or (phase == 'prefill' and n == 1):
                 i += 1
                 continue

@@ -109,6 +109,23 @@ class Sequence:
         """Tokens still to run through the model before the next sample."""
         return self.num_tokens - self.num_computed
 
+    # A sampled token whose value is still on the device is held in
+    # ``token_ids`` as a placeholder ``-1 - row`` (its row in the step in
+    # flight), so the next step can be scheduled before it is read back.
+    # At most the last token is unresolved.
+    @property
+    def unresolved(self) -> bool:
+        return bool(self.token_ids) and self.token_ids[-1] < 0
+
+    @property
+    def num_resolved(self) -> int:
+        return self.num_tokens - 1 if self.unresolved else self.num_tokens
+
+    @property
+    def sampling_done(self) -> bool:
+        """Whether the last sampled token was the last allowed one (by length)."""
+        return self.num_generated >= self.params.max_new_tokens or self.num_tokens >= self.max_len
+
     def start_turn(self, new_ids: List[int], params: SamplingParams, on_output, max_len: int):
         """Continue an interactive session with a new prompt; the cache stays."""
         self.token_ids.extend(new_ids)

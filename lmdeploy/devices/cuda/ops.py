@@ -19,8 +19,8 @@ class CudaOps(DeviceOps):
     _torch = CpuOps()
 
     def __init__(self):
-        from .kernels import activation, attention, kv_cache, norm, rotary
-        self._k_attention, self._k_kv, self._k_norm = attention, kv_cache, norm
+        from .kernels import activation, attention, kv_cache, linear, norm, rotary
+        self._k_attention, self._k_kv, self._k_norm, self._k_linear = attention, kv_cache, norm, linear
         self._k_rotary, self._k_act = rotary, activation
         self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
@@ -41,6 +41,17 @@ class CudaOps(DeviceOps):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def to_host_async(self, t):
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait():
+            done.synchronize()  # releases the GIL while the device works
+            return host
+        return wait
 
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
         if config_dtype == torch.float32 or (config_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported()):
@@ -64,6 +75,8 @@ class CudaOps(DeviceOps):
         return F.embedding(ids, weight)
 
     def linear(self, x, weight, bias=None):
+        if self._k_linear.fits(x, weight):  # a few rows: weight-streaming kernel, no split-K pass
+            return self._k_linear.skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x, weight, eps, residual=None):

@@ -1,0 +1,57 @@
+"""Skinny GEMM for a few rows (batch-1 decode): y = x W^T (+ b).
+
+With M <= 8 rows a linear layer only streams its weight from memory, and
+cuBLAS then picks split-K kernels that add a reduction launch per GEMM. One
+program here owns BLOCK_N output columns over the whole K (no reduction
+pass), reading W in long contiguous rows; x is padded to 16 rows for
+``tl.dot``, which costs nothing while the weight read dominates.
+"""
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 8
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2 and weight.stride(1) == 1
+            and x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16))
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # short rows: 32 columns a program; long K (down_proj, lm_head): 16, so
+    # that enough programs are in flight to cover the memory latency
+    block_n, stages = (16, 4) if k > 8192 or n > 65536 else (32, 3)
+    _skinny_kernel[(triton.cdiv(n, block_n), )](x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0),
+                                                weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                                                BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, num_warps=4,
+                                                num_stages=stages)
+    return out
