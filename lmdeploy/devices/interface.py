@@ -157,9 +157,11 @@ class DeviceOps:
         """logits [B, V] / temperature [B, 1]-broadcast (temperature > 0)."""
         raise NotImplementedError
 
-    def top_k_top_p_min_p(self, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                          min_p: torch.Tensor) -> torch.Tensor:
+    def top_k_top_p_min_p(self, logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+                          min_p: Optional[torch.Tensor]) -> torch.Tensor:
         """Mask (to -inf) the tokens each filter removes; returns new logits.
+        A filter given as None is off for every row (the caller knows that on
+        the host, so the device need not be asked).
 
         top_k [B] int (0 = off): keep the k largest (ties at the k-th value
         are kept). top_p [B] (1 = off): keep the smallest set of the most

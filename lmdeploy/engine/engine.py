@@ -418,7 +418,7 @@ class Engine:
         flight (read back while the next step runs); requests whose sampling
         or outputs need the host are settled now."""
         seqs = [s for s, _ in done]
-        last_hidden = hidden[[r for _, r in done]]
+        last_hidden = self.runner.rows(hidden, [r for _, r in done])
         logits = self.runner.logits(last_hidden)
         tokens = sample_tokens(logits, seqs)
         for i, seq in enumerate(seqs):

@@ -95,6 +95,16 @@ class ModelRunner:
         input_ids, positions, ctx = self.build_inputs(batch, prev_tokens)
         return self._forward(input_ids, positions, ctx)
 
+    def rows(self, hidden: torch.Tensor, rows: List[int]) -> torch.Tensor:
+        """hidden[rows], without making the host wait for the device (an index
+        list copied from pageable memory would wait for the queued step)."""
+        if rows == list(range(hidden.shape[0])):
+            return hidden
+        index = torch.tensor(rows, dtype=torch.int64)
+        if self._pin:
+            index = index.pin_memory().to(self.torch_device, non_blocking=True)
+        return hidden[index]
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

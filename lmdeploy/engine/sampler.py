@@ -30,12 +30,24 @@ def _banned_ids(seq: Sequence) -> List[int]:
     return banned
 
 
+def _to(device: torch.device, host: torch.Tensor) -> torch.Tensor:
+    """Host tensor -> device without waiting for the device: a copy from
+    pageable memory would first wait for all queued work (the step in flight)."""
+    if device.type == 'cpu':
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _tensor(values, device: torch.device, dtype=None) -> torch.Tensor:
+    return _to(device, torch.tensor(values, dtype=dtype))
+
+
 def _padded(rows: List[List[int]], device) -> torch.Tensor:
     width = max(len(r) for r in rows)
     out = torch.full((len(rows), width), -1, dtype=torch.int64)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-    return out.to(device)
+    return _to(device, out)
 
 
 def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: List[Sequence]) -> List[Optional[Dict[int, float]]]:
@@ -72,35 +84,37 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
     device = logits.device
     for i, seq in enumerate(seqs):
         if seq.params.logits_processors:
-            generated = torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64, device=device)
+            generated = _tensor(seq.token_ids[seq.num_prompt_tokens:], device, torch.int64)
             for proc in seq.params.logits_processors:
                 logits[i] = proc(generated, logits[i])
     penalised = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if penalised:
-        sub = logits[penalised]
+        rows = _tensor(penalised, device, torch.int64)
         ids = _padded([seqs[i].token_ids for i in penalised], device)
-        penalty = torch.tensor([seqs[i].params.repetition_penalty for i in penalised], device=device)
-        logits[penalised] = ops.apply_repetition_penalty(sub, ids, penalty)
+        penalty = _tensor([seqs[i].params.repetition_penalty for i in penalised], device)
+        logits[rows] = ops.apply_repetition_penalty(logits[rows], ids, penalty)
     rows, cols = [], []
     for i, seq in enumerate(seqs):
         banned = _banned_ids(seq)
         rows.extend([i] * len(banned))
         cols.extend(banned)
     if rows:
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = NEG_INF
+        logits[_tensor(rows, device, torch.int64), _tensor(cols, device, torch.int64)] = NEG_INF
 
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
-        sub = logits[sampled]
+        rows = _tensor(sampled, device, torch.int64)
         ps = [seqs[i].params for i in sampled]
-        sub = ops.apply_temperature(sub, torch.tensor([p.temperature for p in ps], device=device))
-        sub = ops.top_k_top_p_min_p(sub, torch.tensor([p.top_k for p in ps], device=device),
-                                    torch.tensor([p.top_p for p in ps], device=device),
-                                    torch.tensor([p.min_p for p in ps], device=device))
-        seeds = torch.tensor([p.seed for p in ps], dtype=torch.int64, device=device)
-        offsets = torch.tensor([seqs[i].num_generated for i in sampled], dtype=torch.int64, device=device)
-        tokens[sampled] = ops.sample(sub, seeds, offsets)
+        sub = ops.apply_temperature(logits[rows], _tensor([p.temperature for p in ps], device))
+        # a filter nobody uses is not run at all
+        top_k = _tensor([p.top_k for p in ps], device, torch.int64) if any(p.top_k > 0 for p in ps) else None
+        top_p = _tensor([p.top_p for p in ps], device) if any(p.top_p < 1.0 for p in ps) else None
+        min_p = _tensor([p.min_p for p in ps], device) if any(p.min_p > 0.0 for p in ps) else None
+        sub = ops.top_k_top_p_min_p(sub, top_k, top_p, min_p)
+        seeds = _tensor([p.seed for p in ps], device, torch.int64)
+        offsets = _tensor([seqs[i].num_generated for i in sampled], device, torch.int64)
+        tokens[rows] = ops.sample(sub, seeds, offsets)
     return tokens
 
 

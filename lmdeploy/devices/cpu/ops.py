@@ -132,15 +132,13 @@ class CpuOps(DeviceOps):
         neg_inf = float('-inf')
         vocab = logits.shape[-1]
         # top-k: keep values >= the k-th largest
-        k = top_k.to(torch.int64).clamp(min=0, max=vocab)
-        use_k = k > 0
-        if bool(use_k.any()):
+        if top_k is not None:
+            k = top_k.to(torch.int64).clamp(min=0, max=vocab)
             sorted_vals = logits.sort(dim=-1, descending=True).values
             kth = sorted_vals.gather(1, (k - 1).clamp(min=0)[:, None])
-            logits.masked_fill_(use_k[:, None] & (logits < kth), neg_inf)
+            logits.masked_fill_((k > 0)[:, None] & (logits < kth), neg_inf)
         # top-p: drop a token once the mass of the tokens before it reaches top_p
-        use_p = top_p < 1.0
-        if bool(use_p.any()):
+        if top_p is not None:
             probs = logits.float().softmax(dim=-1)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # exclusive prefix sum (cumsum - probs rounds, missing exact boundaries)
@@ -149,13 +147,12 @@ class CpuOps(DeviceOps):
             drop_sorted = mass_before >= top_p[:, None].float()
             drop_sorted[:, 0] = False
             drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-            logits.masked_fill_(use_p[:, None] & drop, neg_inf)
+            logits.masked_fill_((top_p < 1.0)[:, None] & drop, neg_inf)
         # min-p: relative to the most likely survivor
-        use_m = min_p > 0.0
-        if bool(use_m.any()):
+        if min_p is not None:
             probs = logits.float().softmax(dim=-1)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None].float()
-            logits.masked_fill_(use_m[:, None] & (probs < threshold), neg_inf)
+            logits.masked_fill_((min_p > 0.0)[:, None] & (probs < threshold), neg_inf)
         return logits
 
     def sample(self, logits, seeds, offsets):
