@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import random
+import threading
 import time
 from typing import List, Tuple
 
@@ -45,6 +46,8 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     gens = [GenerationConfig(max_new_tokens=o, ignore_eos=True) for o in outs]
     if args.warmup:
         pipe(prompts[:2], gens[:2])
+    if args.profile_at is not None:
+        threading.Timer(args.profile_at, profile_window, (args.profile_len, )).start()
     t0 = time.perf_counter()
     responses = pipe(prompts, gens, use_tqdm=args.tqdm)
     elapsed = time.perf_counter() - t0
@@ -63,6 +66,17 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     return dict(engine='lmdeploy', device=device, load_s=load_s, elapsed_s=elapsed, output_tokens=generated,
                 kv_capacity_tokens=stats.num_blocks * stats.block_size, preemptions=stats.num_preemptions,
                 step_stats=x)
+
+
+def profile_window(seconds: float):
+    """How busy the GPU is: kernel time over a window of the run (the rest
+    is the device waiting for the host), and the kernels that fill it."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time.sleep(seconds)
+    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    print(f'  GPU busy {100 * busy / seconds:.1f}% of a {seconds:.1f} s window (kernel time {busy:.3f} s)')
+    print(prof.key_averages().table(sort_by='self_device_time_total', row_limit=12, max_name_column_width=50))
 
 
 def run_hf(args, prompts, outs) -> dict:
@@ -119,6 +133,9 @@ def main():
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--warmup', action='store_true')
     p.add_argument('--tqdm', action='store_true')
+    p.add_argument('--profile-at', type=float, default=None,
+                   help='seconds into the run: profile the GPU for --profile-len seconds from there')
+    p.add_argument('--profile-len', type=float, default=1.0)
     p.add_argument('--compare-hf', action='store_true', help='also time transformers.generate')
     p.add_argument('--json', default=None, help='write the results here')
     args = p.parse_args()
