@@ -2,9 +2,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -26,5 +31,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block,
-                                                         num_warps=4)
+                                                         num_warps=4, PDL=pdl.ON, **pdl.LAUNCH)
     return out

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 _LOG2E = 1.4426950408889634
 
 
@@ -91,9 +93,13 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, scale_log2, stride_qb,
                    stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt, stride_pb, stride_ph,
                    stride_ps, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   PDL: tl.constexpr):
     """One program: the GROUP query heads sharing KV head ``kvh`` of
     sequence ``b``, over one slice of the context."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,7 +138,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens
 
 @triton.jit
 def _decode_reduce_kernel(part_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -171,9 +181,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
                                        part.stride(0), part.stride(1), part.stride(2) if splits > 1 else 0,
                                        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
                                        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_N=64, BLOCK_D=block_d,
-                                       NUM_SPLITS=splits, num_warps=4, num_stages=2)
+                                       NUM_SPLITS=splits, num_warps=4, num_stages=2, PDL=pdl.ON, **pdl.LAUNCH)
     if splits > 1:
         _decode_reduce_kernel[(bsz, h)](part, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
                                         out.stride(1), HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_D=block_d,
-                                        num_warps=2)
+                                        num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
     return out

@@ -2,10 +2,15 @@
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, n_heads,
-                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -29,4 +34,4 @@ def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping):
         v = v.contiguous()
     _fill_kv_kernel[(t, )](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            h, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
-                           num_warps=2)
+                           num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)

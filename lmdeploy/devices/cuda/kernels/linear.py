@@ -10,20 +10,31 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 MAX_ROWS = 8
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first weight tile depends on no earlier kernel: start reading it
+    # before waiting for the kernel that writes x
+    offs_k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :],
+                other=0.0)
+    acc = tl.dot(x, tl.trans(w))
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
@@ -47,11 +58,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Ten
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    # short rows: 32 columns a program; long K (down_proj, lm_head): 16, so
-    # that enough programs are in flight to cover the memory latency
-    block_n, stages = (16, 4) if k > 8192 or n > 65536 else (32, 3)
-    _skinny_kernel[(triton.cdiv(n, block_n), )](x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0),
-                                                weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                                                BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, num_warps=4,
-                                                num_stages=stages)
+    # measured on an H100 over a model's worth of weights (no L2 reuse): 64
+    # columns by 256 a tile is best or within 1% for every Llama-3-8B shape
+    _skinny_kernel[(triton.cdiv(n, 64), )](x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0),
+                                           weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16,
+                                           BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, PDL=pdl.ON,
+                                           **pdl.LAUNCH)
     return out

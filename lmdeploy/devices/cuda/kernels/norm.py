@@ -3,10 +3,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n_cols,
-                     eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -36,6 +41,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(x2.shape[0], )](x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), out.stride(0),
                                       res_out.stride(0), n, eps, HAS_RES=residual is not None, BLOCK=block,
-                                      num_warps=4 if block <= 4096 else 8)
+                                      num_warps=4 if block <= 4096 else 8, PDL=pdl.ON, **pdl.LAUNCH)
     out = out.view(shape)
     return out, (res_out.view(shape) if residual is not None else None)

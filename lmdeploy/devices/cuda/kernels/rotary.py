@@ -3,10 +3,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, n_heads,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -42,7 +47,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     block_h = min(16, triton.next_power_of_2(h))
     _rotary_kernel[(t, triton.cdiv(h, block_h))](x, out, cos, sin, x.stride(0), x.stride(1), out.stride(0),
                                                  out.stride(1), cos.stride(0), h, HALF=half, BLOCK_H=block_h,
-                                                 BLOCK_D=triton.next_power_of_2(half), num_warps=2)
+                                                 BLOCK_D=triton.next_power_of_2(half), num_warps=2, PDL=pdl.ON,
+                                                 **pdl.LAUNCH)
     return out
 
 
