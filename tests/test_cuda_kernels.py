@@ -68,16 +68,25 @@ def test_skinny_linear(dtype, rows, with_bias):
 
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('head_dim', [64, 128])
-def test_rotary(dtype, head_dim):
+@pytest.mark.parametrize('fused_qkv', [False, True])
+def test_rotary(dtype, head_dim, fused_qkv):
     t, h, hkv = (333, 32, 8) if FULL else (5, 4, 2)
-    q = torch.randn(t, h, head_dim, dtype=dtype, device=DEV)
-    k = torch.randn(t, hkv, head_dim, dtype=dtype, device=DEV)
+    if fused_qkv:  # q and k as the model gets them: views of one qkv projection (one launch rotates both)
+        qkv = torch.randn(t, (h + 2 * hkv) * head_dim, dtype=dtype, device=DEV)
+        q, k, _ = qkv.split([h * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+        q, k = q.reshape(t, h, head_dim), k.reshape(t, hkv, head_dim)
+        assert rotary._adjacent(q, k)
+    else:
+        q = torch.randn(t, h, head_dim, dtype=dtype, device=DEV)
+        k = torch.randn(t, hkv, head_dim, dtype=dtype, device=DEV)
+        assert not rotary._adjacent(q, k)
     pos = torch.randint(0, 4000, (t, ), device=DEV).float()
     inv = 1.0 / (10000**(torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
     emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
     cos, sin = emb.cos(), emb.sin()
     oq, ok = rotary.apply_rotary(q, k, cos, sin)
     rq, rk = REF.apply_rotary(q.cpu().float(), k.cpu().float(), cos.cpu(), sin.cpu())
+    assert oq.shape == q.shape and ok.shape == k.shape
     assert rel_err(oq, rq) < tol(dtype) * 2 and rel_err(ok, rk) < tol(dtype) * 2
 
 

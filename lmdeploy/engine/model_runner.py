@@ -46,46 +46,67 @@ class ModelRunner:
         return self.model(input_ids, positions, ctx)
 
     def build_inputs(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor] = None):
-        """One host list -> one host-to-device copy; positions, slots and
-        per-token lengths are then derived on the device. A placeholder
-        token ``-1 - row`` is taken from ``prev_tokens[row]`` (the sampled
-        tokens of the step still in flight) on the device."""
+        """One host list -> one host-to-device copy. A decode step's metadata
+        is all computed on the host (a small batch would otherwise spend more
+        time in tiny derivation kernels than in its copy); a prefill step's
+        per-token positions and slots are derived on the device. A
+        placeholder token ``-1 - row`` is taken from ``prev_tokens[row]``
+        (the sampled tokens of the step still in flight) on the device."""
         seqs, counts = batch.seqs, batch.num_new_tokens
-        bsz = len(seqs)
-        flat: List[int] = []
+        bsz, bs = len(seqs), self.block_size
+        tokens: List[int] = []
         for seq, n in zip(seqs, counts):
             start = seq.num_computed
-            flat.extend(seq.token_ids[start:start + n])
-        num_tokens = len(flat)
+            tokens.extend(seq.token_ids[start:start + n])
+        num_tokens = len(tokens)
+        flat, n_prev = list(tokens), 0
+        if prev_tokens is not None:
+            src = [-1 - t if t < 0 else -1 for t in tokens]  # row in prev_tokens, or -1
+            n_prev = num_tokens - src.count(-1)
+            if n_prev:
+                flat = [max(t, 0) for t in tokens] + src
         starts = [seq.num_computed for seq in seqs]
-        flat.extend(counts)
-        flat.extend(starts)
-        flat.extend(seq.num_tokens for seq in seqs)  # rotary length (dynamic NTK)
+        if batch.is_decode:
+            flat += starts  # positions
+            flat += [p + 1 for p in starts]  # kv lengths
+            flat += [seq.block_ids[p // bs] * bs + p % bs for seq, p in zip(seqs, starts)]  # slots
+            flat += [1] * bsz  # q lengths
+            flat += range(bsz)  # q starts
+        else:
+            flat += counts
+            flat += starts
+        flat += [seq.num_tokens for seq in seqs]  # rotary length (dynamic NTK)
         width = max(len(seq.block_ids) for seq in seqs)
         for seq in seqs:
-            flat.extend(seq.block_ids)
-            flat.extend([0] * (width - len(seq.block_ids)))
+            flat += seq.block_ids
+            flat += [0] * (width - len(seq.block_ids))
         host = torch.tensor(flat, dtype=torch.int64)
         dev = host.pin_memory().to(self.torch_device, non_blocking=True) if self._pin else host
-        ids = dev[:num_tokens]
-        if prev_tokens is not None and min(flat[:num_tokens]) < 0:
-            ids = torch.where(ids >= 0, ids, prev_tokens[(-1 - ids).clamp(min=0)])
-        q_lens = dev[num_tokens:num_tokens + bsz]
-        computed = dev[num_tokens + bsz:num_tokens + 2 * bsz]
-        rope = dev[num_tokens + 2 * bsz:num_tokens + 3 * bsz]
-        tables = dev[num_tokens + 3 * bsz:].view(bsz, width)
-        q_start = q_lens.cumsum(0) - q_lens
+        fields = [num_tokens] * (2 if n_prev else 1)
+        fields += [bsz] * (5 if batch.is_decode else 2) + [bsz, bsz * width]
+        parts = list(dev.split(fields))
+        ids = parts.pop(0)
+        if n_prev:
+            rows = parts.pop(0)
+            if n_prev == num_tokens:
+                ids = prev_tokens.index_select(0, rows)
+            else:
+                ids = torch.where(rows >= 0, prev_tokens.index_select(0, rows.clamp(min=0)), ids)
         if batch.is_decode:
-            seq_idx = torch.arange(bsz, device=dev.device)
-            positions = computed
+            positions, kv_lens, slots, q_lens, q_start, rope, tables = parts
+            rope_lens = rope
         else:
+            q_lens, computed, rope, tables = parts
+            q_start = q_lens.cumsum(0) - q_lens
             seq_idx = torch.repeat_interleave(torch.arange(bsz, device=dev.device), q_lens, output_size=num_tokens)
             positions = computed[seq_idx] + torch.arange(num_tokens, device=dev.device) - q_start[seq_idx]
-        bs = self.block_size
-        slots = tables[seq_idx, positions // bs] * bs + positions % bs
-        ctx = StepContext(is_decode=batch.is_decode, q_start_loc=q_start, q_seqlens=q_lens,
-                          kv_seqlens=computed + q_lens, block_tables=tables.to(torch.int32), slot_mapping=slots,
-                          rope_lens=rope[seq_idx], max_q_len=max(counts),
+            tables2 = tables.view(bsz, width)
+            slots = tables2[seq_idx, positions // bs] * bs + positions % bs
+            kv_lens = computed + q_lens
+            rope_lens = rope[seq_idx]
+        ctx = StepContext(is_decode=batch.is_decode, q_start_loc=q_start, q_seqlens=q_lens, kv_seqlens=kv_lens,
+                          block_tables=tables.view(bsz, width).to(torch.int32), slot_mapping=slots,
+                          rope_lens=rope_lens, max_q_len=max(counts),
                           max_kv_len=max(c + n for c, n in zip(starts, counts)), kv_caches=self.kv_caches)
         return ids, positions, ctx
 

@@ -52,7 +52,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out
 
 
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether k's heads follow q's in memory with the same strides (both
+    are views of one fused qkv projection): then one launch rotates both."""
+    return (q.dtype == k.dtype and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.stride() == k.stride()
+            and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+            and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size())
+
+
 def apply_rotary(q, k, cos, sin):
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
+    if _adjacent(q, k):
+        h = q.shape[1]
+        both = q.as_strided((q.shape[0], h + k.shape[1], q.shape[2]), q.stride())
+        out = _rotate(both, cos, sin)
+        return out[:, :h], out[:, h:]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
