@@ -47,6 +47,83 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _normed_tile(x_ptr, res_ptr, nw_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, inv_rms,
+                 HAS_RES: tl.constexpr):
+    k_mask = offs_k < K
+    mk = m_mask[:, None] & k_mask[None, :]
+    h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mk, other=0.0)
+    if HAS_RES:
+        h = h + tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mk, other=0.0)
+    nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
+    return (h.to(tl.float32) * inv_rms[:, None]).to(h.dtype) * nw[None, :]
+
+
+@triton.jit
+def _norm_skinny_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, h_ptr, M, N, K, eps, stride_xm, stride_rm,
+                        stride_hm, stride_wn, stride_om, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """out = rms_norm(x + res) W^T (+ b). Every program recomputes the rows'
+    norm (they are short and cached), and program 0 writes h = x + res:
+    the norm kernel and its launch disappear from a decode step."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    w_first = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # pass 1: h = x + res (rounded to the activation dtype, as the norm op does) and its mean square
+    sq = tl.zeros((BLOCK_M, ), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = m_mask[:, None] & (offs_k < K)[None, :]
+        h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mk, other=0.0)
+        if HAS_RES:
+            h = h + tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mk, other=0.0)
+            if pid == 0:
+                tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], h, mask=mk)
+        hf = h.to(tl.float32)
+        sq += tl.sum(hf * hf, axis=1)
+    inv_rms = tl.rsqrt(sq / K + eps)
+    # pass 2: the projection of norm(h) = (h / rms).to(dtype) * w_norm
+    offs_k = tl.arange(0, BLOCK_K)
+    xn = _normed_tile(x_ptr, res_ptr, nw_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, inv_rms, HAS_RES)
+    acc = tl.dot(xn.to(w_first.dtype), tl.trans(w_first))
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xn = _normed_tile(x_ptr, res_ptr, nw_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, inv_rms, HAS_RES)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc += tl.dot(xn.to(w.dtype), tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def norm_skinny_linear(x, residual, norm_weight, eps, weight, bias=None):
+    """(rms_norm(x + residual) W^T + b, x + residual) for a few rows."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    _norm_skinny_kernel[(triton.cdiv(n, 64), )](x, res, norm_weight, weight, bias if bias is not None else x, out, h,
+                                                m, n, k, eps, x.stride(0), res.stride(0), h.stride(0),
+                                                weight.stride(0), out.stride(0), HAS_RES=residual is not None,
+                                                HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256,
+                                                num_warps=4, num_stages=4, PDL=pdl.ON, **pdl.LAUNCH)
+    return out, h
+
+
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2 and weight.stride(1) == 1
             and x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16))
