@@ -99,9 +99,8 @@ class DeviceOps:
                         eps: float, weight: torch.Tensor,
                         bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """A projection of a normalised input: h = x (+ residual); returns
-        (linear(rms_norm(h), weight, bias), h): ``rms_norm`` then ``linear``.
-        A device may fuse them (the norm then costs no launch), rounding
-        differently within the dtype's precision."""
+        (linear(rms_norm(h), weight, bias), h). Exactly ``rms_norm`` then
+        ``linear``; a device may fuse them (the norm then costs no launch)."""
         normed, h = self.rms_norm(x, norm_weight, eps, residual)
         return self.linear(normed, weight, bias), (x if residual is None else h)
 

@@ -48,26 +48,24 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
 
 
 @triton.jit
-def _residual_tile(x_ptr, res_ptr, h_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, stride_hm,
-                   HAS_RES: tl.constexpr, WRITE_H):
-    mk = m_mask[:, None] & (offs_k < K)[None, :]
+def _normed_tile(x_ptr, res_ptr, nw_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, inv_rms,
+                 HAS_RES: tl.constexpr):
+    k_mask = offs_k < K
+    mk = m_mask[:, None] & k_mask[None, :]
     h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mk, other=0.0)
     if HAS_RES:
         h = h + tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mk, other=0.0)
-        if WRITE_H:
-            tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], h, mask=mk)
-    return h
+    nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
+    return (h.to(tl.float32) * inv_rms[:, None]).to(h.dtype) * nw[None, :]
 
 
 @triton.jit
 def _norm_skinny_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, h_ptr, M, N, K, eps, stride_xm, stride_rm,
                         stride_hm, stride_wn, stride_om, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out = rms_norm(x + res) W^T (+ b) in one pass over K: the rows' sum of
-    squares accumulates beside the product with (h * w_norm), and the 1/rms
-    row scale is applied at the end (so h * w_norm, not h / rms * w_norm, is
-    what gets rounded to the weight dtype). Program 0 writes h = x + res: the
-    norm kernel and its launch disappear from a decode step."""
+    """out = rms_norm(x + res) W^T (+ b). Every program recomputes the rows'
+    norm (they are short and cached), and program 0 writes h = x + res:
+    the norm kernel and its launch disappear from a decode step."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -75,27 +73,32 @@ def _norm_skinny_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, h_ptr, M,
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    w_first = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    h = _residual_tile(x_ptr, res_ptr, h_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, stride_hm, HAS_RES,
-                       pid == 0)
-    nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0)
-    hf = h.to(tl.float32)
-    sq = tl.sum(hf * hf, axis=1)
-    acc = tl.dot((h * nw[None, :]).to(w.dtype), tl.trans(w))
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    # pass 1: h = x + res (rounded to the activation dtype, as the norm op does) and its mean square
+    sq = tl.zeros((BLOCK_M, ), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        h = _residual_tile(x_ptr, res_ptr, h_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, stride_hm, HAS_RES,
-                           pid == 0)
-        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        mk = m_mask[:, None] & (offs_k < K)[None, :]
+        h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mk, other=0.0)
+        if HAS_RES:
+            h = h + tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mk, other=0.0)
+            if pid == 0:
+                tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], h, mask=mk)
         hf = h.to(tl.float32)
         sq += tl.sum(hf * hf, axis=1)
-        acc += tl.dot((h * nw[None, :]).to(w.dtype), tl.trans(w))
-    acc = acc * tl.rsqrt(sq / K + eps)[:, None]
+    inv_rms = tl.rsqrt(sq / K + eps)
+    # pass 2: the projection of norm(h) = (h / rms).to(dtype) * w_norm
+    offs_k = tl.arange(0, BLOCK_K)
+    xn = _normed_tile(x_ptr, res_ptr, nw_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, inv_rms, HAS_RES)
+    acc = tl.dot(xn.to(w_first.dtype), tl.trans(w_first))
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xn = _normed_tile(x_ptr, res_ptr, nw_ptr, offs_m, m_mask, offs_k, K, stride_xm, stride_rm, inv_rms, HAS_RES)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc += tl.dot(xn.to(w.dtype), tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
