@@ -67,25 +67,6 @@ def test_skinny_linear(dtype, rows, with_bias):
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
-@pytest.mark.parametrize('rows', [1, 5])
-@pytest.mark.parametrize('with_residual', [False, True])
-def test_norm_skinny_linear(dtype, rows, with_residual):
-    shapes = [(4096, 6144), (4096, 28672)] if FULL else [(300, 70), (48, 33)]
-    for k, n in shapes:
-        x = torch.randn(rows, k, dtype=dtype, device=DEV)
-        res = torch.randn(rows, k, dtype=dtype, device=DEV) if with_residual else None
-        nw = (1 + 0.1 * torch.randn(k)).to(dtype).to(DEV)
-        w = (torch.randn(n, k) * k**-0.5).to(dtype).to(DEV)
-        b = torch.randn(n, dtype=dtype, device=DEV)
-        out, h = linear.norm_skinny_linear(x, res, nw, 1e-5, w, b)
-        ref, ref_h = REF.rms_norm_linear(x.cpu().float(), res.cpu().float() if with_residual else None,
-                                         nw.cpu().float(), 1e-5, w.cpu().float(), b.cpu().float())
-        assert out.shape == (rows, n) and h.shape == x.shape
-        assert rel_err(out, ref) < tol(dtype) * 2
-        assert rel_err(h, ref_h) < tol(dtype)
-
-
-@pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('head_dim', [64, 128])
 @pytest.mark.parametrize('fused_qkv', [False, True])
 def test_rotary(dtype, head_dim, fused_qkv):

@@ -95,15 +95,6 @@ class DeviceOps:
         """
         raise NotImplementedError
 
-    def rms_norm_linear(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
-                        eps: float, weight: torch.Tensor,
-                        bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """A projection of a normalised input: h = x (+ residual); returns
-        (linear(rms_norm(h), weight, bias), h). Exactly ``rms_norm`` then
-        ``linear``; a device may fuse them (the norm then costs no launch)."""
-        normed, h = self.rms_norm(x, norm_weight, eps, residual)
-        return self.linear(normed, weight, bias), (x if residual is None else h)
-
     def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rotary embedding, "rotate half" layout.

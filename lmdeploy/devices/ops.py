@@ -35,10 +35,6 @@ def rms_norm(x, weight, eps, residual=None):
     return _ops(x).rms_norm(x, weight, eps, residual)
 
 
-def rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None):
-    return _ops(x).rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
-
-
 def apply_rotary(q, k, cos, sin):
     return _ops(q).apply_rotary(q, k, cos, sin)
 

@@ -79,12 +79,6 @@ class CudaOps(DeviceOps):
             return self._k_linear.skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
-        if (self._k_linear.fits(x, weight) and norm_weight.dtype == x.dtype
-                and (residual is None or residual.shape == x.shape)):
-            return self._k_linear.norm_skinny_linear(x, residual, norm_weight, eps, weight, bias)
-        return super().rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
-
     def rms_norm(self, x, weight, eps, residual=None):
         return self._k_norm.rms_norm(x, weight, eps, residual)
 

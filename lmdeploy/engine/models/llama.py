@@ -3,10 +3,6 @@
     h   = x + Attn(RMSNorm(x))
     out = h + W_down (silu(W_gate h') * W_up h'),  h' = RMSNorm(h)
     Attn: q, k = RoPE(W_q x), RoPE(W_k x); softmax(q k^T / sqrt(d)) W_v x
-
-Each RMSNorm feeds one projection (W_qkv, W_gate|up), and the residual adds
-are carried along: ``proj.after_norm(norm, x, residual)`` computes
-proj(norm(x + residual)) and returns x + residual, in one device op.
 """
 from __future__ import annotations
 
@@ -35,17 +31,14 @@ class LlamaAttention(nn.Module):
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         return q, k
 
-    def forward(self, x: torch.Tensor, residual, norm: RMSNorm, rotary: RotaryEmbedding, cos, sin,
-                ctx: StepContext):
-        """Attn(norm(x + residual)) and x + residual."""
-        qkv, residual = self.qkv_proj.after_norm(norm, x, residual)
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos, sin, ctx: StepContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
         q, k = rotary(q, k, cos, sin)
-        return self.o_proj(self.attn(q, k, v, ctx)), residual
+        return self.o_proj(self.attn(q, k, v, ctx))
 
 
 class LlamaMLP(nn.Module):
@@ -57,10 +50,8 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x, residual, norm: RMSNorm):
-        """MLP(norm(x + residual)) and x + residual."""
-        gate_up, residual = self.gate_up_proj.after_norm(norm, x, residual)
-        return self.down_proj(self.act(gate_up)), residual
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,8 +64,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, residual, rotary, cos, sin, ctx):
-        x, residual = self.self_attn(x, residual, self.input_layernorm, rotary, cos, sin, ctx)
-        return self.mlp(x, residual, self.post_attention_layernorm)
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rotary, cos, sin, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):

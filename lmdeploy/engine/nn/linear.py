@@ -23,11 +23,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
 
-    def after_norm(self, norm, x: torch.Tensor, residual: Optional[torch.Tensor]):
-        """self(norm(h)) with h = x + residual (x alone when residual is None);
-        returns it and h, the next residual. One op, which a device may fuse."""
-        return ops.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-
 
 class MergedLinear(Linear):
     """Several projections of one input stacked along the output dim."""
