@@ -1,0 +1,105 @@
+"""The engine launches step N+1 before it reads back step N's sampled tokens.
+
+Tokens still on the device sit in a sequence as placeholders; these tests
+check that the overlap really happens, and that requests which end while
+their next step is already in flight (stop token, cancel, interactive turn)
+report exactly what a step-by-step engine would, leaking no KV block.
+"""
+import random
+
+import pytest
+from engine_utils import submit
+from helpers import hf_greedy
+
+from lmdeploy.engine.engine import Engine
+from lmdeploy.engine.sequence import SamplingParams
+from lmdeploy.messages import PytorchEngineConfig
+
+NEW = 12
+
+
+@pytest.fixture
+def engine(tiny_model_factory):
+    eng = Engine(tiny_model_factory('llama'), PytorchEngineConfig(device_type='cpu', block_size=4, session_len=256))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def prompts():
+    rng = random.Random()
+    return [[rng.randrange(20, 49152) for _ in range(n)] for n in (7, 13, 4)]
+
+
+def first_new_token(tokens, start=3):
+    """Index of the first token (from ``start``) not seen earlier in ``tokens``."""
+    for i in range(start, len(tokens)):
+        if tokens[i] not in tokens[:i]:
+            return i
+    pytest.skip('no fresh token to stop on')  # practically never with a random model
+
+
+def test_next_step_is_launched_before_tokens_are_read(engine, prompts, tiny_model_factory):
+    launched_ahead = []
+    forward = engine.runner.forward
+
+    def spy(batch, prev_tokens=None):
+        launched_ahead.append(prev_tokens is not None)
+        return forward(batch, prev_tokens)
+
+    engine.runner.forward = spy
+    cols = [submit(engine, p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
+    got = [c.wait().token_ids for c in cols]
+    assert got == hf_greedy(tiny_model_factory('llama'), prompts, NEW)
+    # every decode step after the first ran while the previous one's tokens were still on the device
+    assert sum(launched_ahead) >= NEW - 2
+
+
+def test_stop_token_while_next_step_in_flight(engine, prompts, tiny_model_factory):
+    ref = hf_greedy(tiny_model_factory('llama'), prompts, NEW)
+    i = first_new_token(ref[0])
+    stopper = submit(engine, prompts[0], SamplingParams(max_new_tokens=NEW, stop_token_ids=[ref[0][i]]))
+    others = [submit(engine, p, SamplingParams(max_new_tokens=NEW)) for p in prompts[1:]]
+    stopper.wait()
+    # the stop token ends the request and is not reported; nothing after it leaks out
+    assert stopper.token_ids == ref[0][:i] and stopper.final.finish_reason == 'stop'
+    assert [c.wait().token_ids for c in others] == ref[1:]
+    assert engine.wait_idle()
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_cancel_while_in_flight_frees_everything(engine, prompts):
+    cols = [submit(engine, p, SamplingParams(max_new_tokens=200), session_id=900 + k) for k, p in enumerate(prompts)]
+    while len(cols[0].token_ids) < 3:
+        cols[0].done.wait(0.01)
+    engine.cancel(900)
+    assert cols[0].wait().final.finish_reason == 'abort'
+    for c in cols[1:]:
+        assert len(c.wait().token_ids) == 200
+    assert engine.wait_idle()
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_interactive_turn_that_stops_in_flight_keeps_a_consistent_history(engine, prompts, tiny_model_factory):
+    path = tiny_model_factory('llama')
+    first = prompts[0]
+    ref = hf_greedy(path, [first], NEW)[0]
+    i = first_new_token(ref)
+    stop = ref[i]
+    busy = submit(engine, prompts[1], SamplingParams(max_new_tokens=40))  # keeps steps running ahead
+    turn1 = submit(engine, first, SamplingParams(max_new_tokens=NEW, stop_token_ids=[stop]), session_id=77,
+                   interactive=True).wait()
+    assert turn1.token_ids == ref[:i] and turn1.final.finish_reason == 'stop'
+    follow = prompts[2]
+    turn2 = submit(engine, follow, SamplingParams(max_new_tokens=6), session_id=77, interactive=True).wait()
+    # the history holds the prompt, the reply and its stop token, then the new turn
+    history = first + ref[:i] + [stop] + follow
+    assert turn2.token_ids == hf_greedy(path, [history], 6)[0]
+    busy.wait()
+    engine.end_session(77)
+    assert engine.wait_idle()
+    engine.check_invariants()
