@@ -251,15 +251,17 @@ class Engine:
     def _run_step(self, batch: ScheduledBatch):
         stats = self._step_stats['decode' if batch.is_decode else 'prefill']
         start = time.perf_counter()
+        prev = self._inflight
         try:
             with torch.inference_mode():
                 self._step(batch)
         except Exception as e:  # a failed step must not take the engine down
             logger.exception('engine step failed')
-            failed = list(batch.seqs)
-            if self._inflight is not None:
-                failed += self._inflight.seqs
-                self._inflight = None
+            failed = list(batch.seqs)  # with the step it consumed and any it left in flight
+            for pending in (prev, self._inflight):
+                if pending is not None:
+                    failed += pending.seqs
+            self._inflight = None
             for seq in failed:
                 if seq.status != SeqStatus.FINISHED:
                     self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
