@@ -92,20 +92,19 @@ class ModelRunner:
                 ids = prev_tokens.index_select(0, rows)
             else:
                 ids = torch.where(rows >= 0, prev_tokens.index_select(0, rows.clamp(min=0)), ids)
+        tables = parts.pop().view(bsz, width)
         if batch.is_decode:
-            positions, kv_lens, slots, q_lens, q_start, rope, tables = parts
-            rope_lens = rope
+            positions, kv_lens, slots, q_lens, q_start, rope_lens = parts
         else:
-            q_lens, computed, rope, tables = parts
+            q_lens, computed, rope = parts
             q_start = q_lens.cumsum(0) - q_lens
             seq_idx = torch.repeat_interleave(torch.arange(bsz, device=dev.device), q_lens, output_size=num_tokens)
             positions = computed[seq_idx] + torch.arange(num_tokens, device=dev.device) - q_start[seq_idx]
-            tables2 = tables.view(bsz, width)
-            slots = tables2[seq_idx, positions // bs] * bs + positions % bs
+            slots = tables[seq_idx, positions // bs] * bs + positions % bs
             kv_lens = computed + q_lens
             rope_lens = rope[seq_idx]
         ctx = StepContext(is_decode=batch.is_decode, q_start_loc=q_start, q_seqlens=q_lens, kv_seqlens=kv_lens,
-                          block_tables=tables.view(bsz, width).to(torch.int32), slot_mapping=slots,
+                          block_tables=tables.to(torch.int32), slot_mapping=slots,
                           rope_lens=rope_lens, max_q_len=max(counts),
                           max_kv_len=max(c + n for c, n in zip(starts, counts)), kv_caches=self.kv_caches)
         return ids, positions, ctx
