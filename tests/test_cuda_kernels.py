@@ -67,6 +67,21 @@ def test_skinny_linear(dtype, rows, with_bias):
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('rows', [1, 6])
+@pytest.mark.parametrize('with_bias', [False, True])
+def test_skinny_linear_silu_and_mul(dtype, rows, with_bias):
+    shapes = [(4096, 14336)] if FULL else [(300, 70), (48, 33)]
+    for k, i in shapes:
+        x = torch.randn(rows, k, dtype=dtype, device=DEV)
+        w = (torch.randn(2 * i, k) * k**-0.5).to(dtype).to(DEV)
+        b = torch.randn(2 * i, dtype=dtype, device=DEV) if with_bias else None
+        out = linear.skinny_linear_silu_and_mul(x, w, b)
+        ref = REF.linear_silu_and_mul(x.cpu().float(), w.cpu().float(), b.cpu().float() if with_bias else None)
+        assert out.shape == (rows, i) and out.dtype == dtype
+        assert rel_err(out, ref) < tol(dtype) * 2
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('head_dim', [64, 128])
 @pytest.mark.parametrize('fused_qkv', [False, True])
 def test_rotary(dtype, head_dim, fused_qkv):

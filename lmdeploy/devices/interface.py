@@ -109,6 +109,13 @@ class DeviceOps:
         """x [T, 2I] = cat(gate, up) -> silu(gate) * up [T, I]."""
         raise NotImplementedError
 
+    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor,
+                            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """silu_and_mul(linear(x, weight, bias)), weight = cat(W_gate, W_up):
+        the gated MLP's first half. A device may fuse the two (each output
+        column then needs its gate and up rows in one program)."""
+        return self.silu_and_mul(self.linear(x, weight, bias))
+
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:

@@ -43,6 +43,10 @@ def silu_and_mul(x):
     return _ops(x).silu_and_mul(x)
 
 
+def linear_silu_and_mul(x, weight, bias=None):
+    return _ops(x).linear_silu_and_mul(x, weight, bias)
+
+
 def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     return _ops(k).fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 

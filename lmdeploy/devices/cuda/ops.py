@@ -79,6 +79,11 @@ class CudaOps(DeviceOps):
             return self._k_linear.skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
+    def linear_silu_and_mul(self, x, weight, bias=None):
+        if self._k_linear.fits(x, weight) and weight.shape[0] % 2 == 0:
+            return self._k_linear.skinny_linear_silu_and_mul(x, weight, bias)
+        return super().linear_silu_and_mul(x, weight, bias)
+
     def rms_norm(self, x, weight, eps, residual=None):
         return self._k_norm.rms_norm(x, weight, eps, residual)
 

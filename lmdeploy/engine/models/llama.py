@@ -51,7 +51,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.act.of_projection(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):
