@@ -66,6 +66,15 @@ def test_skinny_linear(dtype, rows, with_bias):
         assert rel_err(out, ref) < tol(dtype)
 
 
+def test_skinny_gemm_stages_fit_every_gpus_shared_memory():
+    # Hopper keeps the measured 4 stages; GPUs with less shared memory per block get fewer, never 0
+    assert linear.pipeline_stages(227 * 1024) == 4
+    for kib in (163, 99, 96, 64, 48):
+        stages = linear.pipeline_stages(kib * 1024)
+        assert 1 <= stages < 4
+        assert stages == 1 or stages * linear._STAGE_BYTES <= (kib - 8) * 1024
+
+
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('rows', [1, 6])
 @pytest.mark.parametrize('with_bias', [False, True])

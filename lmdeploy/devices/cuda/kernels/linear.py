@@ -6,6 +6,8 @@ program here owns BLOCK_N output columns over the whole K (no reduction
 pass), reading W in long contiguous rows; x is padded to 16 rows for
 ``tl.dot``, which costs nothing while the weight read dominates.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -13,6 +15,37 @@ import triton.language as tl
 from . import pdl
 
 MAX_ROWS = 8
+# shared memory one pipeline stage of these kernels holds: a 64 x 256 weight
+# tile and the 16 x 256 input tile, 2-byte elements
+_STAGE_BYTES = (64 + 16) * 256 * 2
+
+
+# opt-in shared memory per block by compute capability (CUDA programming guide)
+_SHARED_MEMORY_KIB = {(7, 0): 96, (7, 2): 96, (7, 5): 64, (8, 0): 163, (8, 7): 163, (9, 0): 227}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device_index: int) -> int:
+    """Bytes of shared memory a block may use on this GPU (what Triton checks)."""
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)['max_shared_mem'])
+    except Exception:
+        cap = torch.cuda.get_device_capability(device_index)
+        return _SHARED_MEMORY_KIB.get(cap, 99 if cap[0] == 8 else 227 if cap[0] >= 9 else 48) * 1024
+
+
+def pipeline_stages(shared_memory: int, most: int = 4) -> int:
+    """How many weight tiles may be in flight: 4 on Hopper (227 KB), fewer
+    where a block gets less shared memory (Volta 96 KB, Turing 64 KB), so
+    the kernels compile on every GPU Triton supports. 8 KB stay spare for
+    Triton's own scratch."""
+    return max(1, min(most, (shared_memory - 8 * 1024) // _STAGE_BYTES))
+
+
+def _stages(x: torch.Tensor) -> int:
+    if x.device.type != 'cuda':
+        return 4  # the interpreter ignores it
+    return pipeline_stages(_shared_memory(x.device.index if x.device.index is not None else 0))
 
 
 @triton.jit
@@ -103,7 +136,7 @@ def skinny_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias=None)
     # 32 gate and 32 up rows a program: the same 64-row weight stream as skinny_linear
     _skinny_silu_kernel[(triton.cdiv(i, 32), )](x, weight, bias if bias is not None else x, out, m, i, k, x.stride(0),
                                                 weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                                                BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4,
+                                                BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=_stages(x),
                                                 PDL=pdl.ON, **pdl.LAUNCH)
     return out
 
@@ -123,6 +156,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Ten
     # columns by 256 a tile is best or within 1% for every Llama-3-8B shape
     _skinny_kernel[(triton.cdiv(n, 64), )](x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0),
                                            weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16,
-                                           BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, PDL=pdl.ON,
+                                           BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=_stages(x), PDL=pdl.ON,
                                            **pdl.LAUNCH)
     return out
