@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .limits import shared_memory
 
 _LOG2E = 1.4426950408889634
 
@@ -158,6 +159,12 @@ def _decode_reduce_kernel(part_ptr, out_ptr, stride_pb, stride_ph, stride_ps, st
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def _decode_stages(q: torch.Tensor) -> int:
+    """Two K/V tiles in flight (64 KB at head_dim 128) where the GPU allows
+    it; one on GPUs with 64 KB of shared memory a block (Turing)."""
+    return 2 if q.device.type != 'cuda' or shared_memory(q.device) >= 96 * 1024 else 1
+
+
 def num_decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
     """Enough programs to fill the GPU about twice, no slice under 256 tokens."""
     want = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
@@ -181,7 +188,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
                                        part.stride(0), part.stride(1), part.stride(2) if splits > 1 else 0,
                                        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
                                        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_N=64, BLOCK_D=block_d,
-                                       NUM_SPLITS=splits, num_warps=4, num_stages=2, PDL=pdl.ON, **pdl.LAUNCH)
+                                       NUM_SPLITS=splits, num_warps=4, num_stages=_decode_stages(q),
+                                       PDL=pdl.ON, **pdl.LAUNCH)
     if splits > 1:
         _decode_reduce_kernel[(bsz, h)](part, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
                                         out.stride(1), HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_D=block_d,

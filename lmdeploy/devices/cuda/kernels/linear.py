@@ -6,32 +6,17 @@ program here owns BLOCK_N output columns over the whole K (no reduction
 pass), reading W in long contiguous rows; x is padded to 16 rows for
 ``tl.dot``, which costs nothing while the weight read dominates.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from . import pdl
+from .limits import shared_memory
 
 MAX_ROWS = 8
 # shared memory one pipeline stage of these kernels holds: a 64 x 256 weight
 # tile and the 16 x 256 input tile, 2-byte elements
 _STAGE_BYTES = (64 + 16) * 256 * 2
-
-
-# opt-in shared memory per block by compute capability (CUDA programming guide)
-_SHARED_MEMORY_KIB = {(7, 0): 96, (7, 2): 96, (7, 5): 64, (8, 0): 163, (8, 7): 163, (9, 0): 227}
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_memory(device_index: int) -> int:
-    """Bytes of shared memory a block may use on this GPU (what Triton checks)."""
-    try:
-        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)['max_shared_mem'])
-    except Exception:
-        cap = torch.cuda.get_device_capability(device_index)
-        return _SHARED_MEMORY_KIB.get(cap, 99 if cap[0] == 8 else 227 if cap[0] >= 9 else 48) * 1024
 
 
 def pipeline_stages(shared_memory: int, most: int = 4) -> int:
@@ -43,9 +28,7 @@ def pipeline_stages(shared_memory: int, most: int = 4) -> int:
 
 
 def _stages(x: torch.Tensor) -> int:
-    if x.device.type != 'cuda':
-        return 4  # the interpreter ignores it
-    return pipeline_stages(_shared_memory(x.device.index if x.device.index is not None else 0))
+    return pipeline_stages(shared_memory(x.device)) if x.device.type == 'cuda' else 4  # the interpreter ignores it
 
 
 @triton.jit

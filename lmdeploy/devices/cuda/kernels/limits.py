@@ -1,0 +1,23 @@
+"""What one GPU allows a kernel: sizes chosen for Hopper must still compile
+on the older GPUs Triton supports."""
+import functools
+
+import torch
+import triton
+
+# opt-in shared memory per block by compute capability (CUDA programming guide)
+_SHARED_MEMORY_KIB = {(7, 0): 96, (7, 2): 96, (7, 5): 64, (8, 0): 163, (8, 7): 163, (9, 0): 227}
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(index: int) -> int:
+    try:  # what Triton itself checks a kernel against
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)['max_shared_mem'])
+    except Exception:
+        cap = torch.cuda.get_device_capability(index)
+        return _SHARED_MEMORY_KIB.get(cap, 99 if cap[0] == 8 else 227 if cap[0] >= 9 else 48) * 1024
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one block may use on ``device``."""
+    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
