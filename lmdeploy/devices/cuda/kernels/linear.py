@@ -4,7 +4,9 @@ With M <= 8 rows a linear layer only streams its weight from memory, and
 cuBLAS then picks split-K kernels that add a reduction launch per GEMM. One
 program here owns BLOCK_N output columns over the whole K (no reduction
 pass), reading W in long contiguous rows; x is padded to 16 rows for
-``tl.dot``, which costs nothing while the weight read dominates.
+``tl.dot``, which costs nothing while the weight read dominates. The gated
+MLP's gate/up projection has a variant that applies silu(gate) * up in
+registers (each program streams the gate and the up rows of its columns).
 """
 import torch
 import triton
@@ -19,12 +21,12 @@ MAX_ROWS = 8
 _STAGE_BYTES = (64 + 16) * 256 * 2
 
 
-def pipeline_stages(shared_memory: int, most: int = 4) -> int:
+def pipeline_stages(smem_bytes: int, most: int = 4) -> int:
     """How many weight tiles may be in flight: 4 on Hopper (227 KB), fewer
     where a block gets less shared memory (Volta 96 KB, Turing 64 KB), so
     the kernels compile on every GPU Triton supports. 8 KB stay spare for
     Triton's own scratch."""
-    return max(1, min(most, (shared_memory - 8 * 1024) // _STAGE_BYTES))
+    return max(1, min(most, (smem_bytes - 8 * 1024) // _STAGE_BYTES))
 
 
 def _stages(x: torch.Tensor) -> int:
