@@ -11,6 +11,7 @@ from .graph_runner import GraphRunner
 from .model_config import ModelConfig
 from .nn import StepContext
 from .scheduler import ScheduledBatch
+from .transfer import to_device
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -40,7 +41,6 @@ class ModelRunner:
                                         -(-session_len // block_size), session_len, self.torch_device)
             with torch.inference_mode():
                 self._forward.capture_all()
-        self._pin = self.torch_device.type != 'cpu'
 
     def _eager_forward(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
@@ -81,7 +81,7 @@ class ModelRunner:
             flat += seq.block_ids
             flat += [0] * (width - len(seq.block_ids))
         host = torch.tensor(flat, dtype=torch.int64)
-        dev = host.pin_memory().to(self.torch_device, non_blocking=True) if self._pin else host
+        dev = to_device(host, self.torch_device)
         fields = [num_tokens] * (2 if n_prev else 1)
         fields += [bsz] * (5 if batch.is_decode else 2) + [bsz, bsz * width]
         parts = list(dev.split(fields))
@@ -120,10 +120,7 @@ class ModelRunner:
         list copied from pageable memory would wait for the queued step)."""
         if rows == list(range(hidden.shape[0])):
             return hidden
-        index = torch.tensor(rows, dtype=torch.int64)
-        if self._pin:
-            index = index.pin_memory().to(self.torch_device, non_blocking=True)
-        return hidden[index]
+        return hidden[to_device(torch.tensor(rows, dtype=torch.int64), self.torch_device)]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

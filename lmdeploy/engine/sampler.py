@@ -14,6 +14,7 @@ import torch
 from lmdeploy.devices import ops
 
 from .sequence import Sequence
+from .transfer import to_device
 
 NEG_INF = float('-inf')
 
@@ -30,16 +31,8 @@ def _banned_ids(seq: Sequence) -> List[int]:
     return banned
 
 
-def _to(device: torch.device, host: torch.Tensor) -> torch.Tensor:
-    """Host tensor -> device without waiting for the device: a copy from
-    pageable memory would first wait for all queued work (the step in flight)."""
-    if device.type == 'cpu':
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def _tensor(values, device: torch.device, dtype=None) -> torch.Tensor:
-    return _to(device, torch.tensor(values, dtype=dtype))
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _padded(rows: List[List[int]], device) -> torch.Tensor:
@@ -47,7 +40,7 @@ def _padded(rows: List[List[int]], device) -> torch.Tensor:
     out = torch.full((len(rows), width), -1, dtype=torch.int64)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-    return _to(device, out)
+    return to_device(out, device)
 
 
 def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: List[Sequence]) -> List[Optional[Dict[int, float]]]:
