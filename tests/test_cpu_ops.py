@@ -182,6 +182,24 @@ def test_fill_kv_cache_int32_slots_and_cast(ops):
         assert torch.equal(v_cache[slot // 4, slot % 4], v[i].bfloat16())
 
 
+def test_rotary_fill_kv_is_rotary_then_fill(ops):
+    g = _gen(8)
+    t, h, hkv, d = 5, 4, 2, 8
+    q, k, v = (torch.randn(t, n, d, generator=g) for n in (h, hkv, hkv))
+    emb = torch.randn(t, d // 2, generator=g).repeat(1, 2)
+    cos, sin = emb.cos(), emb.sin()
+    slots = torch.tensor([3, -1, 9, 0, 14])
+    caches = [torch.full((4, 4, hkv, d), float('nan')) for _ in range(2)]
+    oq, ok = ops.rotary_fill_kv(q, k, v, cos, sin, *caches, slots)
+    rq, rk = ops.apply_rotary(q, k, cos, sin)
+    assert torch.equal(oq, rq) and torch.equal(ok, rk)
+    flat_k, flat_v = (c.view(16, hkv, d) for c in caches)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], rk[i]) and torch.equal(flat_v[slot], v[i])
+    assert int(torch.isnan(flat_k).all(dim=(1, 2)).sum()) == 16 - 4
+
+
 class _Paged:
     """Dense per-sequence K/V scattered into permuted blocks of a NaN cache."""
 

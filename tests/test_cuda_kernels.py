@@ -153,6 +153,35 @@ def test_fill_kv_cache_skips_negative_slots():
     assert torch.equal(v_cache.view(32, 2, 16)[30], v[2])
 
 
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('h,hkv,d', [(32, 8, 128), (12, 12, 64), (5, 1, 64)])
+def test_rotary_fill_kv(dtype, h, hkv, d):
+    """The fused op equals apply_rotary then fill_kv_cache (the reference),
+    for q/k/v as views of one qkv projection; a negative slot writes no cache."""
+    t = 333 if FULL else 6
+    bs, nblocks = 16, -(-t // 16) + 2
+    qkv = torch.randn(t, (h + 2 * hkv) * d, dtype=dtype, device=DEV)
+    q, k, v = (x.reshape(t, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], dim=-1))
+    slots = torch.randperm(nblocks * bs, device=DEV)[:t]
+    slots[t // 2] = -1
+    pos = torch.randint(0, 4000, (t, ), device=DEV).float()
+    inv = 1.0 / (10000**(torch.arange(0, d, 2, device=DEV).float() / d))
+    emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    caches = [torch.full((nblocks, bs, hkv, d), float('nan'), dtype=dtype, device=DEV) for _ in range(2)]
+    ref_caches = [c.cpu().float() for c in caches]
+    oq, ok = kv_cache.rotary_fill_kv(q, k, v, cos, sin, *caches, slots)
+    rq, rk = REF.rotary_fill_kv(q.cpu().float(), k.cpu().float(), v.cpu().float(), cos.cpu(), sin.cpu(),
+                                *ref_caches, slots.cpu())
+    assert oq.shape == q.shape and ok.shape == k.shape and oq.dtype == dtype
+    assert rel_err(oq, rq) < tol(dtype) * 2 and rel_err(ok, rk) < tol(dtype) * 2
+    for out, ref in zip(caches, ref_caches):
+        out, ref = out.cpu().float(), ref
+        written = ~torch.isnan(ref)
+        assert torch.equal(written, ~torch.isnan(out))  # the same slots, none for the padding token
+        assert rel_err(out[written], ref[written]) < tol(dtype) * 2
+
+
 CONFIGS = [(8, 8, 64, 16), (8, 2, 64, 64), (8, 1, 128, 16)]  # H, Hkv, D, block size
 
 

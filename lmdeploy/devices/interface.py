@@ -123,6 +123,16 @@ class DeviceOps:
         Tokens whose slot is negative are skipped (padding)."""
         raise NotImplementedError
 
+    def rotary_fill_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """apply_rotary, then fill_kv_cache with the rotated k and v; returns
+        the rotated (q, k). What an attention layer does before it attends;
+        a device may do it in one pass over the step's q, k and v."""
+        q, k = self.apply_rotary(q, k, cos, sin)
+        self.fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return q, k
+
     def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, q_start_loc: torch.Tensor, q_seqlens: torch.Tensor,
                                 kv_seqlens: torch.Tensor, scale: float, max_q_len: int,

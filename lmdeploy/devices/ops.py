@@ -51,6 +51,10 @@ def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     return _ops(k).fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
+def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+    return _ops(q).rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
                             max_q_len, max_kv_len):
     return _ops(q).paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens,

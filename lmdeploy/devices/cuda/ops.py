@@ -97,6 +97,9 @@ class CudaOps(DeviceOps):
     def fill_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
         self._k_kv.fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
+    def rotary_fill_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        return self._k_kv.rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
                                 max_q_len, max_kv_len):
         return self._k_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens,

@@ -31,14 +31,13 @@ class LlamaAttention(nn.Module):
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         return q, k
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, cos, sin, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos, sin, ctx: StepContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
-        q, k = rotary(q, k, cos, sin)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        return self.o_proj(self.attn(q, k, v, cos, sin, ctx))
 
 
 class LlamaMLP(nn.Module):
@@ -63,12 +62,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, residual, rotary, cos, sin, ctx):
+    def forward(self, x, residual, cos, sin, ctx):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rotary, cos, sin, ctx)
+        x = self.self_attn(x, cos, sin, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -87,7 +86,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(positions, ctx.rope_lens)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, self.rotary_emb, cos, sin, ctx)
+            x, residual = layer(x, residual, cos, sin, ctx)
         x, _ = self.norm(x, residual)
         return x
 

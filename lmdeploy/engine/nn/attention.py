@@ -1,4 +1,5 @@
-"""Paged attention layer: writes the step's K/V into the cache, then attends."""
+"""Paged attention layer: rotates q and k (RoPE), writes the step's K/V into
+the cache, then attends."""
 from __future__ import annotations
 
 import torch
@@ -19,10 +20,11 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] before RoPE; cos/sin [T, D] -> [T, H*D]."""
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ops.fill_kv_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        q, k = ops.rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_decode:
             out = ops.paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_seqlens, self.scale,
                                              ctx.max_kv_len)

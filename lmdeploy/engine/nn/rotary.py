@@ -1,7 +1,8 @@
 """Rotary position embedding: the frequency schedules that configs name.
 
 cos/sin are computed in float32 from ``position * inv_freq`` (as
-transformers does) and handed to the device's ``apply_rotary`` op.
+transformers does), once a step; the attention layers apply them
+(``rotary_fill_kv``) as they write K/V.
 """
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import math
 
 import torch
 from torch import nn
-
-from lmdeploy.devices import ops
 
 from ..model_config import RopeConfig
 
@@ -71,6 +70,3 @@ class RotaryEmbedding(nn.Module):
             freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        return ops.apply_rotary(q, k, cos, sin)

@@ -7,6 +7,24 @@ from . import pdl
 
 
 @triton.jit
+def _rotated(x_ptr, stride_h, heads, d, mask, cos, sin, HALF: tl.constexpr):
+    """Rotate-half of the heads ``heads`` of one token (x_ptr points at the
+    token): returns both halves in x's dtype, rounded after every product
+    and sum as x * cos + rotate_half(x) * sin does in x's dtype (the
+    reference, and transformers)."""
+    base = x_ptr + heads[:, None] * stride_h + d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    c = cos.to(dt).to(tl.float32)[None, :]
+    s = sin.to(dt).to(tl.float32)[None, :]
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = (x1f * c).to(dt).to(tl.float32) + (-x2f * s).to(dt).to(tl.float32)
+    o2 = (x2f * c).to(dt).to(tl.float32) + (x1f * s).to(dt).to(tl.float32)
+    return o1.to(dt), o2.to(dt)
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, n_heads,
                    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -16,24 +34,13 @@ def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, strid
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HALF
-    hmask = heads < n_heads
+    m = (heads < n_heads)[:, None] & dmask[None, :]
     cos = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0)
     sin = tl.load(sin_ptr + t * stride_ct + d, mask=dmask, other=0.0)
-    base = x_ptr + t * stride_xt + heads[:, None] * stride_xh + d[None, :]
-    m = hmask[:, None] & dmask[None, :]
-    x1 = tl.load(base, mask=m, other=0.0)
-    x2 = tl.load(base + HALF, mask=m, other=0.0)
-    # round after every product and sum, as x * cos + rotate_half(x) * sin
-    # does in x's dtype (the reference, and transformers)
-    dt = x1.dtype
-    c = cos.to(dt).to(tl.float32)[None, :]
-    s = sin.to(dt).to(tl.float32)[None, :]
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    o1 = (x1f * c).to(dt).to(tl.float32) + (-x2f * s).to(dt).to(tl.float32)
-    o2 = (x2f * c).to(dt).to(tl.float32) + (x1f * s).to(dt).to(tl.float32)
+    o1, o2 = _rotated(x_ptr + t * stride_xt, stride_xh, heads, d, m, cos, sin, HALF)
     obase = out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(obase, o1.to(dt), mask=m)
-    tl.store(obase + HALF, o2.to(dt), mask=m)
+    tl.store(obase, o1, mask=m)
+    tl.store(obase + HALF, o2, mask=m)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
