@@ -60,29 +60,29 @@ def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, cos_ptr
     cos = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0)
     sin = tl.load(sin_ptr + t * stride_ct + d, mask=dmask, other=0.0)
     out_row = out_ptr + t * stride_ot
-    if j * BLOCK_H < n_q:
-        heads = j * BLOCK_H + tl.arange(0, BLOCK_H)
-        m = (heads < n_q)[:, None] & dmask[None, :]
-        o1, o2 = _rotated(q_ptr + t * stride_qt, stride_qh, heads, d, m, cos, sin, HALF)
-        obase = out_row + heads[:, None] * HEAD_DIM + d[None, :]
-        tl.store(obase, o1, mask=m)
-        tl.store(obase + HALF, o2, mask=m)
+    if j * BLOCK_H < n_q:  # (the branches name their values apart: Triton merges same-named ones)
+        qh = j * BLOCK_H + tl.arange(0, BLOCK_H)
+        qm = (qh < n_q)[:, None] & dmask[None, :]
+        q1, q2 = _rotated(q_ptr + t * stride_qt, stride_qh, qh, d, qm, cos, sin, HALF)
+        qbase = out_row + qh[:, None] * HEAD_DIM + d[None, :]
+        tl.store(qbase, q1, mask=qm)
+        tl.store(qbase + HALF, q2, mask=qm)
     else:
-        heads = tl.arange(0, BLOCK_KV)
-        hmask = heads < n_kv
-        m = hmask[:, None] & dmask[None, :]
-        o1, o2 = _rotated(k_ptr + t * stride_kt, stride_kh, heads, d, m, cos, sin, HALF)
-        obase = out_row + (n_q + heads[:, None]) * HEAD_DIM + d[None, :]
-        tl.store(obase, o1, mask=m)
-        tl.store(obase + HALF, o2, mask=m)
+        kh = tl.arange(0, BLOCK_KV)
+        kh_valid = kh < n_kv
+        km = kh_valid[:, None] & dmask[None, :]
+        k1, k2 = _rotated(k_ptr + t * stride_kt, stride_kh, kh, d, km, cos, sin, HALF)
+        kbase = out_row + (n_q + kh[:, None]) * HEAD_DIM + d[None, :]
+        tl.store(kbase, k1, mask=km)
+        tl.store(kbase + HALF, k2, mask=km)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
-            cbase = slot * n_kv * HEAD_DIM + heads[:, None] * HEAD_DIM
-            tl.store(kc_ptr + cbase + d[None, :], o1.to(kc_ptr.dtype.element_ty), mask=m)
-            tl.store(kc_ptr + cbase + HALF + d[None, :], o2.to(kc_ptr.dtype.element_ty), mask=m)
+            cbase = slot * n_kv * HEAD_DIM + kh[:, None] * HEAD_DIM
+            tl.store(kc_ptr + cbase + d[None, :], k1.to(kc_ptr.dtype.element_ty), mask=km)
+            tl.store(kc_ptr + cbase + HALF + d[None, :], k2.to(kc_ptr.dtype.element_ty), mask=km)
             dv = tl.arange(0, BLOCK_D)
-            mv = hmask[:, None] & (dv < HEAD_DIM)[None, :]
-            v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dv[None, :], mask=mv)
+            mv = kh_valid[:, None] & (dv < HEAD_DIM)[None, :]
+            v = tl.load(v_ptr + t * stride_vt + kh[:, None] * stride_vh + dv[None, :], mask=mv)
             tl.store(vc_ptr + cbase + dv[None, :], v.to(vc_ptr.dtype.element_ty), mask=mv)
 
 
