@@ -91,15 +91,13 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, counts_ptr, scale_log2,
-                   stride_qb, stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt, stride_pb,
-                   stride_ph, stride_ps, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, scale_log2, stride_qb,
+                   stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt, stride_pb, stride_ph,
+                   stride_ps, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   FENCE: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     """One program: the GROUP query heads sharing KV head ``kvh`` of
-    sequence ``b``, over one slice of the context. With several slices,
-    each stores its partial result and counts itself done; the last one to
-    finish merges all of them (no second launch)."""
+    sequence ``b``, over one slice of the context."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -137,46 +135,28 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens
         base = part_ptr + b * stride_pb + heads * stride_ph + split * stride_ps
         tl.store(base[:, None] + offs_d[None, :], out, mask=g_valid[:, None] & d_mask[None, :])
         tl.store(base + HEAD_DIM, lse, mask=g_valid)
-        # publish the partial (every thread fences its own stores), then count
-        if FENCE:
-            _fence(g)
-        tl.debug_barrier()
-        counter = counts_ptr + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem='acq_rel', scope='gpu') == NUM_SPLITS - 1:
-            if FENCE:
-                _fence(g)
-            tl.store(counter, 0)  # ready for the next launch
-            _merge_splits(part_ptr + b * stride_pb + heads * stride_ph, out_ptr + b * stride_ob + heads * stride_oh,
-                          g_valid, offs_d, d_mask, stride_ps, HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
-def _fence(x):
-    """fence.acq_rel.gpu in every thread that holds an element of x."""
-    return tl.inline_asm_elementwise('fence.acq_rel.gpu; mov.b32 $0, $1;', '=r,r', [x], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _merge_splits(part_rows, out_rows, g_valid, offs_d, d_mask, stride_ps, HEAD_DIM: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr):
-    """Weight each slice's output by its share of the softmax sum. Loads
-    bypass L1 (``.cg``): other programs wrote these partials."""
-    top = tl.full(g_valid.shape, float('-inf'), dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        top = tl.maximum(top, tl.load(part_rows + s * stride_ps + HEAD_DIM, mask=g_valid, other=float('-inf'),
-                                      cache_modifier='.cg'))
-    total = tl.zeros(g_valid.shape, dtype=tl.float32)
-    acc = tl.zeros([g_valid.shape[0], offs_d.shape[0]], dtype=tl.float32)
-    m = g_valid[:, None] & d_mask[None, :]
-    for s in range(NUM_SPLITS):
-        lse = tl.load(part_rows + s * stride_ps + HEAD_DIM, mask=g_valid, other=float('-inf'), cache_modifier='.cg')
-        w = tl.exp2(lse - tl.maximum(top, -1e30))  # 0 for an empty slice, no -inf - -inf
-        part = tl.load(part_rows[:, None] + s * stride_ps + offs_d[None, :], mask=m, other=0.0, cache_modifier='.cg')
-        acc += part * w[:, None]
-        total += w
-    out = acc / tl.maximum(total, 1e-30)[:, None]
-    tl.store(out_rows[:, None] + offs_d[None, :], out.to(out_rows.dtype.element_ty), mask=m)
+def _decode_reduce_kernel(part_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    base = part_ptr + b * stride_pb + h * stride_ph + s * stride_ps
+    lse = tl.load(base + HEAD_DIM)
+    top = tl.max(lse, axis=0)
+    w = tl.where(lse > float('-inf'), tl.exp2(lse - top), 0.0)
+    total = tl.sum(w, axis=0)
+    parts = tl.load(base[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def _decode_stages(q: torch.Tensor) -> int:
@@ -192,20 +172,6 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: i
     return min(64, triton.next_power_of_2(min(want, by_len)))
 
 
-_split_counts = []  # every counter buffer stays alive: recorded graphs hold their addresses
-
-
-def _counts(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), that the decode
-    kernel's slices count themselves done in (and the last resets)."""
-    for c in _split_counts:
-        if c.device == device and c.numel() >= n:
-            return c
-    c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    _split_counts.append(c)
-    return c
-
-
 def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms: int = 132):
     bsz, h, d = q.shape
     hkv = k_cache.shape[2]
@@ -214,15 +180,18 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
     if bsz == 0:
         return out
     splits = num_decode_splits(bsz, hkv, max_kv_len, num_sms)
+    block_d = triton.next_power_of_2(d)
     part = torch.empty((bsz, h, splits, d + 1), dtype=torch.float32, device=q.device) if splits > 1 else out
-    counts = _counts(q.device, bsz * hkv) if splits > 1 else kv_seqlens
-    _decode_kernel[(bsz, hkv, splits)](q, k_cache, v_cache, part, out, block_tables, kv_seqlens, counts,
-                                       scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                                       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                       block_tables.stride(0), part.stride(0), part.stride(1),
-                                       part.stride(2) if splits > 1 else 0, GROUP=group,
-                                       BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1],
-                                       HEAD_DIM=d, BLOCK_N=64, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=splits,
-                                       FENCE=q.device.type == 'cuda', num_warps=4, num_stages=_decode_stages(q),
+    _decode_kernel[(bsz, hkv, splits)](q, k_cache, v_cache, part, out, block_tables, kv_seqlens, scale * _LOG2E,
+                                       q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+                                       k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                                       part.stride(0), part.stride(1), part.stride(2) if splits > 1 else 0,
+                                       GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                                       BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_N=64, BLOCK_D=block_d,
+                                       NUM_SPLITS=splits, num_warps=4, num_stages=_decode_stages(q),
                                        PDL=pdl.ON, **pdl.LAUNCH)
+    if splits > 1:
+        _decode_reduce_kernel[(bsz, h)](part, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
+                                        out.stride(1), HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_D=block_d,
+                                        num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
     return out
