@@ -14,7 +14,7 @@ if not HAS_CUDA:
 import triton  # noqa: E402,F401  (a test dependency: these tests must not skip silently)
 
 from lmdeploy.devices import get_device  # noqa: E402
-from lmdeploy.devices.cuda.kernels import activation, attention, kv_cache, linear, norm, rotary  # noqa: E402
+from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary  # noqa: E402
 
 DEV = 'cuda' if HAS_CUDA else 'cpu'
 FULL = HAS_CUDA and os.environ.get('LMDEPLOY_TEST_FULL') == '1'
@@ -233,3 +233,24 @@ def test_decode_with_empty_padding_rows_gives_zeros():
         out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 600, num_sms=num_sms)
         assert torch.isfinite(out).all()
         assert (out[2] == 0).all()
+
+
+@pytest.mark.parametrize('vocab', [5000, 2048, 77])
+def test_argmax(vocab):
+    """Against torch.argmax, ties included: a row whose maximum appears in
+    two slices and twice in one, a row of -inf (index 0), bf16 logits."""
+    b = 9
+    if FULL:
+        vocab = 128256 if vocab == 5000 else vocab
+    x = torch.randn(b, vocab, device=DEV)
+    top = float(x.max()) + 1
+    cols = torch.randperm(vocab)[:3].tolist()
+    for c in cols:  # row 1: three equal maxima, maybe in different slices
+        x[1, c] = top
+    x[2, max(cols)] = x[2, min(cols)] = top  # row 2: equal maxima, first one wins
+    x[3] = float('-inf')
+    assert torch.equal(argmax.argmax(x), x.argmax(dim=-1))
+    assert int(argmax.argmax(x)[1]) == min(cols) and int(argmax.argmax(x)[3]) == 0
+    xb = x.bfloat16() if HAS_CUDA else x.half()
+    assert torch.equal(argmax.argmax(xb), xb.float().argmax(dim=-1))
+    assert argmax.argmax(x[:0]).shape == (0, )

@@ -190,6 +190,11 @@ class DeviceOps:
         """
         raise NotImplementedError
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy pick: the index of each row's largest logit [B, V] -> int64
+        [B]; ties go to the lowest index (as torch.argmax)."""
+        return logits.argmax(dim=-1)
+
     def sample(self, logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Draw one token per row from softmax(logits) [B, V]: int64 [B].
 

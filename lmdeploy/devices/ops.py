@@ -79,3 +79,7 @@ def top_k_top_p_min_p(logits, top_k, top_p, min_p):
 
 def sample(logits, seeds, offsets):
     return _ops(logits).sample(logits, seeds, offsets)
+
+
+def argmax(logits):
+    return _ops(logits).argmax(logits)

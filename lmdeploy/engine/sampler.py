@@ -70,19 +70,6 @@ def needs_host_history(seq: Sequence) -> bool:
                 or p.output_logits or p.output_last_hidden_state)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax. A large vocabulary is reduced in two passes (64
-    slices, then their maxima): one long row is otherwise reduced by few
-    GPU blocks (a one-pass argmax of 128k logits took 27 us on an H100).
-    Ties go to the first slice holding the maximum."""
-    b, v = logits.shape
-    if v < 16384 or v % 64:
-        return logits.argmax(dim=-1)
-    values, idx = logits.view(b, 64, v // 64).max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)
-    return (idx.gather(1, best) + best * (v // 64)).squeeze(1)
-
-
 def sample_tokens(logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
     """logits [B, V] float32 on the device -> next token per row, still on
     the device (nothing here waits for the device)."""
@@ -108,7 +95,7 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
     if rows:
         logits[_tensor(rows, device, torch.int64), _tensor(cols, device, torch.int64)] = NEG_INF
 
-    tokens = argmax(logits)
+    tokens = ops.argmax(logits)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
         rows = _tensor(sampled, device, torch.int64)

@@ -19,9 +19,9 @@ class CudaOps(DeviceOps):
     _torch = CpuOps()
 
     def __init__(self):
-        from .kernels import activation, attention, kv_cache, linear, norm, rotary
+        from .kernels import activation, argmax, attention, kv_cache, linear, norm, rotary
         self._k_attention, self._k_kv, self._k_norm, self._k_linear = attention, kv_cache, norm, linear
-        self._k_rotary, self._k_act = rotary, activation
+        self._k_rotary, self._k_act, self._k_argmax = rotary, activation, argmax
         self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     @classmethod
@@ -118,6 +118,9 @@ class CudaOps(DeviceOps):
 
     def top_k_top_p_min_p(self, logits, top_k, top_p, min_p):
         return self._torch.top_k_top_p_min_p(logits, top_k, top_p, min_p)
+
+    def argmax(self, logits):
+        return self._k_argmax.argmax(logits)
 
     def sample(self, logits, seeds, offsets):
         return self._torch.sample(logits, seeds, offsets)
