@@ -159,10 +159,14 @@ def _decode_reduce_kernel(part_ptr, out_ptr, stride_pb, stride_ph, stride_ps, st
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _decode_stages(q: torch.Tensor) -> int:
+def decode_stages(smem_bytes: int) -> int:
     """Two K/V tiles in flight (64 KB at head_dim 128) where the GPU allows
     it; one on GPUs with 64 KB of shared memory a block (Turing)."""
-    return 2 if q.device.type != 'cuda' or shared_memory(q.device) >= 96 * 1024 else 1
+    return 2 if smem_bytes >= 96 * 1024 else 1
+
+
+def _decode_stages(q: torch.Tensor) -> int:
+    return decode_stages(shared_memory(q.device)) if q.device.type == 'cuda' else 2  # the interpreter ignores it
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:

@@ -1,0 +1,101 @@
+"""Every Triton kernel of the cuda device compiles for each GPU generation
+it supports, Volta (sm70) to Hopper (sm90), with the tiles and pipeline
+stages its wrapper picks there, and fits that GPU's shared memory per block.
+
+No GPU needed: Triton compiles for a named target with the ptxas it ships.
+Each target compiles in a subprocess without TRITON_INTERPRET (the kernel
+tests turn the interpreter on for this process when there is no GPU).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# compute capability -> opt-in shared memory per block, KiB (CUDA programming guide)
+TARGETS = {70: 96, 75: 64, 80: 163, 86: 99, 90: 227}
+
+
+def kernel_specs(cap: int):
+    """(kernel, pointer element types, scalar overrides, constexprs, options)
+    as the wrappers launch them for a Llama-3-8B-shaped model: head_dim 128,
+    32 query and 8 KV heads, hidden 4096, block size 64."""
+    from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary
+    smem = TARGETS[cap] * 1024
+    act = 'bf16' if cap >= 80 else 'fp16'  # Volta and Turing run float16 (no bfloat16)
+    pdl = cap >= 90
+    skinny = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_K=256, PDL=pdl)
+    stages = dict(num_warps=4, num_stages=linear.pipeline_stages(smem))
+    decode = dict(GROUP=4, BLOCK_G=16, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_N=64, BLOCK_D=128, PDL=pdl)
+    return [
+        (norm._rms_norm_kernel, {}, {'eps': 'fp32'}, dict(HAS_RES=True, BLOCK=4096, PDL=pdl), dict(num_warps=4)),
+        (linear._skinny_kernel, {}, {}, dict(skinny, BLOCK_N=64), stages),
+        (linear._skinny_silu_kernel, {}, {}, dict(skinny, BLOCK_N=32), stages),
+        (activation._silu_and_mul_kernel, {}, {}, dict(BLOCK=1024, PDL=pdl), dict(num_warps=4)),
+        (rotary._rotary_kernel, {'cos_ptr': 'fp32', 'sin_ptr': 'fp32'}, {}, dict(HALF=64, BLOCK_H=16, BLOCK_D=64,
+                                                                               PDL=pdl), dict(num_warps=2)),
+        (kv_cache._fill_kv_kernel, {'slot_ptr': 'i64'}, {}, dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, PDL=pdl),
+         dict(num_warps=2)),
+        (kv_cache._rotary_fill_kv_kernel, {'cos_ptr': 'fp32', 'sin_ptr': 'fp32', 'slot_ptr': 'i64'}, {},
+         dict(HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_HALF=64, BLOCK_D=128, PDL=pdl), dict(num_warps=2)),
+        (attention._prefill_kernel, {'tables_ptr': 'i32', 'q_start_ptr': 'i64', 'q_lens_ptr': 'i64',
+                                     'kv_lens_ptr': 'i64'}, {'scale_log2': 'fp32'},
+         dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128),
+         dict(num_warps=4, num_stages=2)),
+        (attention._decode_kernel, {'part_ptr': 'fp32', 'tables_ptr': 'i32', 'kv_lens_ptr': 'i64'},
+         {'scale_log2': 'fp32'}, dict(decode, NUM_SPLITS=8),
+         dict(num_warps=4, num_stages=attention.decode_stages(smem))),
+        (attention._decode_reduce_kernel, {'part_ptr': 'fp32'}, {}, dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_D=128,
+                                                                         PDL=pdl), dict(num_warps=2)),
+        (argmax._argmax_slices_kernel, {'x_ptr': 'fp32', 'val_ptr': 'fp32', 'idx_ptr': 'i32'}, {},
+         dict(CHUNK=argmax.CHUNK, BLOCK=1024, PDL=pdl), dict(num_warps=4)),
+        (argmax._argmax_merge_kernel, {'val_ptr': 'fp32', 'idx_ptr': 'i32', 'out_ptr': 'i64'}, {},
+         dict(BLOCK_S=64, PDL=pdl), dict(num_warps=1)),
+    ], act
+
+
+def compile_all(cap: int) -> dict:
+    """Compile every kernel for sm``cap``: name -> shared memory bytes, or
+    the error text."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    specs, act = kernel_specs(cap)
+    results = {}
+    for fn, ptrs, scalars, constexprs, options in specs:
+        sig = {}
+        for name in fn.arg_names:
+            if name in constexprs:
+                sig[name] = 'constexpr'
+            elif name.endswith('_ptr'):
+                sig[name] = '*' + ptrs.get(name, act)
+            else:
+                sig[name] = scalars.get(name, 'i32')
+        try:
+            kernel = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget('cuda', cap, 32),
+                                    options=options)
+            results[fn.__name__] = kernel.metadata.shared
+        except Exception as e:  # reported by the test, with the kernel's name
+            results[fn.__name__] = f'{type(e).__name__}: {e}'[:2000]
+    return results
+
+
+@pytest.mark.parametrize('cap', sorted(TARGETS))
+def test_kernels_compile_and_fit_shared_memory(cap):
+    pytest.importorskip('triton')
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), str(cap)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(results) == 12
+    for name, shared in results.items():
+        assert isinstance(shared, int), f'{name} does not compile for sm{cap}: {shared}'
+        assert shared <= TARGETS[cap] * 1024, f'{name} needs {shared} B of shared memory, sm{cap} has {TARGETS[cap]} KiB'
+
+
+if __name__ == '__main__':
+    print(json.dumps(compile_all(int(sys.argv[1]))))
