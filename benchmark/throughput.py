@@ -48,9 +48,13 @@ def run_lmdeploy(args, prompts, outs) -> dict:
         pipe(prompts[:2], gens[:2])
     if args.profile_at is not None:
         threading.Timer(args.profile_at, profile_window, (args.profile_len, )).start()
+    finished = threading.Event()
+    if args.timeline:
+        threading.Thread(target=timeline, args=(pipe.engine, args.timeline, finished), daemon=True).start()
     t0 = time.perf_counter()
     responses = pipe(prompts, gens, use_tqdm=args.tqdm)
     elapsed = time.perf_counter() - t0
+    finished.set()
     stats = pipe.engine.stats()
     device = pipe.engine.device.name
     pipe.close()
@@ -66,6 +70,25 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     return dict(engine='lmdeploy', device=device, load_s=load_s, elapsed_s=elapsed, output_tokens=generated,
                 kv_capacity_tokens=stats.num_blocks * stats.block_size, preemptions=stats.num_preemptions,
                 step_stats=x)
+
+
+def timeline(engine, period: float, finished: threading.Event):
+    """Every ``period`` seconds: steps run in the window, their time, and
+    the sequences a decode step carried (where the run spends its steps)."""
+    last, t0 = engine.stats().extra, time.perf_counter()
+    print('  timeline: t(s) | decode steps, ms/step, seqs/step | prefill steps, ms/step | running, waiting')
+    while not finished.wait(period):
+        st, now = engine.stats(), time.perf_counter()
+        x = st.extra
+        d = {k: x.get(k, 0) - last.get(k, 0) for k in x}
+        line = f'  {now - t0:6.1f}'
+        for phase in ('decode', 'prefill'):
+            n = d.get(f'{phase}_steps', 0)
+            line += f' | {n:4d}, {1e3 * d.get(f"{phase}_seconds", 0) / max(n, 1):6.1f}'
+            if phase == 'decode':
+                line += f', {d.get("decode_seqs", 0) / max(n, 1):5.1f}'
+        print(line + f' | {st.num_running}, {st.num_waiting}', flush=True)
+        last = x
 
 
 def profile_window(seconds: float):
@@ -136,6 +159,8 @@ def main():
     p.add_argument('--profile-at', type=float, default=None,
                    help='seconds into the run: profile the GPU for --profile-len seconds from there')
     p.add_argument('--profile-len', type=float, default=1.0)
+    p.add_argument('--timeline', type=float, default=0.0,
+                   help='print step counts and times every this many seconds of the run')
     p.add_argument('--compare-hf', action='store_true', help='also time transformers.generate')
     p.add_argument('--json', default=None, help='write the results here')
     args = p.parse_args()

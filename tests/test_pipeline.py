@@ -31,6 +31,30 @@ def test_messages_and_batches_keep_input_order(pipe):
     assert 'Paris' in batch[1].text
 
 
+def test_batch_reaches_engine_longest_first_and_returns_in_input_order(pipe):
+    """A batch is submitted longest max_new_tokens first (sessions are
+    numbered as they are submitted), ties in input order; every response
+    still lands at its prompt's index, each as if run alone."""
+    lengths = [3, 9, 5, 9]
+    gens = [GenerationConfig(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    prompts = ['Shanghai is', 'Count from one to ten:', 'Hi', 'The sky is']
+    batch = pipe(prompts, gens)
+    assert [r.index for r in batch] == [0, 1, 2, 3]
+    assert [r.generate_token_len for r in batch] == lengths
+    submitted = sorted(range(4), key=lambda i: batch[i].session_id)
+    assert submitted == [1, 3, 2, 0]
+    assert [r.text for r in batch] == [pipe(p, g).text for p, g in zip(prompts, gens)]
+
+
+def test_bad_gen_config_in_a_batch_is_a_clear_error(pipe):
+    with pytest.raises(TypeError, match='GenerationConfig'):
+        pipe(['a', 'b'], [GenerationConfig(), {'max_new_tokens': 4}])
+    gen = GenerationConfig()
+    gen.max_new_tokens = 0
+    with pytest.raises(ValueError, match='max_new_tokens'):
+        pipe(['a', 'b'], [GenerationConfig(), gen])
+
+
 def test_stream_pieces_join_to_infer_text(pipe):
     gen = GenerationConfig(max_new_tokens=40)
     prompts = ['Say hello in Chinese and add an emoji.', 'Count from one to five.']

@@ -118,10 +118,15 @@ class Pipeline:
         if gen_config is None:
             return [GenerationConfig()] * n
         if isinstance(gen_config, GenerationConfig):
+            gen_config.validate()  # fields may have been edited since construction
             return [gen_config] * n
         if isinstance(gen_config, (list, tuple)):
             if len(gen_config) != n:
                 raise ValueError(f'got {len(gen_config)} GenerationConfigs for {n} prompts')
+            if not all(isinstance(g, GenerationConfig) for g in gen_config):
+                raise TypeError('gen_config must be a GenerationConfig or a list of them')
+            for g in gen_config:
+                g.validate()
             return list(gen_config)
         raise TypeError('gen_config must be a GenerationConfig or a list of them')
 
@@ -149,10 +154,16 @@ class Pipeline:
 
     def infer(self, prompts: Prompts, gen_config=None, do_preprocess: bool = True, use_tqdm: bool = False,
               **kwargs) -> Union[Response, List[Response]]:
-        """Generate for one prompt or a batch; results come back in input order."""
+        """Generate for one prompt or a batch; results come back in input order.
+
+        A batch reaches the engine longest ``max_new_tokens`` first (ties in
+        input order): all results return together, and this order keeps the
+        longest requests from running nearly alone at the end of the batch
+        (fewer, fuller decode steps for the same tokens)."""
         _reject_unknown('infer', kwargs)
         items, single = normalize_prompts(prompts)
         gens = self._gen_configs(gen_config, len(items))
+        order = sorted(range(len(items)), key=lambda i: -gens[i].max_new_tokens)
 
         async def run_all():
             bar = None
@@ -167,10 +178,14 @@ class Pipeline:
                 return resp
 
             try:
-                return await asyncio.gather(*(one(i) for i in range(len(items))))
+                done = await asyncio.gather(*(one(i) for i in order))
             finally:
                 if bar is not None:
                     bar.close()
+            results = [None] * len(items)
+            for i, resp in zip(order, done):
+                results[i] = resp
+            return results
 
         results = self._run(run_all())
         return results[0] if single else results
