@@ -254,3 +254,28 @@ def test_argmax(vocab):
     xb = x.bfloat16() if HAS_CUDA else x.half()
     assert torch.equal(argmax.argmax(xb), xb.float().argmax(dim=-1))
     assert argmax.argmax(x[:0]).shape == (0, )
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason='compiled variants exist on a GPU only')
+def test_prefill_attention_compiles_once_for_any_batch_layout():
+    """Block-table widths and the offsets of metadata views change from step
+    to step; neither may make Triton compile the kernel again (a stall of
+    seconds mid-run)."""
+    def run(lengths, odd_offset):
+        k_cache, v_cache, tables, _ = make_paged(lengths, 2, 64, 16, torch.float16)
+        q = torch.randn(sum(lengths), 8, 64, dtype=torch.float16, device=DEV)
+        packed = torch.tensor([7] + lengths + lengths, device=DEV)  # like the engine's one host-to-device copy
+        q_lens = packed[1:1 + len(lengths)] if odd_offset else packed[1:1 + len(lengths)].clone()
+        q_start = torch.tensor([0] + lengths[:-1], device=DEV).cumsum(0)
+        attention.paged_prefill_attention(q, k_cache, v_cache, tables, q_start, q_lens, q_lens.clone(), 0.125,
+                                          max(lengths), max(lengths))
+
+    def variants():
+        return sum(len(c[0]) for c in attention._prefill_kernel.device_caches.values())
+
+    run([40, 300], odd_offset=False)  # table width 19
+    before = variants()
+    run([10], odd_offset=True)  # width 1, q_lens 8 bytes past a 16-byte boundary
+    run([16 * 16, 3, 70], odd_offset=True)  # width 16
+    run([33, 5], odd_offset=False)  # width 3
+    assert variants() == before

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .limits import shared_memory
+from .limits import no_respecialising, shared_memory
 
 _LOG2E = 1.4426950408889634
 
@@ -34,7 +34,8 @@ def _attend_tile(q, kc_ptr, vc_ptr, table, offs_n, n_valid, allowed, kvh, offs_d
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=['stride_bt'])  # the block-table width varies step to step
+@triton.jit(**no_respecialising(ints=['stride_bt'], pointers=['tables_ptr', 'q_start_ptr', 'q_lens_ptr',
+                                                              'kv_lens_ptr']))
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, tables_ptr, q_start_ptr, q_lens_ptr, kv_lens_ptr, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt,
                     num_heads, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -90,7 +91,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
     return out
 
 
-@triton.jit(do_not_specialize=['stride_bt'])  # the block-table width varies step to step
+@triton.jit(**no_respecialising(ints=['stride_bt'], pointers=['tables_ptr', 'kv_lens_ptr']))
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, scale_log2, stride_qb,
                    stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt, stride_pb, stride_ph,
                    stride_ps, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,

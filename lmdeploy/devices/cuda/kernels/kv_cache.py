@@ -5,10 +5,11 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .limits import no_respecialising
 from .rotary import _rotated
 
 
-@triton.jit
+@triton.jit(**no_respecialising(pointers=['slot_ptr']))
 def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, n_heads,
                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -40,7 +41,7 @@ def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping):
                            num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
 
 
-@triton.jit
+@triton.jit(**no_respecialising(pointers=['slot_ptr']))
 def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, slot_ptr, stride_qt,
                            stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_ct, n_q, n_kv,
                            HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,

@@ -1,6 +1,8 @@
-"""What one GPU allows a kernel: sizes chosen for Hopper must still compile
-on the older GPUs Triton supports."""
+"""What one GPU allows a kernel (sizes chosen for Hopper must still compile
+on the older GPUs Triton supports), and what must not make Triton compile a
+kernel again mid-run."""
 import functools
+import inspect
 
 import torch
 import triton
@@ -21,3 +23,14 @@ def _shared_memory(index: int) -> int:
 def shared_memory(device: torch.device) -> int:
     """Bytes of shared memory one block may use on ``device``."""
     return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def no_respecialising(ints=(), pointers=()) -> dict:
+    """``triton.jit`` arguments for a kernel's step-varying arguments: Triton
+    compiles a new variant when an int becomes (in)divisible by 16 or a
+    pointer's 16-byte alignment changes, a stall of a second or more in the
+    middle of serving. Block-table widths and views into a step's packed
+    metadata change that way from step to step."""
+    accepted = inspect.signature(triton.jit).parameters
+    kw = {'do_not_specialize': list(ints), 'do_not_specialize_on_alignment': list(pointers)}
+    return {k: v for k, v in kw.items() if k in accepted and v}
