@@ -279,3 +279,12 @@ def test_prefill_attention_compiles_once_for_any_batch_layout():
     run([16 * 16, 3, 70], odd_offset=True)  # width 16
     run([33, 5], odd_offset=False)  # width 3
     assert variants() == before
+
+
+def test_decode_split_counts():
+    """The measured choices on an H100 (132 SMs, 8 KV heads, graphs sized for
+    8192 tokens): many slices for small batches, none from ~160 sequences;
+    never a slice under 256 tokens."""
+    splits = {b: attention.num_decode_splits(b, 8, 8192, 132) for b in (1, 8, 32, 64, 128, 160, 256)}
+    assert splits == {1: 32, 8: 8, 32: 8, 64: 4, 128: 2, 160: 1, 256: 1}
+    assert attention.num_decode_splits(32, 8, 300, 132) == 1
