@@ -160,7 +160,8 @@ def main():
                    help='seconds into the run: profile the GPU for --profile-len seconds from there')
     p.add_argument('--profile-len', type=float, default=1.0)
     p.add_argument('--timeline', type=float, default=0.0,
-                   help='print step counts and times every this many seconds of the run')
+                   help='print step counts and times every this many seconds of the run (best effort: '
+                   'the printing thread competes with the engine for the GIL, so lines can come late)')
     p.add_argument('--compare-hf', action='store_true', help='also time transformers.generate')
     p.add_argument('--json', default=None, help='write the results here')
     args = p.parse_args()
