@@ -28,7 +28,7 @@ def kernel_specs(cap: int):
     pdl = cap >= 90
     skinny = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_K=256, PDL=pdl)
     stages = dict(num_warps=4, num_stages=linear.pipeline_stages(smem))
-    decode = dict(GROUP=4, BLOCK_G=16, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_N=64, BLOCK_D=128, PDL=pdl)
+    decode = dict(GROUP=4, BLOCK_G=16, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, PDL=pdl)
     return [
         (norm._rms_norm_kernel, {}, {'eps': 'fp32'}, dict(HAS_RES=True, BLOCK=4096, PDL=pdl), dict(num_warps=4)),
         (linear._skinny_kernel, {}, {}, dict(skinny, BLOCK_N=64), stages),
@@ -44,9 +44,12 @@ def kernel_specs(cap: int):
                                      'kv_lens_ptr': 'i64'}, {'scale_log2': 'fp32'},
          dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128),
          dict(num_warps=4, num_stages=2)),
+    ] + [  # the small-batch tiles (many slices) and the large-batch ones
         (attention._decode_kernel, {'part_ptr': 'fp32', 'tables_ptr': 'i32', 'kv_lens_ptr': 'i64'},
-         {'scale_log2': 'fp32'}, dict(decode, NUM_SPLITS=8),
-         dict(num_warps=4, num_stages=attention.decode_stages(smem))),
+         {'scale_log2': 'fp32'}, dict(decode, NUM_SPLITS=splits, BLOCK_N=block_n),
+         dict(num_warps=4, num_stages=stages))
+        for splits, (block_n, stages) in ((8, attention.decode_tiles(smem, 1)), (1, attention.decode_tiles(smem, 256)))
+    ] + [
         (attention._decode_reduce_kernel, {'part_ptr': 'fp32'}, {}, dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_D=128,
                                                                          PDL=pdl), dict(num_warps=2)),
         (argmax._argmax_slices_kernel, {'x_ptr': 'fp32', 'val_ptr': 'fp32', 'idx_ptr': 'i32'}, {},
@@ -65,6 +68,7 @@ def compile_all(cap: int) -> dict:
     specs, act = kernel_specs(cap)
     results = {}
     for fn, ptrs, scalars, constexprs, options in specs:
+        label = fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items() if k in ('NUM_SPLITS', 'BLOCK_N'))
         sig = {}
         for name in fn.arg_names:
             if name in constexprs:
@@ -76,9 +80,9 @@ def compile_all(cap: int) -> dict:
         try:
             kernel = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget('cuda', cap, 32),
                                     options=options)
-            results[fn.__name__] = kernel.metadata.shared
+            results[label] = kernel.metadata.shared
         except Exception as e:  # reported by the test, with the kernel's name
-            results[fn.__name__] = f'{type(e).__name__}: {e}'[:2000]
+            results[label] = f'{type(e).__name__}: {e}'[:2000]
     return results
 
 
@@ -91,7 +95,7 @@ def test_kernels_compile_and_fit_shared_memory(cap):
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == 12
+    assert len(results) == 13
     for name, shared in results.items():
         assert isinstance(shared, int), f'{name} does not compile for sm{cap}: {shared}'
         assert shared <= TARGETS[cap] * 1024, f'{name} needs {shared} B of shared memory, sm{cap} has {TARGETS[cap]} KiB'

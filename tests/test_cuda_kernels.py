@@ -224,6 +224,24 @@ def test_paged_decode_attention(dtype, h, hkv, d, bs):
         assert rel_err(out, ref) < tol(dtype) * 2
 
 
+def test_paged_decode_attention_large_batch():
+    """Batches of >= 128 sequences take other tiles on a GPU (128 tokens a
+    tile): contexts of varied lengths, some of one token, some spanning
+    several tiles."""
+    # (the interpreter always takes the small tiles, and is slow: a few short contexts there)
+    n, hkv = (160, 2) if HAS_CUDA else (12, 1)
+    kv_lens = torch.randint(1, 600 if HAS_CUDA else 40, (n, )).tolist()
+    kv_lens[:3] = [1, 129, 128]
+    dtype = DTYPES[-1]
+    k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, 64, 16, dtype)
+    q = torch.randn(n, 4 * hkv, 64, dtype=dtype, device=DEV)
+    lens = torch.tensor(kv_lens, device=DEV)
+    out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, max(kv_lens))
+    ref = REF.paged_decode_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), tables.cpu(),
+                                     lens.cpu(), 0.125, max(kv_lens))
+    assert rel_err(out, ref) < tol(dtype) * 2
+
+
 def test_decode_with_empty_padding_rows_gives_zeros():
     k_cache, v_cache, tables, _ = make_paged([40, 8], 2, 64, 16, DTYPES[0])
     q = torch.randn(3, 8, 64, dtype=DTYPES[0], device=DEV)

@@ -46,6 +46,17 @@ def normalize_prompts(prompts: Prompts):
     raise TypeError(f'prompts must be a str, a list of messages, or a list of those; got {type(prompts).__name__}')
 
 
+def _longest_first(gens: List[GenerationConfig]) -> List[int]:
+    """A batch's submission order: longest ``max_new_tokens`` first; ties,
+    and invalid values (each fails its own request later), in input order."""
+
+    def limit(g) -> int:
+        m = getattr(g, 'max_new_tokens', None)
+        return m if isinstance(m, int) else 0
+
+    return sorted(range(len(gens)), key=lambda i: -limit(gens[i]))
+
+
 def _reject_unknown(method: str, kwargs: Dict[str, Any]):
     """Unknown arguments are refused, not silently ignored (None values,
     e.g. LMDeploy's adapter_name=None, change nothing and pass)."""
@@ -118,15 +129,10 @@ class Pipeline:
         if gen_config is None:
             return [GenerationConfig()] * n
         if isinstance(gen_config, GenerationConfig):
-            gen_config.validate()  # fields may have been edited since construction
             return [gen_config] * n
         if isinstance(gen_config, (list, tuple)):
             if len(gen_config) != n:
                 raise ValueError(f'got {len(gen_config)} GenerationConfigs for {n} prompts')
-            if not all(isinstance(g, GenerationConfig) for g in gen_config):
-                raise TypeError('gen_config must be a GenerationConfig or a list of them')
-            for g in gen_config:
-                g.validate()
             return list(gen_config)
         raise TypeError('gen_config must be a GenerationConfig or a list of them')
 
@@ -163,7 +169,7 @@ class Pipeline:
         _reject_unknown('infer', kwargs)
         items, single = normalize_prompts(prompts)
         gens = self._gen_configs(gen_config, len(items))
-        order = sorted(range(len(items)), key=lambda i: -gens[i].max_new_tokens)
+        order = _longest_first(gens)
 
         async def run_all():
             bar = None
