@@ -53,3 +53,14 @@ def generate_all(engine: Engine, prompts: List[List[int]], params: SamplingParam
     """Submit every prompt at once (so they share batches), wait for all."""
     cols = [submit(engine, p, params) for p in prompts]
     return [c.wait().token_ids for c in cols]
+
+
+def assert_engine_clean(engine: Engine):
+    """Idle, every block free or owned consistently, and all free unless a
+    chat session keeps its cache."""
+    assert engine.wait_idle(), 'engine did not become idle'
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    if stats.num_idle_sessions == 0:
+        assert stats.num_free_blocks == stats.num_blocks, stats

@@ -8,7 +8,7 @@ report exactly what a step-by-step engine would, leaking no KV block.
 import random
 
 import pytest
-from engine_utils import submit
+from engine_utils import assert_engine_clean, submit
 from helpers import hf_greedy
 
 from lmdeploy.engine.engine import Engine
@@ -63,10 +63,7 @@ def test_stop_token_while_next_step_in_flight(engine, prompts, tiny_model_factor
     # the stop token ends the request and is not reported; nothing after it leaks out
     assert stopper.token_ids == ref[0][:i] and stopper.final.finish_reason == 'stop'
     assert [c.wait().token_ids for c in others] == ref[1:]
-    assert engine.wait_idle()
-    engine.check_invariants()
-    stats = engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks
+    assert_engine_clean(engine)
 
 
 def test_cancel_while_in_flight_frees_everything(engine, prompts):
@@ -77,10 +74,7 @@ def test_cancel_while_in_flight_frees_everything(engine, prompts):
     assert cols[0].wait().final.finish_reason == 'abort'
     for c in cols[1:]:
         assert len(c.wait().token_ids) == 200
-    assert engine.wait_idle()
-    engine.check_invariants()
-    stats = engine.stats()
-    assert stats.num_free_blocks == stats.num_blocks
+    assert_engine_clean(engine)
 
 
 def test_interactive_turn_that_stops_in_flight_keeps_a_consistent_history(engine, prompts, tiny_model_factory):
@@ -100,5 +94,4 @@ def test_interactive_turn_that_stops_in_flight_keeps_a_consistent_history(engine
     assert turn2.token_ids == hf_greedy(path, [history], 6)[0]
     busy.wait()
     engine.end_session(77)
-    assert engine.wait_idle()
-    engine.check_invariants()
+    assert_engine_clean(engine)

@@ -20,6 +20,7 @@ import shutil
 
 import pytest
 import torch
+import engine_utils
 from engine_utils import submit
 from helpers import _load_hf, hf_greedy, hf_logits
 
@@ -54,13 +55,7 @@ def smol_pipe(smollm2_path):
 
 
 def assert_engine_clean(p):
-    engine = p.engine
-    assert engine.wait_idle(), 'engine did not become idle'
-    engine.check_invariants()
-    stats = engine.stats()
-    assert stats.num_running == 0 and stats.num_waiting == 0
-    if stats.num_idle_sessions == 0:
-        assert stats.num_free_blocks == stats.num_blocks, stats
+    engine_utils.assert_engine_clean(p.engine)
 
 
 @pytest.fixture(autouse=True)

@@ -262,9 +262,7 @@ class Engine:
                 if pending is not None:
                     failed += pending.seqs
             self._inflight = None
-            for seq in failed:
-                if seq.status != SeqStatus.FINISHED:
-                    self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
+            self._fail_unfinished(failed, e)
         stats[0] += 1
         stats[1] += len(batch.seqs)
         stats[2] += sum(batch.num_new_tokens)
@@ -322,6 +320,11 @@ class Engine:
             self._inflight = None
             for seq in list(self._active.values()):
                 self._finish(seq, 'abort', error='the engine is shutting down')
+
+    def _fail_unfinished(self, seqs: List[Sequence], e: Exception):
+        for seq in seqs:
+            if seq.status != SeqStatus.FINISHED:
+                self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
 
     def _fail_all(self, error: str):
         self._inflight = None
@@ -447,9 +450,7 @@ class Engine:
                 self._resolve(sampled)
         except Exception as e:
             logger.exception('reading sampled tokens failed')
-            for seq in sampled.seqs:
-                if seq.status != SeqStatus.FINISHED:
-                    self._finish(seq, 'error', error=f'{type(e).__name__}: {e}')
+            self._fail_unfinished(sampled.seqs, e)
 
     def _resolve(self, sampled: _Sampled, logits=None, last_hidden=None, extras=None, logprobs=None):
         """Put the sampled tokens in place of their placeholders, then stop,

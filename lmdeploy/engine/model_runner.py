@@ -11,7 +11,7 @@ from .graph_runner import GraphRunner
 from .model_config import ModelConfig
 from .nn import StepContext
 from .scheduler import ScheduledBatch
-from .transfer import to_device
+from .transfer import tensor_on, to_device
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -120,7 +120,7 @@ class ModelRunner:
         list copied from pageable memory would wait for the queued step)."""
         if rows == list(range(hidden.shape[0])):
             return hidden
-        return hidden[to_device(torch.tensor(rows, dtype=torch.int64), self.torch_device)]
+        return hidden[tensor_on(rows, self.torch_device, torch.int64)]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from lmdeploy.devices import ops
 
 from .sequence import Sequence
-from .transfer import to_device
+from .transfer import tensor_on, to_device
 
 NEG_INF = float('-inf')
 
@@ -29,10 +29,6 @@ def _banned_ids(seq: Sequence) -> List[int]:
         if len(prefix) <= seq.num_tokens and seq.token_ids[seq.num_tokens - len(prefix):] == prefix:
             banned.append(words[-1])
     return banned
-
-
-def _tensor(values, device: torch.device, dtype=None) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _padded(rows: List[List[int]], device) -> torch.Tensor:
@@ -79,35 +75,34 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
     device = logits.device
     for i, seq in enumerate(seqs):
         if seq.params.logits_processors:
-            generated = _tensor(seq.token_ids[seq.num_prompt_tokens:], device, torch.int64)
+            generated = tensor_on(seq.token_ids[seq.num_prompt_tokens:], device, torch.int64)
             for proc in seq.params.logits_processors:
                 logits[i] = proc(generated, logits[i])
     penalised = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if penalised:
-        rows = _tensor(penalised, device, torch.int64)
+        rows = tensor_on(penalised, device, torch.int64)
         ids = _padded([seqs[i].token_ids for i in penalised], device)
-        penalty = _tensor([seqs[i].params.repetition_penalty for i in penalised], device)
+        penalty = tensor_on([seqs[i].params.repetition_penalty for i in penalised], device)
         logits[rows] = ops.apply_repetition_penalty(logits[rows], ids, penalty)
     rows, cols = [], []
     for i, ids in enumerate(banned):
         rows.extend([i] * len(ids))
         cols.extend(ids)
     if rows:
-        logits[_tensor(rows, device, torch.int64), _tensor(cols, device, torch.int64)] = NEG_INF
+        logits[tensor_on(rows, device, torch.int64), tensor_on(cols, device, torch.int64)] = NEG_INF
 
     tokens = ops.argmax(logits)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
-        rows = _tensor(sampled, device, torch.int64)
+        rows = tensor_on(sampled, device, torch.int64)
         ps = [seqs[i].params for i in sampled]
-        sub = ops.apply_temperature(logits[rows], _tensor([p.temperature for p in ps], device))
+        sub = ops.apply_temperature(logits[rows], tensor_on([p.temperature for p in ps], device))
         # a filter nobody uses is not run at all
-        top_k = _tensor([p.top_k for p in ps], device, torch.int64) if any(p.top_k > 0 for p in ps) else None
-        top_p = _tensor([p.top_p for p in ps], device) if any(p.top_p < 1.0 for p in ps) else None
-        min_p = _tensor([p.min_p for p in ps], device) if any(p.min_p > 0.0 for p in ps) else None
+        top_k = tensor_on([p.top_k for p in ps], device, torch.int64) if any(p.top_k > 0 for p in ps) else None
+        top_p = tensor_on([p.top_p for p in ps], device) if any(p.top_p < 1.0 for p in ps) else None
+        min_p = tensor_on([p.min_p for p in ps], device) if any(p.min_p > 0.0 for p in ps) else None
         sub = ops.top_k_top_p_min_p(sub, top_k, top_p, min_p)
-        seeds = _tensor([p.seed for p in ps], device, torch.int64)
-        offsets = _tensor([seqs[i].num_generated for i in sampled], device, torch.int64)
+        seeds = tensor_on([p.seed for p in ps], device, torch.int64)
+        offsets = tensor_on([seqs[i].num_generated for i in sampled], device, torch.int64)
         tokens[rows] = ops.sample(sub, seeds, offsets)
     return tokens
-

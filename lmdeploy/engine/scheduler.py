@@ -105,7 +105,7 @@ class Scheduler:
         preempted sequence would be re-prefilled from an unknown token)."""
         need = 0
         for seq in self.running:
-            if not (seq.unresolved and seq.sampling_done):
+            if not seq.final_token_in_flight:
                 need += max(0, self.bm.blocks_for(seq.num_tokens) - len(seq.block_ids))
         return need <= self.bm.num_free
 
@@ -138,7 +138,7 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             n = seq.num_pending
-            if seq.unresolved and seq.sampling_done:  # its last token is in flight: nothing more to run
+            if seq.final_token_in_flight:
                 i += 1
                 continue
             if (phase == 'decode' and n > 1) or (phase == 'prefill' and n == 1):

@@ -126,6 +126,11 @@ class Sequence:
         """Whether the last sampled token was the last allowed one (by length)."""
         return self.num_generated >= self.params.max_new_tokens or self.num_tokens >= self.max_len
 
+    @property
+    def final_token_in_flight(self) -> bool:
+        """Its last allowed token is sampled but not read back: nothing is left to run."""
+        return self.unresolved and self.sampling_done
+
     def start_turn(self, new_ids: List[int], params: SamplingParams, on_output, max_len: int):
         """Continue an interactive session with a new prompt; the cache stays."""
         self.token_ids.extend(new_ids)

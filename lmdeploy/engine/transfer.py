@@ -9,3 +9,8 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == 'cpu':
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def tensor_on(values, device: torch.device, dtype=None) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``, copied as :func:`to_device` copies."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
