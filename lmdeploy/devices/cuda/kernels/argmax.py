@@ -16,9 +16,7 @@ CHUNK = 2048
 @triton.jit
 def _argmax_slices_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, n_slices, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                           PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * CHUNK
     end = tl.minimum(V, start + CHUNK)
@@ -39,9 +37,7 @@ def _argmax_slices_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, n_slices, CHUNK:
 
 @triton.jit
 def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, n_slices, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     valid = s < n_slices

@@ -101,9 +101,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens
                    PDL: tl.constexpr):
     """One program: the GROUP query heads sharing KV head ``kvh`` of
     sequence ``b``, over one slice of the context."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_then_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,9 +142,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens
 def _decode_reduce_kernel(part_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
                           HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
                           PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_then_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)

@@ -12,9 +12,7 @@ from .rotary import _rotated
 @triton.jit(**no_respecialising(pointers=['slot_ptr']))
 def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, n_heads,
                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -50,9 +48,7 @@ def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, cos_ptr
     heads is rotated into out[t, :n_q]; the last program rotates t's key
     heads into out[t, n_q:] and writes them and t's values to the cache at
     slot[t] (a negative slot writes no cache)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_then_release(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)

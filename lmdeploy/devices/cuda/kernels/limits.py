@@ -16,8 +16,14 @@ def _shared_memory(index: int) -> int:
     try:  # what Triton itself checks a kernel against
         return int(triton.runtime.driver.active.utils.get_device_properties(index)['max_shared_mem'])
     except Exception:
-        cap = torch.cuda.get_device_capability(index)
-        return _SHARED_MEMORY_KIB.get(cap, 99 if cap[0] == 8 else 227 if cap[0] >= 9 else 48) * 1024
+        return shared_memory_of(torch.cuda.get_device_capability(index))
+
+
+def shared_memory_of(capability) -> int:
+    """Bytes of shared memory one block may use on GPUs of compute capability
+    ``(major, minor)``, from the programming guide's table."""
+    major = capability[0]
+    return _SHARED_MEMORY_KIB.get(tuple(capability), 99 if major == 8 else 227 if major >= 9 else 48) * 1024
 
 
 def shared_memory(device: torch.device) -> int:

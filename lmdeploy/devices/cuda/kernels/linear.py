@@ -46,9 +46,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     # before waiting for the kernel that writes x
     offs_k = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_then_release(PDL)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :],
                 other=0.0)
     acc = tl.dot(x, tl.trans(w))
@@ -83,9 +81,7 @@ def _skinny_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, I, K, stride_xm, stride
     wmask = n_mask[:, None] & (offs_k < K)[None, :]
     wg = tl.load(g_rows + offs_k[None, :], mask=wmask, other=0.0)
     wu = tl.load(u_rows + offs_k[None, :], mask=wmask, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_then_release(PDL)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :],
                 other=0.0)
     acc_g = tl.dot(x, tl.trans(wg))

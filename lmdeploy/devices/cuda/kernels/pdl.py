@@ -12,13 +12,14 @@ issued before the wait. Off on older GPUs and under the interpreter
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 def _supported() -> bool:
     if os.environ.get('LMDEPLOY_PDL', '1') == '0' or os.environ.get('TRITON_INTERPRET') == '1':
         return False
     try:
-        import triton.language as tl
         if not hasattr(tl.extra.cuda, 'gdc_wait'):
             return False
         return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -29,3 +30,12 @@ def _supported() -> bool:
 ON = _supported()
 # extra launch arguments for a kernel that takes a ``PDL`` constexpr
 LAUNCH = {'launch_pdl': True} if ON else {}
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """Inside a kernel: wait until the kernel before it has finished (its
+    outputs are this one's inputs), then let the next kernel launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
