@@ -11,6 +11,7 @@ so this shows what there is to hide, not the step time the engine achieves.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from collections import defaultdict
@@ -22,6 +23,8 @@ def main():
     p.add_argument('--device', default='cuda')
     p.add_argument('--batch', type=int, default=256)
     p.add_argument('--context', type=int, default=300)
+    p.add_argument('--context-sigma', type=float, default=0.0,
+                   help='lognormal sigma of the prompt lengths around --context (0: all equal)')
     p.add_argument('--steps', type=int, default=50)
     p.add_argument('--eager', action='store_true')
     p.add_argument('--kernels', action='store_true', help='also print the top GPU kernels of the decode steps')
@@ -64,12 +67,15 @@ def main():
     vocab = eng.model_config.vocab_size
     n_steps = args.steps
     for i in range(args.batch):
-        ids = [rng.randrange(100, vocab) for _ in range(args.context)]
+        n = args.context if args.context_sigma <= 0 else \
+            min(2000, max(4, round(rng.lognormvariate(math.log(args.context), args.context_sigma))))
+        ids = [rng.randrange(100, vocab) for _ in range(n)]
         eng.submit(EngineRequest(i + 1, ids, SamplingParams(max_new_tokens=n_steps + 20), lambda o: None))
     prof = None
     if args.kernels:
         from torch.profiler import ProfilerActivity, profile
-        time.sleep(2.0)  # past the prefill, into decoding
+        while eng.stats().num_waiting or eng.stats().extra.get('decode_steps', 0) < 5:
+            time.sleep(0.05)  # past the prefill, into decoding
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
         time.sleep(1.0)

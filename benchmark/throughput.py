@@ -97,9 +97,17 @@ def profile_window(seconds: float):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         time.sleep(seconds)
-    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
     print(f'  GPU busy {100 * busy / seconds:.1f}% of a {seconds:.1f} s window (kernel time {busy:.3f} s)')
-    print(prof.key_averages().table(sort_by='self_device_time_total', row_limit=12, max_name_column_width=50))
+    groups = {}
+    for e in events:
+        name = 'GEMM (cuBLAS)' if any(w in e.key.lower() for w in ('gemm', 'nvjet', 'cutlass', 'xmma', 'splitk')) \
+            else e.key[:50]
+        t, n = groups.get(name, (0.0, 0))
+        groups[name] = (t + e.self_device_time_total / 1e6, n + e.count)
+    for name, (t, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:16]:
+        print(f'  {100 * t / max(busy, 1e-9):5.1f}%  {t:7.3f} s  {n:7d} launches  {name}')
 
 
 def run_hf(args, prompts, outs) -> dict:

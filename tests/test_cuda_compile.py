@@ -32,7 +32,8 @@ def kernel_specs(cap: int):
     pdl = cap >= 90
     skinny = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_K=256, PDL=pdl)
     stages = dict(num_warps=4, num_stages=linear.pipeline_stages(smem))
-    decode = dict(GROUP=4, BLOCK_G=16, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, PDL=pdl)
+    decode = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, ORDERED=True,
+                  PDL=pdl)
     return [
         (norm._rms_norm_kernel, {}, {'eps': 'fp32'}, dict(HAS_RES=True, BLOCK=4096, PDL=pdl), dict(num_warps=4)),
         (linear._skinny_kernel, {}, {}, dict(skinny, BLOCK_N=64), stages),
@@ -49,7 +50,7 @@ def kernel_specs(cap: int):
          dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128),
          dict(num_warps=4, num_stages=2)),
     ] + [  # the small-batch tiles (many slices) and the large-batch ones
-        (attention._decode_kernel, {'part_ptr': 'fp32', 'tables_ptr': 'i32', 'kv_lens_ptr': 'i64'},
+        (attention._decode_kernel, {'part_ptr': 'fp32', 'tables_ptr': 'i32', 'kv_lens_ptr': 'i64', 'order_ptr': 'i64'},
          {'scale_log2': 'fp32'}, dict(decode, NUM_SPLITS=splits, BLOCK_N=block_n),
          dict(num_warps=4, num_stages=stages))
         for splits, (block_n, stages) in ((8, attention.decode_tiles(smem, 1)), (1, attention.decode_tiles(smem, 256)))

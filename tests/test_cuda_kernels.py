@@ -216,12 +216,14 @@ def test_paged_decode_attention(dtype, h, hkv, d, bs):
     k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, d, bs, dtype)
     q = torch.randn(len(kv_lens), h, d, dtype=dtype, device=DEV)
     lens = torch.tensor(kv_lens, device=DEV)
+    ref = REF.paged_decode_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(),
+                                     tables.cpu(), lens.cpu(), d**-0.5, max(kv_lens))
+    longest_first = torch.tensor(sorted(range(len(kv_lens)), key=lambda i: -kv_lens[i]), device=DEV)
     for num_sms in (1, 132):  # one split, and several
-        out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5, max(kv_lens),
-                                               num_sms=num_sms)
-        ref = REF.paged_decode_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(),
-                                         tables.cpu(), lens.cpu(), d**-0.5, max(kv_lens))
-        assert rel_err(out, ref) < tol(dtype) * 2
+        for order in (None, longest_first):
+            out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5, max(kv_lens),
+                                                   num_sms=num_sms, order=order)
+            assert rel_err(out, ref) < tol(dtype) * 2
 
 
 def test_paged_decode_attention_large_batch():
@@ -236,10 +238,11 @@ def test_paged_decode_attention_large_batch():
     k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, 64, 16, dtype)
     q = torch.randn(n, 4 * hkv, 64, dtype=dtype, device=DEV)
     lens = torch.tensor(kv_lens, device=DEV)
-    out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, max(kv_lens))
     ref = REF.paged_decode_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), tables.cpu(),
                                      lens.cpu(), 0.125, max(kv_lens))
-    assert rel_err(out, ref) < tol(dtype) * 2
+    for order in (None, torch.randperm(n, device=DEV).to(torch.int32)):  # any permutation gives the same result
+        out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, max(kv_lens), order=order)
+        assert rel_err(out, ref) < tol(dtype) * 2
 
 
 def test_decode_with_empty_padding_rows_gives_zeros():
@@ -248,9 +251,11 @@ def test_decode_with_empty_padding_rows_gives_zeros():
     tables = torch.cat([tables, torch.zeros_like(tables[:1])])
     lens = torch.tensor([40, 8, 0], device=DEV)
     for num_sms in (1, 132):
-        out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 600, num_sms=num_sms)
-        assert torch.isfinite(out).all()
-        assert (out[2] == 0).all()
+        for order in (None, torch.tensor([0, 1, 2], device=DEV)):
+            out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 600, num_sms=num_sms,
+                                                   order=order)
+            assert torch.isfinite(out).all()
+            assert (out[2] == 0).all()
 
 
 @pytest.mark.parametrize('vocab', [5000, 2048, 77])

@@ -153,10 +153,13 @@ class DeviceOps:
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, kv_seqlens: torch.Tensor, scale: float,
-                               max_kv_len: int) -> torch.Tensor:
+                               max_kv_len: int, order: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One new token per sequence: q [B, H, D] attends to all
         ``kv_seqlens[b]`` cached tokens. Same meaning as the prefill op with
-        every q_seqlen equal to 1."""
+        every q_seqlen equal to 1. ``order`` (optional, [B] integers) is a
+        permutation of the rows, longest context first: a device may visit
+        the rows in that order to balance its work; results do not depend
+        on it."""
         raise NotImplementedError
 
     # -------------------------------------------------------------- sampling

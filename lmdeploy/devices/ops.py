@@ -61,8 +61,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
                                            scale, max_q_len, max_kv_len)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len):
-    return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len)
+def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None):
+    return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order)
 
 
 def apply_repetition_penalty(logits, token_ids, penalty):

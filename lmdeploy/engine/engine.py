@@ -412,7 +412,7 @@ class Engine:
             if p.output_last_hidden_state == 'all':
                 extra['hidden'] = chunk.float().cpu()
             if p.output_logits == 'all' or p.prompt_loss:
-                logits = self.runner.logits(chunk)
+                logits = self.runner.logits(chunk).float()
                 if p.output_logits == 'all':
                     extra['logits'] = logits.cpu()
                 if p.prompt_loss:
@@ -433,6 +433,8 @@ class Engine:
         seqs = [s for s, _ in done]
         last_hidden = self.runner.rows(hidden, [r for _, r in done])
         logits = self.runner.logits(last_hidden)
+        if extras or not all(s.params.greedy and not needs_host_history(s) for s in seqs):
+            logits = logits.float()  # sampling, penalties and logprobs work in float32; argmax needs not
         tokens = sample_tokens(logits, seqs)
         for i, seq in enumerate(seqs):
             seq.token_ids.append(-1 - i)

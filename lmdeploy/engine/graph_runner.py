@@ -46,6 +46,8 @@ class GraphRunner:
         self.tables = buf(0, n, max_blocks, dtype=torch.int32)
         self.slots = buf(-1, n)
         self.rope_lens = buf(1, n)
+        self.rows = torch.arange(n, dtype=torch.int32, device=torch_device)
+        self.order = self.rows.clone()
         self.graphs: Dict[int, Tuple[Callable[[], None], torch.Tensor]] = {}
         self.pool = None  # one memory pool for this engine's graphs
 
@@ -59,7 +61,7 @@ class GraphRunner:
         return StepContext(is_decode=True, q_start_loc=self.q_start[:n], q_seqlens=self.q_lens[:n],
                            kv_seqlens=self.kv_lens[:n], block_tables=self.tables[:n], slot_mapping=self.slots[:n],
                            rope_lens=self.rope_lens[:n], max_q_len=1, max_kv_len=self.max_kv_len,
-                           kv_caches=self.kv_caches)
+                           kv_caches=self.kv_caches, decode_order=self.order[:n])
 
     def _graph(self, n: int):
         if n not in self.graphs:
@@ -81,6 +83,11 @@ class GraphRunner:
         self.slots[:b].copy_(ctx.slot_mapping)
         self.slots[b:n].fill_(-1)
         self.rope_lens[:b].copy_(ctx.rope_lens)
+        if ctx.decode_order is not None:
+            self.order[:b].copy_(ctx.decode_order)
+        else:
+            self.order[:b].copy_(self.rows[:b])
+        self.order[b:n].copy_(self.rows[b:n])
         self.tables[:b, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
         replay, out = self._graph(n)
         replay()

@@ -72,6 +72,7 @@ class ModelRunner:
             flat += [seq.block_ids[p // bs] * bs + p % bs for seq, p in zip(seqs, starts)]  # slots
             flat += [1] * bsz  # q lengths
             flat += range(bsz)  # q starts
+            flat += sorted(range(bsz), key=lambda i: -starts[i])  # rows, longest context first
         else:
             flat += counts
             flat += starts
@@ -83,7 +84,7 @@ class ModelRunner:
         host = torch.tensor(flat, dtype=torch.int64)
         dev = to_device(host, self.torch_device)
         fields = [num_tokens] * (2 if n_prev else 1)
-        fields += [bsz] * (5 if batch.is_decode else 2) + [bsz, bsz * width]
+        fields += [bsz] * (6 if batch.is_decode else 2) + [bsz, bsz * width]
         parts = list(dev.split(fields))
         ids = parts.pop(0)
         if n_prev:
@@ -93,8 +94,9 @@ class ModelRunner:
             else:
                 ids = torch.where(rows >= 0, prev_tokens.index_select(0, rows.clamp(min=0)), ids)
         tables = parts.pop().view(bsz, width)
+        order = None
         if batch.is_decode:
-            positions, kv_lens, slots, q_lens, q_start, rope_lens = parts
+            positions, kv_lens, slots, q_lens, q_start, order, rope_lens = parts
         else:
             q_lens, computed, rope = parts
             q_start = q_lens.cumsum(0) - q_lens
@@ -106,7 +108,8 @@ class ModelRunner:
         ctx = StepContext(is_decode=batch.is_decode, q_start_loc=q_start, q_seqlens=q_lens, kv_seqlens=kv_lens,
                           block_tables=tables.to(torch.int32), slot_mapping=slots,
                           rope_lens=rope_lens, max_q_len=max(counts),
-                          max_kv_len=max(c + n for c, n in zip(starts, counts)), kv_caches=self.kv_caches)
+                          max_kv_len=max(c + n for c, n in zip(starts, counts)), kv_caches=self.kv_caches,
+                          decode_order=order)
         return ids, positions, ctx
 
     @torch.inference_mode()
@@ -147,6 +150,6 @@ def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: Device
                       rope_lens=torch.full((num_tokens, ), num_tokens, device=dev), max_q_len=num_tokens,
                       max_kv_len=num_tokens, kv_caches=caches)
     hidden = model(ids, positions, ctx)
-    model.compute_logits(hidden[-1:].expand(max_batch_size, -1))
+    model.compute_logits(hidden[-1:].expand(max_batch_size, -1)).float()
     device.synchronize()
     del caches, hidden

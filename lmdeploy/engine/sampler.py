@@ -67,7 +67,8 @@ def needs_host_history(seq: Sequence) -> bool:
 
 
 def sample_tokens(logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
-    """logits [B, V] float32 on the device -> next token per row, still on
+    """logits [B, V] on the device (float32 unless every row is a plain
+    greedy pick) -> next token per row, still on
     the device (nothing here waits for the device)."""
     banned = [_banned_ids(s) for s in seqs]
     if any(s.params.logits_processors or s.params.repetition_penalty != 1.0 for s in seqs) or any(banned):

@@ -97,8 +97,9 @@ class CpuOps(DeviceOps):
             out[start:start + qlen] = o[0].transpose(0, 1)
         return out
 
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len):
-        """Batched over sequences: gather every block in the tables, mask the tail."""
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None):
+        """Batched over sequences: gather every block in the tables, mask the
+        tail. All rows at once, so ``order`` changes nothing here."""
         block_size = k_cache.shape[1]
         n = (max_kv_len + block_size - 1) // block_size
         tables = block_tables[:, :n].long()

@@ -105,9 +105,9 @@ class CudaOps(DeviceOps):
         return self._k_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens,
                                                          kv_seqlens, scale, max_q_len, max_kv_len)
 
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len):
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None):
         return self._k_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
-                                                        max_kv_len, self._num_sms)
+                                                        max_kv_len, self._num_sms, order)
 
     # -------------------------------------------------------------- sampling
     def apply_repetition_penalty(self, logits, token_ids, penalty):

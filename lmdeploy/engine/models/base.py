@@ -17,7 +17,10 @@ class CausalLM(nn.Module):
     ignored_weights: Tuple[str, ...] = ('rotary_emb.inv_freq', )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model's dtype: a greedy pick is exact on them (every
+        bf16/fp16 value is a float32 value), so converting a [batch, vocab]
+        tensor is left to the consumers that need float32."""
+        return self.lm_head(hidden)
 
     def _expected_keys(self) -> Set[Tuple[str, str]]:
         keys = set()

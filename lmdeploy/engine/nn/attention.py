@@ -27,7 +27,7 @@ class PagedAttention(nn.Module):
         q, k = ops.rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_decode:
             out = ops.paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_seqlens, self.scale,
-                                             ctx.max_kv_len)
+                                             ctx.max_kv_len, ctx.decode_order)
         else:
             out = ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables, ctx.q_start_loc,
                                               ctx.q_seqlens, ctx.kv_seqlens, self.scale, ctx.max_q_len,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -24,3 +24,5 @@ class StepContext:
     max_q_len: int
     max_kv_len: int
     kv_caches: List[Tuple[torch.Tensor, torch.Tensor]]
+    # decode: the rows longest context first ([B] integers), for devices that balance attention work with it
+    decode_order: Optional[torch.Tensor] = None
