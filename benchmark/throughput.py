@@ -51,9 +51,23 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     finished = threading.Event()
     if args.timeline:
         threading.Thread(target=timeline, args=(pipe.engine, args.timeline, finished), daemon=True).start()
+    first, last = [], []  # when the first engine step started, when the latest one ended
+    step = pipe.engine._step
+
+    def timed_step(*a, **k):
+        first[:] = first or [time.perf_counter()]
+        try:
+            return step(*a, **k)
+        finally:
+            last[:] = [time.perf_counter()]
+
+    pipe.engine._step = timed_step
     t0 = time.perf_counter()
     responses = pipe(prompts, gens, use_tqdm=args.tqdm)
     elapsed = time.perf_counter() - t0
+    if first:
+        print(f'  first engine step {first[0] - t0:.2f} s into the call, last one done '
+              f'{t0 + elapsed - last[0]:.2f} s before it returned')
     finished.set()
     stats = pipe.engine.stats()
     device = pipe.engine.device.name
@@ -108,6 +122,17 @@ def profile_window(seconds: float):
         groups[name] = (t + e.self_device_time_total / 1e6, n + e.count)
     for name, (t, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:16]:
         print(f'  {100 * t / max(busy, 1e-9):5.1f}%  {t:7.3f} s  {n:7d} launches  {name}')
+    # idle stretches between kernels (the device waiting for the host)
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    gaps, end = [], spans[0][1] if spans else 0
+    for s, e in spans[1:]:
+        if s > end:
+            gaps.append(s - end)
+        end = max(end, e)
+    big = sorted(g for g in gaps if g > 50)
+    print(f'  idle: {sum(gaps) / 1e3:.1f} ms in {len(gaps)} gaps; {len(big)} gaps over 50 us '
+          f'({sum(big) / 1e3:.1f} ms, largest {[round(g / 1e3, 2) for g in big[-5:]]} ms)')
 
 
 def run_hf(args, prompts, outs) -> dict:

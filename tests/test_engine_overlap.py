@@ -95,3 +95,35 @@ def test_interactive_turn_that_stops_in_flight_keeps_a_consistent_history(engine
     busy.wait()
     engine.end_session(77)
     assert_engine_clean(engine)
+
+
+def test_prefill_steps_carry_the_decoding_sequences(tiny_model_factory):
+    """Scheduling as on a graph device (decode steps alone, prefill when a
+    slot frees): a step that prefills also decodes the running sequences,
+    one-token rows first, and their tokens are those of a step-by-step
+    reference."""
+    eng = Engine(tiny_model_factory('llama'), PytorchEngineConfig(device_type='cpu', block_size=4, session_len=256,
+                                                                  max_batch_size=2))
+    eng.scheduler.mix = False
+    steps = []
+    forward = eng.runner.forward
+
+    def spy(batch, prev_tokens=None):
+        steps.append(list(batch.num_new_tokens))
+        return forward(batch, prev_tokens)
+
+    eng.runner.forward = spy
+    rng = random.Random()
+    prompts = [[rng.randrange(20, 49152) for _ in range(n)] for n in (9, 5, 14, 6)]
+    limits = [3, 11, 4, 7]
+    try:
+        cols = [submit(eng, p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, limits)]
+        got = [c.wait().token_ids for c in cols]
+        assert_engine_clean(eng)
+    finally:
+        eng.close()
+    ref = hf_greedy(tiny_model_factory('llama'), prompts, max(limits))
+    assert got == [r[:n] for r, n in zip(ref, limits)]
+    mixed = [s for s in steps if 1 in s and any(n > 1 for n in s)]
+    assert mixed, steps
+    assert all(s == sorted(s, key=lambda n: n != 1) for s in mixed)  # one-token rows lead

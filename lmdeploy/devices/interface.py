@@ -147,7 +147,9 @@ class DeviceOps:
         ``kv_seqlens[b] - q_seqlens[b] + i`` and sees context positions up to
         and including that one. GQA: query head h reads KV head
         ``h // (H // Hkv)``. block_tables [B, max_blocks] (int32, padded).
-        Softmax in float32. Returns [T, H, D] in q's dtype.
+        Softmax in float32. Returns [T, H, D] in q's dtype; rows of q that no
+        sequence owns (a step's decode rows, attended separately) are left
+        unspecified.
         """
         raise NotImplementedError
 

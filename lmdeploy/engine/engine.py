@@ -86,9 +86,10 @@ class Engine:
         self.session_len = self._session_len()
         self.max_batch_size = config.max_batch_size or self.device.default_max_batch_size
         if self.device.profile_memory:
+            # a prefill step also carries a token for each decoding sequence
             profile_peak_memory(self.model, self.model_config, self.device, self.dtype,
-                                min(config.max_prefill_token_num, self.session_len), self.block_size,
-                                self.max_batch_size)
+                                min(config.max_prefill_token_num, self.session_len) + self.max_batch_size,
+                                self.block_size, self.max_batch_size)
         self.num_blocks = self._num_blocks()
         prefix = config.enable_prefix_caching
         if prefix and self.model_config.rope.type == 'dynamic':

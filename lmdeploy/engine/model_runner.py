@@ -72,10 +72,12 @@ class ModelRunner:
             flat += [seq.block_ids[p // bs] * bs + p % bs for seq, p in zip(seqs, starts)]  # slots
             flat += [1] * bsz  # q lengths
             flat += range(bsz)  # q starts
-            flat += sorted(range(bsz), key=lambda i: -starts[i])  # rows, longest context first
         else:
             flat += counts
             flat += starts
+        # the one-token rows lead the batch (the scheduler puts them first)
+        num_decode = bsz if batch.is_decode else next((r for r, n in enumerate(counts) if n != 1), bsz)
+        flat += sorted(range(num_decode), key=lambda i: -starts[i])  # those rows, longest context first
         flat += [seq.num_tokens for seq in seqs]  # rotary length (dynamic NTK)
         width = max(len(seq.block_ids) for seq in seqs)
         for seq in seqs:
@@ -84,7 +86,7 @@ class ModelRunner:
         host = torch.tensor(flat, dtype=torch.int64)
         dev = to_device(host, self.torch_device)
         fields = [num_tokens] * (2 if n_prev else 1)
-        fields += [bsz] * (6 if batch.is_decode else 2) + [bsz, bsz * width]
+        fields += [bsz] * (5 if batch.is_decode else 2) + [num_decode, bsz, bsz * width]
         parts = list(dev.split(fields))
         ids = parts.pop(0)
         if n_prev:
@@ -94,11 +96,10 @@ class ModelRunner:
             else:
                 ids = torch.where(rows >= 0, prev_tokens.index_select(0, rows.clamp(min=0)), ids)
         tables = parts.pop().view(bsz, width)
-        order = None
         if batch.is_decode:
             positions, kv_lens, slots, q_lens, q_start, order, rope_lens = parts
         else:
-            q_lens, computed, rope = parts
+            q_lens, computed, order, rope = parts
             q_start = q_lens.cumsum(0) - q_lens
             seq_idx = torch.repeat_interleave(torch.arange(bsz, device=dev.device), q_lens, output_size=num_tokens)
             positions = computed[seq_idx] + torch.arange(num_tokens, device=dev.device) - q_start[seq_idx]
@@ -109,7 +110,7 @@ class ModelRunner:
                           block_tables=tables.to(torch.int32), slot_mapping=slots,
                           rope_lens=rope_lens, max_q_len=max(counts),
                           max_kv_len=max(c + n for c, n in zip(starts, counts)), kv_caches=self.kv_caches,
-                          decode_order=order)
+                          num_decode=0 if batch.is_decode else num_decode, decode_order=order)
         return ids, positions, ctx
 
     @torch.inference_mode()

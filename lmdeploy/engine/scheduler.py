@@ -3,7 +3,8 @@
 Every step, running sequences go first (one token each when decoding, a
 chunk when their prompt is still being prefilled), then waiting ones are
 admitted while the batch, the prefill token budget and the free blocks
-allow. When a running sequence needs a block and none is free, the most
+allow. A step that prefills also carries every sequence ready to decode, and
+lists the one-token rows first (attention runs them as a decode batch). When a running sequence needs a block and none is free, the most
 recently admitted running sequence is preempted: its blocks are freed and it
 is recomputed later.
 """
@@ -35,9 +36,10 @@ class Scheduler:
         self.bm = block_manager
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        # mixing prefill chunks into decode steps suits eager devices; devices
-        # that replay recorded decode steps keep the two apart, and prefill at
-        # most every ``prefill_interval`` decode steps while the batch is full
+        # prefilling at every step suits eager devices; devices that replay
+        # recorded decode steps decode alone most steps (replayed) and prefill
+        # (with the decoding sequences along, eagerly) when 1/8 of the batch is
+        # free, or at most every ``prefill_interval`` decode steps while it is full
         self.mix = mix_prefill_decode
         self.prefill_interval = prefill_interval
         self._decode_steps = 0
@@ -112,7 +114,7 @@ class Scheduler:
     # ------------------------------------------------------------- stepping
     def _phase(self) -> str:
         if self.mix:
-            return 'mixed'
+            return 'prefill'
         decoding = sum(1 for s in self.running if s.num_pending == 1)
         prefilling = len(self.running) - decoding
         # refill when a good share of the batch is free, or every prefill_interval steps
@@ -123,11 +125,8 @@ class Scheduler:
         return 'decode'
 
     def schedule(self) -> ScheduledBatch:
-        phase = self._phase()
-        batch = self._schedule(phase)
-        if phase == 'prefill' and not batch.seqs:  # nothing could be prefilled now
-            phase, batch = 'decode', self._schedule('decode')
-        self._decode_steps = self._decode_steps + 1 if phase == 'decode' else 0
+        batch = self._schedule(self._phase())
+        self._decode_steps = self._decode_steps + 1 if batch.is_decode else 0
         return batch
 
     def _schedule(self, phase: str) -> ScheduledBatch:
@@ -141,7 +140,7 @@ class Scheduler:
             if seq.final_token_in_flight:
                 i += 1
                 continue
-            if (phase == 'decode' and n > 1) or (phase == 'prefill' and n == 1):
+            if phase == 'decode' and n > 1:
                 i += 1
                 continue
             if n > 1:
@@ -195,4 +194,6 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        return ScheduledBatch(seqs, counts)
+        # one-token rows first: the attention layer runs them as one decode batch
+        rows = sorted(range(len(seqs)), key=lambda r: counts[r] != 1)
+        return ScheduledBatch([seqs[r] for r in rows], [counts[r] for r in rows])

@@ -29,7 +29,13 @@ class PagedAttention(nn.Module):
             out = ops.paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_seqlens, self.scale,
                                              ctx.max_kv_len, ctx.decode_order)
         else:
-            out = ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables, ctx.q_start_loc,
-                                              ctx.q_seqlens, ctx.kv_seqlens, self.scale, ctx.max_q_len,
+            # the prompt rows (q_start_loc holds their rows in q), then the leading one-token rows as a decode batch
+            nd = ctx.num_decode
+            out = ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables[nd:], ctx.q_start_loc[nd:],
+                                              ctx.q_seqlens[nd:], ctx.kv_seqlens[nd:], self.scale, ctx.max_q_len,
                                               ctx.max_kv_len)
+            if nd:
+                out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, ctx.block_tables[:nd],
+                                                      ctx.kv_seqlens[:nd], self.scale, ctx.max_kv_len,
+                                                      ctx.decode_order)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -24,5 +24,8 @@ class StepContext:
     max_q_len: int
     max_kv_len: int
     kv_caches: List[Tuple[torch.Tensor, torch.Tensor]]
-    # decode: the rows longest context first ([B] integers), for devices that balance attention work with it
+    # a prefill step's first num_decode sequences have one new token each: attention runs them as a decode batch
+    num_decode: int = 0
+    # the decode rows (all of a decode step's, or the first num_decode), longest context first: devices may
+    # balance attention work with it
     decode_order: Optional[torch.Tensor] = None
