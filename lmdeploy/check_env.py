@@ -248,22 +248,50 @@ def _self_tests(ops, dev, dtype):
         gate, up = x[:, :48], x[:, 48:]
         return _compare('silu_and_mul', out, gate / (1 + torch.exp(-gate)) * up, dtype)
 
-    def apply_rotary():
-        T, H, Hkv, D = 6, 4, 2, 16
+    def _rotary_setup(T=6, H=4, Hkv=2, D=16):
+        """q, k, cos, sin of positions 0..T-1, and the reference rotation."""
         q, k = q64(randn(T, H, D)), q64(randn(T, Hkv, D))
         pos = torch.arange(T, dtype=torch.float64)[:, None]
         inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
         ang = torch.cat([pos * inv, pos * inv], dim=-1)
-        cos, sin = torch.cos(ang), torch.sin(ang)
-        qo, ko = ops.apply_rotary(on_dev(q), on_dev(k), on_dev(cos, torch.float32), on_dev(sin, torch.float32))
+        cos, sin = on_dev(torch.cos(ang), torch.float32), on_dev(torch.sin(ang), torch.float32)
 
         def ref(x):  # complex rotation of (x[i], x[i + D/2]) pairs
             z = torch.complex(x[..., :D // 2], x[..., D // 2:]) * torch.exp(1j * (pos * inv))[:, None, :]
             return torch.cat([z.real, z.imag], dim=-1)
 
-        ok1, d1 = _compare('q', qo, ref(q), dtype)
-        ok2, d2 = _compare('k', ko, ref(k), dtype)
-        return ok1 and ok2, d1 if not ok1 or ok2 else d2
+        return q, k, cos, sin, ref
+
+    def _all_ok(*checks):
+        """(ok, detail) of several comparisons: the first failure's detail, else the first one's."""
+        bad = [c for c in checks if not c[0]]
+        return (False, bad[0][1]) if bad else (True, checks[0][1])
+
+    def apply_rotary():
+        q, k, cos, sin, ref = _rotary_setup()
+        qo, ko = ops.apply_rotary(on_dev(q), on_dev(k), cos, sin)
+        return _all_ok(_compare('q', qo, ref(q), dtype), _compare('k', ko, ref(k), dtype))
+
+    def rotary_fill_kv():
+        T, Hkv, D, S = 6, 2, 16, 4
+        q, k, cos, sin, ref = _rotary_setup(T, Hkv=Hkv, D=D)
+        v = q64(randn(T, Hkv, D))
+        k_cache = torch.zeros(4, S, Hkv, D, dtype=dtype, device=dev)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.randperm(4 * S, generator=g)[:T]
+        qo, ko = ops.rotary_fill_kv(on_dev(q), on_dev(k), on_dev(v), cos, sin, k_cache, v_cache,
+                                    slots.to(dev))
+        kc, vc = k_cache.flatten(0, 1)[slots.to(dev)], v_cache.flatten(0, 1)[slots.to(dev)]
+        return _all_ok(_compare('q', qo, ref(q), dtype), _compare('k', ko, ref(k), dtype),
+                       _compare('k cache', kc, ref(k), dtype), _compare('v cache', vc, v, dtype))
+
+    def argmax():
+        x = randn(4, 3000, scale=3).float()
+        x[1, 17] = x[1, 2900] = x[1].max() + 1  # a tie: the first index wins
+        x[2] = float('-inf')
+        got = ops.argmax(x.to(dev)).cpu().tolist()
+        want = [int(x[0].argmax()), 17, 0, int(x[3].argmax())]
+        return got == want, f'indices {got}' + ('' if got == want else f' != expected {want}')
 
     def _paged_setup(kv_lens, H=4, Hkv=2, D=32, S=4, num_blocks=16):
         """Random per-sequence K/V written through fill_kv_cache into shuffled blocks."""
@@ -301,11 +329,12 @@ def _self_tests(ops, dev, dtype):
         ks, vs, k_cache, v_cache, tables = _paged_setup(kv_lens, H=H, D=D)
         q = q64(randn(len(kv_lens), H, D))
         scale = 1 / math.sqrt(D)
-        out = ops.paged_decode_attention(on_dev(q), k_cache, v_cache, tables,
-                                         torch.tensor(kv_lens, dtype=torch.int32, device=dev), scale,
-                                         max(kv_lens))
+        lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
         ref = torch.stack([_attend_ref(q[b], ks[b], vs[b], scale, n) for b, n in enumerate(kv_lens)])
-        return _compare('paged_decode_attention', out, ref, dtype)
+        longest_first = torch.tensor([1, 0, 2], device=dev)  # a work-order hint: same results
+        return _all_ok(*(_compare('paged_decode_attention', ops.paged_decode_attention(
+            on_dev(q), k_cache, v_cache, tables, lens, scale, max(kv_lens), order), ref, dtype)
+                         for order in (None, longest_first)))
 
     def paged_prefill_attention():
         kv_lens, q_lens = [9, 4], [3, 4]  # the first continues a cached prefix (chunked prefill)
@@ -337,7 +366,7 @@ def _self_tests(ops, dev, dtype):
         return got == want, f'tokens {got}' + ('' if got == want else f' != expected {want}')
 
     return [('rms_norm', rms_norm), ('silu_and_mul', silu_and_mul), ('apply_rotary', apply_rotary),
-            ('paged_decode_attention', paged_decode_attention),
+            ('rotary_fill_kv', rotary_fill_kv), ('argmax', argmax), ('paged_decode_attention', paged_decode_attention),
             ('paged_prefill_attention', paged_prefill_attention), ('sample', sample)]
 
 

@@ -168,7 +168,8 @@ def test_check_env():
     out = r.stdout
     for label in ('Python', 'OS', 'torch', 'CUDA available', 'transformers', 'lmdeploy devices'):
         assert label in out
-    ops = ('rms_norm', 'silu_and_mul', 'apply_rotary', 'paged_decode_attention', 'paged_prefill_attention', 'sample')
+    ops = ('rms_norm', 'silu_and_mul', 'apply_rotary', 'rotary_fill_kv', 'argmax', 'paged_decode_attention',
+           'paged_prefill_attention', 'sample')
     for op in ops:
         assert re.search(rf'^\s*cpu\s+{op}\s+PASS\b', out, re.M), out
     assert 'FAIL' not in out
@@ -186,8 +187,14 @@ def test_check_env_self_test_catches_a_wrong_op():
             gate, up = x.chunk(2, dim=-1)
             return torch.sigmoid(gate) * up
 
+        def argmax(self, x):  # ties go to the last index instead of the first
+            return x.shape[-1] - 1 - x.flip(-1).argmax(dim=-1)
+
+        def rotary_fill_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+            return super().rotary_fill_kv(q, k, v.flip(0), cos, sin, k_cache, v_cache, slot_mapping)  # rows swapped
+
     results = {r.op: r.passed for r in run_self_tests('cpu', Broken())}
-    assert results['silu_and_mul'] is False
+    assert results['silu_and_mul'] is False and results['argmax'] is False and results['rotary_fill_kv'] is False
     assert results['rms_norm'] is True and results['paged_decode_attention'] is True
 
 
