@@ -4,9 +4,10 @@ Every step, running sequences go first (one token each when decoding, a
 chunk when their prompt is still being prefilled), then waiting ones are
 admitted while the batch, the prefill token budget and the free blocks
 allow. A step that prefills also carries every sequence ready to decode, and
-lists the one-token rows first (attention runs them as a decode batch). When a running sequence needs a block and none is free, the most
-recently admitted running sequence is preempted: its blocks are freed and it
-is recomputed later.
+lists the one-token rows first (attention runs them as a decode batch). When
+a running sequence needs a block and none is free, the most recently
+admitted running sequence is preempted: its blocks are freed and it is
+recomputed later.
 """
 from __future__ import annotations
 

@@ -220,10 +220,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
                                            q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                                            k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                                            part.stride(0), part.stride(1), part.stride(2) if splits > 1 else 0,
-                                           NUM_KV_HEADS=hkv, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                                           BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_N=block_n, BLOCK_D=block_d,
-                                           NUM_SPLITS=splits, ORDERED=order is not None, num_warps=4,
-                                           num_stages=stages, PDL=pdl.ON, **pdl.LAUNCH)
+                                           NUM_KV_HEADS=hkv, GROUP=group,
+                                           BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1],
+                                           HEAD_DIM=d, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=splits,
+                                           ORDERED=order is not None, num_warps=4, num_stages=stages, PDL=pdl.ON,
+                                           **pdl.LAUNCH)
     if splits > 1:
         _decode_reduce_kernel[(bsz, h)](part, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
                                         out.stride(1), HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_D=block_d,
