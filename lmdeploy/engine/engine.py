@@ -70,7 +70,9 @@ class _Sampled:
 
 class Engine:
 
-    def __init__(self, model_path: str, config: Optional[PytorchEngineConfig] = None):
+    def __init__(self, model_path: str, config: Optional[PytorchEngineConfig] = None,
+                 model_config: Optional[ModelConfig] = None):
+        """``model_config``: the checkpoint's config.json already read (else read here)."""
         self.config = config = config or PytorchEngineConfig()
         if config.quant_policy != 0:
             raise NotImplementedError(f'quant_policy={config.quant_policy} (KV cache int4/int8) is not '
@@ -79,7 +81,7 @@ class Engine:
             raise NotImplementedError(f'tp={config.tp}: tensor parallelism is not implemented yet; use tp=1')
         self.model_path = model_path
         self.device = get_device(config.device_type)
-        self.model_config: ModelConfig = load_model_config(model_path)
+        self.model_config: ModelConfig = model_config or load_model_config(model_path)
         self.dtype = self._pick_dtype()
         self.model = load_model(model_path, self.model_config, self.dtype, self.device.torch_device())
         self.block_size = config.block_size

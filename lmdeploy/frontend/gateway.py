@@ -118,9 +118,9 @@ class Gateway:
         self.model_path = model_path
         self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
         # a directory without config.json fails here with a clear message, not in the tokenizer
-        load_model_config(model_path)
+        model_config = load_model_config(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.engine = Engine(model_path, backend_config)
+        self.engine = Engine(model_path, backend_config, model_config)
         self.session_len = self.engine.session_len
         self.chat_template = get_chat_template(chat_template_config, self.tokenizer)
         self.eos_token_ids = self._eos_ids()
