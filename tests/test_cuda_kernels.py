@@ -311,3 +311,43 @@ def test_decode_split_counts():
     splits = {b: attention.num_decode_splits(b, 8, 8192, 132) for b in (1, 8, 32, 64, 128, 160, 256)}
     assert splits == {1: 32, 8: 8, 32: 8, 64: 4, 128: 2, 160: 1, 256: 1}
     assert attention.num_decode_splits(32, 8, 300, 132) == 1
+
+
+def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):
+    """A prefill step that carries decoding sequences (one-token rows first,
+    attended by the decode kernel in longest-first order; prompt rows by the
+    prefill kernel, one of them a chunk after a cached prefix) gives the cpu
+    reference's result for the whole batch attended as one prefill."""
+    from lmdeploy.devices import ops as dispatch
+    from lmdeploy.devices.cuda.ops import CudaOps
+    from lmdeploy.engine.nn import PagedAttention, StepContext
+    h, hkv, d, bs = 8, 2, 32, 16
+    kv_lens, q_lens = [37, 5, 90, 20, 30], [1, 1, 1, 20, 7]
+    dtype = DTYPES[-1]
+    k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, d, bs, dtype)
+    t = sum(q_lens)
+    q, k, v = (torch.randn(t, n, d, dtype=dtype, device=DEV) for n in (h, hkv, hkv))
+    angles = torch.rand(t, d // 2, device=DEV) * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rows = [(b, kv - ql + i) for b, (kv, ql) in enumerate(zip(kv_lens, q_lens)) for i in range(ql)]
+    tab = tables.cpu()
+    slots = torch.tensor([int(tab[b, p // bs]) * bs + p % bs for b, p in rows], device=DEV)
+    starts = torch.tensor([0] + q_lens[:-1]).cumsum(0)
+    layer = PagedAttention(0, h, hkv, d)
+
+    def run(on, num_decode, order=None):
+        as_ref = dict(device='cpu', dtype=torch.float32) if num_decode == 0 else dict(device=on)  # reference: fp32
+        kc, vc = k_cache.clone().to(**as_ref), v_cache.clone().to(**as_ref)
+        ctx = StepContext(is_decode=False, q_start_loc=starts.to(on), q_seqlens=torch.tensor(q_lens, device=on),
+                          kv_seqlens=torch.tensor(kv_lens, device=on), block_tables=tables.to(on),
+                          slot_mapping=slots.to(on), rope_lens=torch.ones(t, dtype=torch.int64, device=on),
+                          max_q_len=max(q_lens), max_kv_len=max(kv_lens), kv_caches=[(kc, vc)],
+                          num_decode=num_decode, decode_order=order)
+        return layer(q.to(**as_ref), k.to(**as_ref), v.to(**as_ref), cos.to(on), sin.to(on), ctx)
+
+    monkeypatch.setitem(dispatch._by_torch_type, 'cpu', get_device('cpu'))
+    ref = run('cpu', 0)  # every sequence through the reference prefill op
+    if not HAS_CUDA:  # the cuda device's kernels, interpreted, for tensors on the CPU
+        monkeypatch.setitem(dispatch._by_torch_type, 'cpu', CudaOps(num_sms=132))
+    out = run(DEV, 3, torch.tensor([2, 0, 1], device=DEV))
+    assert rel_err(out, ref) < tol(dtype) * 2

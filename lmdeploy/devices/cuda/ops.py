@@ -3,6 +3,8 @@ torch) for the GEMMs, torch-on-GPU for sampling (no host round trip per
 request), CUDA graphs for decode steps."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -18,11 +20,13 @@ class CudaOps(DeviceOps):
     # the reference's plain-torch sampling ops already run well on a GPU
     _torch = CpuOps()
 
-    def __init__(self):
+    def __init__(self, num_sms: Optional[int] = None):
+        """``num_sms``: the GPU's multiprocessor count (default: asked of the current GPU; tests that run the
+        kernels in Triton's interpreter pass one)."""
         from .kernels import activation, argmax, attention, kv_cache, linear, norm, rotary
         self._k_attention, self._k_kv, self._k_norm, self._k_linear = attention, kv_cache, norm, linear
         self._k_rotary, self._k_act, self._k_argmax = rotary, activation, argmax
-        self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self._num_sms = num_sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     @classmethod
     def is_available(cls) -> bool:
