@@ -232,15 +232,19 @@ def _self_tests(ops, dev, dtype):
     def q64(t):  # the exact values the device sees, in float64
         return t.to(dtype).to(torch.float64)
 
+    def _all_ok(*checks):
+        """(ok, detail) of several comparisons: the first failure's detail, else the first one's."""
+        bad = [c for c in checks if not c[0]]
+        return (False, bad[0][1]) if bad else (True, checks[0][1])
+
     def rms_norm():
         eps = 1e-6
         x, res, w = q64(randn(5, 64, scale=2)), q64(randn(5, 64)), q64(randn(64) + 1)
         out, h_out = ops.rms_norm(on_dev(x), on_dev(w), eps, on_dev(res))
         h = x + res
         ref = w * h / torch.sqrt((h * h).mean(-1, keepdim=True) + eps)
-        ok1, d1 = _compare('rms_norm', out, ref, dtype)
         ok2, d2 = _compare('rms_norm residual', h_out, h, dtype)
-        return ok1 and ok2, d1 if not ok1 or ok2 else f'residual: {d2}'
+        return _all_ok(_compare('rms_norm', out, ref, dtype), (ok2, f'residual: {d2}'))
 
     def silu_and_mul():
         x = q64(randn(7, 2 * 48))
@@ -261,11 +265,6 @@ def _self_tests(ops, dev, dtype):
             return torch.cat([z.real, z.imag], dim=-1)
 
         return q, k, cos, sin, ref
-
-    def _all_ok(*checks):
-        """(ok, detail) of several comparisons: the first failure's detail, else the first one's."""
-        bad = [c for c in checks if not c[0]]
-        return (False, bad[0][1]) if bad else (True, checks[0][1])
 
     def apply_rotary():
         q, k, cos, sin, ref = _rotary_setup()

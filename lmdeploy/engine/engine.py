@@ -435,15 +435,16 @@ class Engine:
         or outputs need the host are settled now."""
         seqs = [s for s, _ in done]
         last_hidden = self.runner.rows(hidden, [r for _, r in done])
+        settle_now = bool(extras) or any(needs_host_history(s) for s in seqs)
         logits = self.runner.logits(last_hidden)
-        if extras or not all(s.params.greedy and not needs_host_history(s) for s in seqs):
+        if settle_now or not all(s.params.greedy for s in seqs):
             logits = logits.float()  # sampling, penalties and logprobs work in float32; argmax needs not
         tokens = sample_tokens(logits, seqs)
         for i, seq in enumerate(seqs):
             seq.token_ids.append(-1 - i)
             seq.num_generated += 1
         sampled = _Sampled(seqs, tokens, self.device.to_host_async(tokens))
-        if extras or any(needs_host_history(s) for s in seqs):
+        if settle_now:
             self._resolve(sampled, logits, last_hidden, extras, token_logprobs(logits, tokens, seqs))
         else:
             self._inflight = sampled

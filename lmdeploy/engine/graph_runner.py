@@ -83,11 +83,8 @@ class GraphRunner:
         self.slots[:b].copy_(ctx.slot_mapping)
         self.slots[b:n].fill_(-1)
         self.rope_lens[:b].copy_(ctx.rope_lens)
-        if ctx.decode_order is not None:
-            self.order[:b].copy_(ctx.decode_order)
-        else:
-            self.order[:b].copy_(self.rows[:b])
-        self.order[b:n].copy_(self.rows[b:n])
+        self.order[:b].copy_(ctx.decode_order if ctx.decode_order is not None else self.rows[:b])
+        self.order[b:n].copy_(self.rows[b:n])  # padding rows (no context) last
         self.tables[:b, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
         replay, out = self._graph(n)
         replay()
