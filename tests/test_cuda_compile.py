@@ -32,8 +32,7 @@ def kernel_specs(cap: int):
     pdl = cap >= 90
     skinny = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_K=256, PDL=pdl)
     stages = dict(num_warps=4, num_stages=linear.pipeline_stages(smem))
-    decode = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, ORDERED=True,
-                  PDL=pdl)
+    decode = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, PDL=pdl)
     return [
         (norm._rms_norm_kernel, {}, {'eps': 'fp32'}, dict(HAS_RES=True, BLOCK=4096, PDL=pdl), dict(num_warps=4)),
         (linear._skinny_kernel, {}, {}, dict(skinny, BLOCK_N=64), stages),
@@ -49,14 +48,15 @@ def kernel_specs(cap: int):
                                      'kv_lens_ptr': 'i64'}, {'scale_log2': 'fp32'},
          dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128),
          dict(num_warps=4, num_stages=2)),
-    ] + [  # the small-batch tiles (many slices) and the large-batch ones
+    ] + [  # the small-batch tiles (no order below 16 sequences) and the large-batch ones
         (attention._decode_kernel, {'part_ptr': 'fp32', 'tables_ptr': 'i32', 'kv_lens_ptr': 'i64', 'order_ptr': 'i64'},
-         {'scale_log2': 'fp32'}, dict(decode, NUM_SPLITS=splits, BLOCK_N=block_n),
+         {'scale_log2': 'fp32'}, dict(decode, ORDERED=ordered, BLOCK_N=block_n),
          dict(num_warps=4, num_stages=stages))
-        for splits, (block_n, stages) in ((8, attention.decode_tiles(smem, 1)), (1, attention.decode_tiles(smem, 256)))
+        for ordered, (block_n, stages) in ((False, attention.decode_tiles(smem, 1)),
+                                           (True, attention.decode_tiles(smem, 256)))
     ] + [
-        (attention._decode_reduce_kernel, {'part_ptr': 'fp32'}, {}, dict(HEAD_DIM=128, NUM_SPLITS=8, BLOCK_D=128,
-                                                                         PDL=pdl), dict(num_warps=2)),
+        (attention._decode_reduce_kernel, {'part_ptr': 'fp32'}, {},
+         dict(HEAD_DIM=128, MAX_SPLITS=attention.MAX_DECODE_SPLITS, BLOCK_D=128, PDL=pdl), dict(num_warps=4)),
         (argmax._argmax_slices_kernel, {'x_ptr': 'fp32', 'val_ptr': 'fp32', 'idx_ptr': 'i32'}, {},
          dict(CHUNK=argmax.CHUNK, BLOCK=1024, PDL=pdl), dict(num_warps=4)),
         (argmax._argmax_merge_kernel, {'val_ptr': 'fp32', 'idx_ptr': 'i32', 'out_ptr': 'i64'}, {},
@@ -73,7 +73,7 @@ def compile_all(cap: int) -> dict:
     specs, act = kernel_specs(cap)
     results = {}
     for fn, ptrs, scalars, constexprs, options in specs:
-        label = fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items() if k in ('NUM_SPLITS', 'BLOCK_N'))
+        label = fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items() if k in ('ORDERED', 'BLOCK_N'))
         sig = {}
         for name in fn.arg_names:
             if name in constexprs:

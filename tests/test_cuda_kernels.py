@@ -304,6 +304,32 @@ def test_prefill_attention_compiles_once_for_any_batch_layout():
     assert variants() == before
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason='compiled variants exist on a GPU only')
+def test_decode_attention_compiles_once_for_any_slice_count():
+    """A prefill step's decode rows run eagerly, at slice counts that follow
+    the batch and its longest context: none may compile the decode kernels
+    again (a cold-cache H100 run lost ~4 s to that mid-run)."""
+    def variants():
+        return sum(len(c[0]) for k in (attention._decode_kernel, attention._decode_reduce_kernel)
+                   for c in k.device_caches.values())
+
+    splits, before = set(), None
+    for longest in (2100, 200, 600, 1100):  # 20 rows (ordered, small tiles): 8, 1, 2 and 4 slices
+        kv_lens = torch.randint(1, longest, (20, )).tolist()
+        kv_lens[0] = longest
+        k_cache, v_cache, tables, _ = make_paged(kv_lens, 2, 64, 16, torch.float16)
+        q = torch.randn(20, 8, 64, dtype=torch.float16, device=DEV)
+        lens = torch.tensor(kv_lens, device=DEV)
+        ref = REF.paged_decode_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(),
+                                         tables.cpu(), lens.cpu(), 0.125, longest)
+        out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, longest, 132,
+                                               torch.argsort(lens, descending=True))
+        assert rel_err(out, ref) < tol(torch.float16) * 2
+        splits.add(attention.num_decode_splits(20, 2, longest, 132))
+        before = variants() if before is None else before
+    assert splits == {1, 2, 4, 8} and variants() == before
+
+
 def test_decode_split_counts():
     """The measured choices on an H100 (132 SMs, 8 KV heads, graphs sized for
     8192 tokens): many slices for small batches, none from ~160 sequences;

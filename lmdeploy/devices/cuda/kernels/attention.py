@@ -14,6 +14,7 @@ from . import pdl
 from .limits import no_respecialising, shared_memory
 
 _LOG2E = 1.4426950408889634
+MAX_DECODE_SPLITS = 64  # batch 1 on an H100 cuts a long context into 64 slices (num_decode_splits)
 
 
 @triton.jit
@@ -93,12 +94,16 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
     return out
 
 
-@triton.jit(**no_respecialising(ints=['stride_bt'], pointers=['tables_ptr', 'kv_lens_ptr', 'order_ptr']))
+# The slice count and the partial buffer's strides vary with the batch and its longest context: as plain
+# integers they leave one compiled variant for every step (a prefill step's decode rows run eagerly, at
+# slice counts no captured graph compiled; compiling them mid-run stalled a cold-cache H100 run ~4 s).
+@triton.jit(**no_respecialising(ints=['stride_bt', 'stride_pb', 'stride_ph', 'stride_ps', 'num_splits'],
+                                pointers=['tables_ptr', 'kv_lens_ptr', 'order_ptr']))
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, order_ptr, scale_log2,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt, stride_pb,
-                   stride_ph, stride_ps, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
+                   stride_ph, stride_ps, num_splits, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
     """One program: the GROUP query heads sharing KV head ``kvh`` of
     sequence ``b``, over one slice of the context. Programs start in launch
     order, so with ``order`` the longest sequences' programs (all their
@@ -106,14 +111,14 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens
     them, instead of a long one starting late and finishing alone."""
     pdl.wait_then_release(PDL)
     pid = tl.program_id(0)
-    split = pid % NUM_SPLITS
-    kvh = (pid // NUM_SPLITS) % NUM_KV_HEADS
-    b = pid // (NUM_SPLITS * NUM_KV_HEADS)
+    split = pid % num_splits
+    kvh = (pid // num_splits) % NUM_KV_HEADS
+    b = pid // (num_splits * NUM_KV_HEADS)
     if ORDERED:
         b = tl.load(order_ptr + b)
     b = b.to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(kv_len, start + per_split)
     g = tl.arange(0, BLOCK_G)
@@ -132,7 +137,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens
         n_valid = offs_n < end
         m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, table, offs_n, n_valid, n_valid[None, :], kvh, offs_d,
                                      d_mask, m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch, BLOCK_SIZE)
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None] & d_mask[None, :])
@@ -145,22 +150,25 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens
         tl.store(base + HEAD_DIM, lse, mask=g_valid)
 
 
-@triton.jit
-def _decode_reduce_kernel(part_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
-                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+@triton.jit(**no_respecialising(ints=['stride_pb', 'stride_ph', 'num_splits']))
+def _decode_reduce_kernel(part_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh, num_splits,
+                          HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
                           PDL: tl.constexpr):
+    """Merge one head's slices (any count up to MAX_SPLITS, masked: one
+    compiled variant for every slice count) by their log-sum-exp."""
     pdl.wait_then_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
+    s = tl.arange(0, MAX_SPLITS)
+    s_valid = s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     base = part_ptr + b * stride_pb + h * stride_ph + s * stride_ps
-    lse = tl.load(base + HEAD_DIM)
+    lse = tl.load(base + HEAD_DIM, mask=s_valid, other=float('-inf'))
     top = tl.max(lse, axis=0)
     w = tl.where(lse > float('-inf'), tl.exp2(lse - top), 0.0)
     total = tl.sum(w, axis=0)
-    parts = tl.load(base[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    parts = tl.load(base[:, None] + offs_d[None, :], mask=s_valid[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(total, 1e-30)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -196,7 +204,7 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: i
     balanced = min(8, 1 << (fill.bit_length() - 1)) if fill else 1
     want = max((2 * num_sms) // programs, balanced)
     by_len = max(1, max_kv_len // 256)
-    return min(64, triton.next_power_of_2(max(1, min(want, by_len))))
+    return min(MAX_DECODE_SPLITS, triton.next_power_of_2(max(1, min(want, by_len))))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms: int = 132,
@@ -220,13 +228,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
                                            q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                                            k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                                            part.stride(0), part.stride(1), part.stride(2) if splits > 1 else 0,
-                                           NUM_KV_HEADS=hkv, GROUP=group,
+                                           splits, NUM_KV_HEADS=hkv, GROUP=group,
                                            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1],
-                                           HEAD_DIM=d, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=splits,
-                                           ORDERED=order is not None, num_warps=4, num_stages=stages, PDL=pdl.ON,
-                                           **pdl.LAUNCH)
+                                           HEAD_DIM=d, BLOCK_N=block_n, BLOCK_D=block_d, ORDERED=order is not None,
+                                           num_warps=4, num_stages=stages, PDL=pdl.ON, **pdl.LAUNCH)
     if splits > 1:
         _decode_reduce_kernel[(bsz, h)](part, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
-                                        out.stride(1), HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_D=block_d,
-                                        num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
+                                        out.stride(1), splits, HEAD_DIM=d, MAX_SPLITS=MAX_DECODE_SPLITS,
+                                        BLOCK_D=block_d, num_warps=4, PDL=pdl.ON, **pdl.LAUNCH)
     return out
