@@ -77,10 +77,10 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     x = stats.extra
     for phase in ('prefill', 'decode'):
         if x.get(f'{phase}_steps'):
-            print(f"  {phase}: {x[f'{phase}_steps']} steps, {x[f'{phase}_seconds']:.1f} s, "
-                  f"{1e3 * x[f'{phase}_seconds'] / x[f'{phase}_steps']:.1f} ms/step, "
-                  f"{x[f'{phase}_seqs'] / x[f'{phase}_steps']:.1f} seqs/step, "
-                  f"{x[f'{phase}_tokens'] / x[f'{phase}_steps']:.1f} tokens/step")
+            n, on_device = x[f'{phase}_steps'], x[f'{phase}_device_seconds']
+            print(f"  {phase}: {n} steps, {on_device:.1f} s on the device ({1e3 * on_device / n:.1f} ms/step; "
+                  f"host {x[f'{phase}_seconds']:.1f} s in the step calls), {x[f'{phase}_seqs'] / n:.1f} seqs/step, "
+                  f"{x[f'{phase}_tokens'] / n:.1f} tokens/step")
     return dict(engine='lmdeploy', device=device, load_s=load_s, elapsed_s=elapsed, output_tokens=generated,
                 kv_capacity_tokens=stats.num_blocks * stats.block_size, preemptions=stats.num_preemptions,
                 step_stats=x)
@@ -90,7 +90,8 @@ def timeline(engine, period: float, finished: threading.Event):
     """Every ``period`` seconds: steps run in the window, their time, and
     the sequences a decode step carried (where the run spends its steps)."""
     last, t0 = engine.stats().extra, time.perf_counter()
-    print('  timeline: t(s) | decode steps, ms/step, seqs/step | prefill steps, ms/step | running, waiting')
+    print('  timeline: t(s) | decode steps, device ms/step, seqs/step | prefill steps, device ms/step | '
+          'running, waiting')
     while not finished.wait(period):
         st, now = engine.stats(), time.perf_counter()
         x = st.extra
@@ -98,7 +99,7 @@ def timeline(engine, period: float, finished: threading.Event):
         line = f'  {now - t0:6.1f}'
         for phase in ('decode', 'prefill'):
             n = d.get(f'{phase}_steps', 0)
-            line += f' | {n:4d}, {1e3 * d.get(f"{phase}_seconds", 0) / max(n, 1):6.1f}'
+            line += f' | {n:4d}, {1e3 * d.get(f"{phase}_device_seconds", 0) / max(n, 1):6.1f}'
             if phase == 'decode':
                 line += f', {d.get("decode_seqs", 0) / max(n, 1):5.1f}'
         print(line + f' | {st.num_running}, {st.num_waiting}', flush=True)
@@ -206,7 +207,8 @@ def main():
     results = [report(run_lmdeploy(args, prompts, outs), prompts, outs)]
     if args.compare_hf:
         results.append(report(run_hf(args, prompts, outs), prompts, outs))
-        print(f"speedup over transformers: {results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x")
+        speedup = results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']
+        print(f'speedup over transformers: {speedup:.2f}x')
     if args.json:
         with open(args.json, 'w') as f:
             json.dump(results, f, indent=2)

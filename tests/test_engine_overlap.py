@@ -127,3 +127,44 @@ def test_prefill_steps_carry_the_decoding_sequences(tiny_model_factory):
     mixed = [s for s in steps if 1 in s and any(n > 1 for n in s)]
     assert mixed, steps
     assert all(s == sorted(s, key=lambda n: n != 1) for s in mixed)  # one-token rows lead
+
+
+def test_step_statistics_take_device_time_from_marks(engine, prompts):
+    """The host runs a step ahead of the device, so its clock puts one
+    step's wait into the next; steps are timed between marks in the
+    device's queue instead. A mark the device has not reached yet is
+    counted later, without waiting for it."""
+    spans = {}  # start mark -> device seconds of the step, once reached
+    reached = [True]
+    ids = iter(range(10**6))
+
+    def timestamp():
+        return next(ids)
+
+    def seconds_between(start, end):
+        if not reached[0]:
+            return None
+        return spans.setdefault(start, random.uniform(0.01, 0.02) * (end - start))
+
+    engine.device.timestamp, engine.device.seconds_between = timestamp, seconds_between
+    try:
+        submit(engine, prompts[0], SamplingParams(max_new_tokens=NEW)).wait()
+        first = engine.stats().extra
+        steps = first['prefill_steps'] + first['decode_steps']
+        assert steps >= NEW and len(spans) == steps
+        for phase in ('prefill', 'decode'):
+            assert first[f'{phase}_device_seconds'] > 0
+        assert first['prefill_device_seconds'] + first['decode_device_seconds'] == pytest.approx(sum(spans.values()))
+
+        reached[0] = False  # the device falls behind: nothing is counted, nothing waits
+        submit(engine, prompts[1], SamplingParams(max_new_tokens=NEW)).wait()
+        behind = engine.stats().extra
+        assert behind['decode_steps'] > first['decode_steps']
+        assert behind['decode_device_seconds'] == first['decode_device_seconds']
+        reached[0] = True
+        caught_up = engine.stats().extra
+        assert len(spans) == caught_up['prefill_steps'] + caught_up['decode_steps']
+        assert caught_up['prefill_device_seconds'] + caught_up['decode_device_seconds'] == pytest.approx(
+            sum(spans.values()))
+    finally:
+        del engine.device.timestamp, engine.device.seconds_between

@@ -17,6 +17,7 @@ Paged KV cache: ``k_cache`` and ``v_cache`` of one layer are
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -50,6 +51,18 @@ class DeviceOps:
         Lets the host prepare the next step while this one still runs."""
         host = t.cpu()
         return lambda: host
+
+    def timestamp(self) -> Any:
+        """A mark in the device's queue, reached once the work queued before
+        it is done (to time steps on the device, not on the host, which runs
+        ahead of it). Ops of this default run as they are called, so the host
+        clock serves."""
+        return time.perf_counter()
+
+    def seconds_between(self, start: Any, end: Any) -> Optional[float]:
+        """Device seconds from mark ``start`` to mark ``end``, or None while
+        the device has not reached ``end`` (never waits)."""
+        return end - start
 
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
         """dtype used for dtype='auto' given the checkpoint's dtype."""

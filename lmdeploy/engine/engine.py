@@ -13,8 +13,9 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -108,8 +109,11 @@ class Engine:
         self._active: Dict[int, Sequence] = {}  # session_id -> waiting/running sequence
         self._next_seq_id = 0
         self._num_generated = 0
-        # per phase ('prefill' | 'decode'): steps, sequences, tokens, seconds
-        self._step_stats = {p: [0, 0, 0, 0.0] for p in ('prefill', 'decode')}
+        # per phase ('prefill': any step with prompt rows, 'decode'): steps, sequences, tokens, host seconds
+        # in the step call, device seconds (from the device's marks: host time includes waiting for the
+        # step before, as the host runs a step ahead)
+        self._step_stats = {p: [0, 0, 0, 0.0, 0.0] for p in ('prefill', 'decode')}
+        self._step_marks: Deque[Tuple[list, Any, Any]] = deque()  # (phase stats, start, end) not yet timed
         self._stopping = False
         # the step whose sampled tokens are not read back yet: the next step is
         # launched first, so the host's bookkeeping overlaps the device's work
@@ -171,6 +175,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._lock:
+            self._time_steps()
             s = self.scheduler
             return EngineStats(num_blocks=self.num_blocks, block_size=self.block_size,
                                num_free_blocks=self.block_manager.num_free, num_running=len(s.running),
@@ -179,7 +184,7 @@ class Engine:
                                num_prefix_hit_tokens=self.block_manager.num_prefix_hits,
                                num_generated_tokens=self._num_generated,
                                extra={f'{p}_{k}': v for p, vals in self._step_stats.items()
-                                      for k, v in zip(('steps', 'seqs', 'tokens', 'seconds'), vals)})
+                                      for k, v in zip(('steps', 'seqs', 'tokens', 'seconds', 'device_seconds'), vals)})
 
     def check_invariants(self):
         """Assert that every KV block is free or owned, counts consistent."""
@@ -254,6 +259,7 @@ class Engine:
     def _run_step(self, batch: ScheduledBatch):
         stats = self._step_stats['decode' if batch.is_decode else 'prefill']
         start = time.perf_counter()
+        mark = self.device.timestamp()
         prev = self._inflight
         try:
             with torch.inference_mode():
@@ -270,6 +276,18 @@ class Engine:
         stats[1] += len(batch.seqs)
         stats[2] += sum(batch.num_new_tokens)
         stats[3] += time.perf_counter() - start
+        self._step_marks.append((stats, mark, self.device.timestamp()))
+        self._time_steps()
+
+    def _time_steps(self):
+        """Add the device time of the steps the device has finished."""
+        while self._step_marks:
+            stats, start, end = self._step_marks[0]
+            seconds = self.device.seconds_between(start, end)
+            if seconds is None:
+                break
+            stats[4] += seconds
+            self._step_marks.popleft()
 
     # ------------------------------------------------------------- commands
     def _on_add(self, req: EngineRequest):

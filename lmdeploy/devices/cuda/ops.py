@@ -57,6 +57,14 @@ class CudaOps(DeviceOps):
             return host
         return wait
 
+    def timestamp(self):
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def seconds_between(self, start, end):
+        return start.elapsed_time(end) / 1e3 if end.query() else None
+
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
         if config_dtype == torch.float32 or (config_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported()):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
