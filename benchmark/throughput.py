@@ -39,10 +39,13 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     cfg = PytorchEngineConfig(device_type=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                               enable_prefix_caching=args.prefix_caching, eager_mode=args.eager,
                               cache_max_entry_count=args.cache_max_entry_count,
-                              max_prefill_token_num=args.max_prefill_token_num)
+                              max_prefill_token_num=args.max_prefill_token_num,
+                              prefill_interval=args.prefill_interval)
     t0 = time.perf_counter()
     pipe = pipeline(args.model, backend_config=cfg)
     load_s = time.perf_counter() - t0
+    if args.refill_slots:
+        pipe.engine.scheduler.refill_slots = args.refill_slots
     gens = [GenerationConfig(max_new_tokens=o, ignore_eos=True) for o in outs]
     if args.warmup:
         pipe(prompts[:2], gens[:2])
@@ -186,6 +189,10 @@ def main():
     p.add_argument('--max-prefill-token-num', type=int, default=8192)
     p.add_argument('--cache-max-entry-count', type=float, default=0.8)
     p.add_argument('--prefix-caching', action='store_true')
+    p.add_argument('--prefill-interval', type=int, default=16,
+                   help='graph devices: at most this many decode steps between prefill steps')
+    p.add_argument('--refill-slots', type=int, default=0,
+                   help='graph devices: free batch slots that call for a prefill step (default: 1/8 of the batch)')
     p.add_argument('--eager', action='store_true')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--warmup', action='store_true')

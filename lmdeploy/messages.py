@@ -126,8 +126,9 @@ class PytorchEngineConfig:
     eager_mode: bool = False
     quant_policy: int = 0
     cpu_kv_cache_cap_gb: float = 4.0
-    # with graph replay, prefill steps are kept apart from decode steps and,
-    # unless an eighth of the batch is free, run at most every this many steps
+    # with graph replay, decode steps run alone (replayed) and a prefill step
+    # (which carries the decoding sequences too) comes when an eighth of the
+    # batch is free, or at most every this many decode steps
     prefill_interval: int = 16
     # accepted for LMDeploy compatibility; no effect here
     num_cpu_blocks: int = 0

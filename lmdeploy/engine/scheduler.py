@@ -43,6 +43,7 @@ class Scheduler:
         # free, or at most every ``prefill_interval`` decode steps while it is full
         self.mix = mix_prefill_decode
         self.prefill_interval = prefill_interval
+        self.refill_slots = max(1, max_batch_size // 8)  # free slots that call for a prefill step
         self._decode_steps = 0
         self.on_too_long = on_too_long  # finishes a sequence that can never fit
         self.waiting: Deque[Sequence] = deque()
@@ -121,7 +122,7 @@ class Scheduler:
         # refill when a good share of the batch is free, or every prefill_interval steps
         free_slots = self.max_batch_size - len(self.running)
         if prefilling or (self.waiting and (decoding == 0 or self._decode_steps >= self.prefill_interval
-                                            or free_slots >= max(1, self.max_batch_size // 8))):
+                                            or free_slots >= self.refill_slots)):
             return 'prefill'
         return 'decode'
 

@@ -1,0 +1,66 @@
+"""When a graph device's scheduler refills the batch: decode steps run alone
+(they replay recorded graphs), and a prefill step, which carries every
+decoding sequence along (one-token rows first), comes once ``refill_slots``
+slots are free or after ``prefill_interval`` decode steps."""
+import random
+
+from lmdeploy.engine.block_manager import BlockManager
+from lmdeploy.engine.scheduler import Scheduler
+from lmdeploy.engine.sequence import SamplingParams, Sequence
+
+
+def make(max_batch_size, waiting, prefill_interval=1000):
+    sched = Scheduler(BlockManager(4096, 16), max_batch_size, 4096, lambda seq, why: None, mix_prefill_decode=False,
+                      prefill_interval=prefill_interval)
+    rng = random.Random()
+    for i in range(waiting):
+        prompt = [rng.randrange(10, 1000) for _ in range(rng.randint(2, 40))]
+        sched.add(Sequence(i, i, prompt, SamplingParams(max_new_tokens=10**6), lambda out: None, 10**6))
+    return sched
+
+
+def step(sched):
+    """Schedule, then run the batch as the engine would (a token sampled, at once known)."""
+    batch = sched.schedule()
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed += n
+        if seq.num_pending == 0:
+            seq.token_ids.append(7)
+            seq.num_generated += 1
+    return batch
+
+
+def finish(sched, n):
+    for seq in sched.running[:n]:
+        sched.remove(seq)
+
+
+def test_refill_waits_for_enough_free_slots_then_carries_the_decoding_sequences():
+    sched = make(16, 40)
+    assert sched.refill_slots == 2  # an eighth of the batch
+    first = step(sched)
+    assert len(first.seqs) == 16 and not first.is_decode
+    for _ in range(3):
+        assert step(sched).is_decode
+    finish(sched, 1)
+    assert step(sched).is_decode  # one free slot: not yet
+    finish(sched, 1)
+    refill = step(sched)  # two free: the waiting fill them, the 14 decoding ride along, first
+    assert refill.num_new_tokens[:14] == [1] * 14 and all(n > 1 for n in refill.num_new_tokens[14:])
+    assert len(refill.seqs) == 16
+    sched.refill_slots = 1
+    assert step(sched).is_decode
+    finish(sched, 1)
+    assert not step(sched).is_decode
+
+
+def test_a_full_batch_still_admits_after_prefill_interval_steps():
+    sched = make(16, 40, prefill_interval=4)
+    step(sched)
+    for _ in range(4):
+        assert step(sched).is_decode
+    # the batch is full: the prefill step admits nobody and runs as a plain decode step
+    assert step(sched).is_decode and len(sched.running) == 16
+    finish(sched, 1)
+    refill = step(sched)  # the interval has passed: one free slot is enough
+    assert not refill.is_decode and refill.num_new_tokens[:15] == [1] * 15
