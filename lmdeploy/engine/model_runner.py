@@ -144,10 +144,10 @@ def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: Device
               for _ in range(cfg.num_layers)]
     positions = torch.arange(num_tokens, device=dev)
     ids = torch.arange(num_tokens, device=dev) % cfg.vocab_size
-    ctx = StepContext(is_decode=False, q_start_loc=torch.zeros(1, dtype=torch.int64, device=dev),
-                      q_seqlens=torch.tensor([num_tokens], device=dev), kv_seqlens=torch.tensor([num_tokens],
-                                                                                                device=dev),
-                      block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None], slot_mapping=positions,
+    lens = torch.tensor([num_tokens], device=dev)
+    table = torch.arange(num_blocks, dtype=torch.int32, device=dev)[None]
+    ctx = StepContext(is_decode=False, q_start_loc=torch.zeros(1, dtype=torch.int64, device=dev), q_seqlens=lens,
+                      kv_seqlens=lens.clone(), block_tables=table, slot_mapping=positions,
                       rope_lens=torch.full((num_tokens, ), num_tokens, device=dev), max_q_len=num_tokens,
                       max_kv_len=num_tokens, kv_caches=caches)
     hidden = model(ids, positions, ctx)
