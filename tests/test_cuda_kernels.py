@@ -377,3 +377,15 @@ def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):
         monkeypatch.setitem(dispatch._by_torch_type, 'cpu', CudaOps(num_sms=132))
     out = run(DEV, 3, torch.tensor([2, 0, 1], device=DEV))
     assert rel_err(out, ref) < tol(dtype) * 2
+
+
+def test_gemm_sweep_kernel_matches_torch():
+    """benchmark/gemm_sweep.py's candidate GEMM (tiles, split-K with atomics)
+    gives x @ w.T, so its timings compare like with like."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmark', 'gemm_sweep.py')
+    spec = importlib.util.spec_from_file_location('gemm_sweep', path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    cfgs = [(16, 32, 32, 2, 4, 1), (32, 16, 32, 2, 4, 2), (16, 16, 16, 2, 4, 4)]
+    assert sweep.check(DEV, DTYPES[-1], [(5, 40, 100), (33, 17, 64)], cfgs)
