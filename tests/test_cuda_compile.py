@@ -74,16 +74,22 @@ def compile_all(cap: int) -> dict:
     results = {}
     for fn, ptrs, scalars, constexprs, options in specs:
         label = fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items() if k in ('ORDERED', 'BLOCK_N'))
-        sig = {}
-        for name in fn.arg_names:
+        sig, aligned = {}, {}
+        for i, param in enumerate(fn.params):
+            name = param.name
             if name in constexprs:
                 sig[name] = 'constexpr'
             elif name.endswith('_ptr'):
                 sig[name] = '*' + ptrs.get(name, act)
+                aligned[(i, )] = not getattr(param, 'do_not_specialize_on_alignment', False)
             else:
                 sig[name] = scalars.get(name, 'i32')
+                aligned[(i, )] = sig[name] == 'i32' and not param.do_not_specialize
+        # every argument Triton may specialise as 16-aligned (or a multiple of 16) taken as such: loads then
+        # vectorise and the loops pipeline through shared memory, the most a kernel can ask for
+        attrs = {key: [['tt.divisibility', 16]] for key, on in aligned.items() if on}
         try:
-            kernel = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget('cuda', cap, 32),
+            kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs=attrs), target=GPUTarget('cuda', cap, 32),
                                     options=options)
             results[label] = kernel.metadata.shared
         except Exception as e:  # reported by the test, with the kernel's name
