@@ -364,9 +364,17 @@ def test_client_disconnect_cancels_and_frees_blocks(srv, http):
     assert_clean(srv)
 
 
+def gone_responses(srv) -> float:
+    text = httpx.get(srv.url + '/metrics').text
+    return sum(float(line.rsplit(' ', 1)[1]) for line in text.splitlines()
+               if line.startswith('lmdeploy_http_errors_total{') and 'status="499"' in line)
+
+
 def test_disconnect_while_not_streaming(srv):
-    """A non-streaming request whose client goes away is cancelled too."""
+    """A non-streaming request whose client goes away is cancelled too, and
+    counted as a 499 (client closed request)."""
     engine = srv.engine
+    gone_before = gone_responses(srv)
     body = json.dumps(dict(model=MODEL, messages='Tell me a very long story.', max_tokens=800, ignore_eos=True))
     host, port = srv.url.rsplit('//', 1)[1].split(':')
     with socket.create_connection((host, int(port))) as s:
@@ -380,6 +388,9 @@ def test_disconnect_while_not_streaming(srv):
     while engine.stats().num_running and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.stats().num_running == 0
+    while gone_responses(srv) == gone_before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gone_responses(srv) == gone_before + 1
     assert_clean(srv)
 
 

@@ -37,7 +37,7 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from fastapi import FastAPI, Request, Security
 from fastapi.middleware.cors import CORSMiddleware
@@ -47,14 +47,14 @@ from fastapi.security import HTTPBearer
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig, TurbomindEngineConfig
 
 from . import protocol as P
-from .errors import _CLIENT_GONE, APIError, _ClientGone, error_body, error_response, install_error_handlers
+from .errors import APIError, error_body, error_response, install_error_handlers
 from .guard import DEFAULT_MAX_BODY_BYTES, _GuardMiddleware
 from .jobs import _SSE_HEADERS, _accumulate, _Job, _race, _raise_early_failure, _Result, _Run, _sse, _StreamResponse
 from .metrics import CONTENT_TYPE_LATEST
 from .params import (MAX_PROMPTS, _chat_logprobs, _check_ids, _check_model, _check_unsupported,
                      _completion_logprobs, _encode, _finite, _gen_config, _max_new_tokens, _messages, _TokenText,
                      _usage)
-from .sessions import _begin_session, _end_lease
+from .sessions import _Lease
 from .state import ServerState
 
 logger = logging.getLogger('lmdeploy.serve')
@@ -144,6 +144,35 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         finally:
             run.close()
 
+    async def start(request: Request, endpoint: str, lease: _Lease, jobs: List[_Job]) -> Tuple[_Run, List]:
+        """run_jobs under a lease: jobs that cannot start end it as failed."""
+        try:
+            return await run_jobs(request, endpoint, jobs)
+        except BaseException:
+            lease.end(failed=True)
+            raise
+
+    async def collect(request: Request, run: _Run, firsts, lease: _Lease) -> List[_Result]:
+        """Everything a non-streaming request generates; its lease ends with it."""
+        failed = True
+        try:
+            results = await finish_jobs(request, run, firsts)
+            failed = any(r.finish_reason == 'error' for r in results)
+        finally:
+            lease.end(failed)
+        for r in results:
+            if r.finish_reason == 'error':
+                raise APIError(500, f'generation failed: {r.error}', 'internal_error')
+        return results
+
+    def stream(body, run: _Run, lease: _Lease, completed: Callable[[], bool], **kw) -> _StreamResponse:
+        """A streamed response; closing it (at its end, or when the client goes)
+        stops the jobs and ends the lease, as failed unless ``completed()``."""
+        def on_close():
+            run.close()
+            lease.end(failed=not completed())
+        return _StreamResponse(body, on_close, **kw)
+
     def log_request(rid: str, kind: str, prompt, ids: List[int], gen: GenerationConfig):
         if logger.isEnabledFor(logging.INFO):
             text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
@@ -171,30 +200,14 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         gen = _gen_config(state, req, max_new, top_n if req.logprobs else None)
         rid = f'chatcmpl-{uuid.uuid4().hex}'
         log_request(rid, 'chat', messages, ids, gen)
-        client_id, sess = _begin_session(state, req.session_id, exclusive=True)
-        failed = True
-        try:
-            job = _Job(0, ids, gen, sess.internal_id, stream=bool(req.stream))
-            run, firsts = await run_jobs(request, 'chat', [job])
-            failed = False
-        except _ClientGone:
-            return Response(status_code=_CLIENT_GONE)
-        finally:
-            if failed:
-                _end_lease(state, client_id, sess, keep=False, failed=True)
+        lease = _Lease(state, req.session_id, exclusive=True)
+        run, firsts = await start(request, 'chat', lease, [_Job(0, ids, gen, lease.internal_id,
+                                                                 stream=bool(req.stream))])
         created = int(time.time())
         tt = token_text()
 
         if not req.stream:
-            try:
-                results = await finish_jobs(request, run, firsts)
-            except _ClientGone:
-                return Response(status_code=_CLIENT_GONE)
-            finally:
-                _end_lease(state, client_id, sess, keep=False, failed=False)
-            r = results[0]
-            if r.finish_reason == 'error':
-                raise APIError(500, f'generation failed: {r.error}', 'internal_error')
+            r = (await collect(request, run, firsts, lease))[0]
             logprobs = _chat_logprobs(tt, r.token_ids, r.logprobs, top_n) if req.logprobs else None
             return P.ChatCompletionResponse(
                 id=rid, created=created, model=state.model_name,
@@ -226,11 +239,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                                                           choices=[], usage=_usage(r.input_tokens, r.generated)))
             yield 'data: [DONE]\n\n'
 
-        def on_close():
-            run.close()
-            _end_lease(state, client_id, sess, keep=False, failed=False)
-
-        return _StreamResponse(events(), on_close, media_type='text/event-stream', headers=_SSE_HEADERS)
+        return stream(events(), run, lease, lambda: True, media_type='text/event-stream', headers=_SSE_HEADERS)
 
     # ------------------------------------------------------------ completions
     @app.post('/v1/completions', response_model=P.CompletionResponse, dependencies=auth,
@@ -263,32 +272,16 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         rid = f'cmpl-{uuid.uuid4().hex}'
         for p, ids, gen in zip(prompts, all_ids, gens):
             log_request(rid, 'completion', p if isinstance(p, str) else str(p), ids, gen)
-        client_id, sess = _begin_session(state, req.session_id, exclusive=True)
-        internal = [sess.internal_id] + [state.gateway.next_session_id() for _ in prompts[1:]]
-        failed = True
-        try:
-            run, firsts = await run_jobs(request, 'completions', [
-                _Job(i, ids, gen, sid, stream=bool(req.stream))
-                for i, (ids, gen, sid) in enumerate(zip(all_ids, gens, internal))])
-            failed = False
-        except _ClientGone:
-            return Response(status_code=_CLIENT_GONE)
-        finally:
-            if failed:
-                _end_lease(state, client_id, sess, keep=False, failed=True)
+        lease = _Lease(state, req.session_id, exclusive=True)
+        internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in prompts[1:]]
+        run, firsts = await start(request, 'completions', lease, [
+            _Job(i, ids, gen, sid, stream=bool(req.stream))
+            for i, (ids, gen, sid) in enumerate(zip(all_ids, gens, internal))])
         created = int(time.time())
         tt = token_text()
 
         if not req.stream:
-            try:
-                results = await finish_jobs(request, run, firsts)
-            except _ClientGone:
-                return Response(status_code=_CLIENT_GONE)
-            finally:
-                _end_lease(state, client_id, sess, keep=False, failed=False)
-            for r in results:
-                if r.finish_reason == 'error':
-                    raise APIError(500, f'generation failed: {r.error}', 'internal_error')
+            results = await collect(request, run, firsts, lease)
             choices = [P.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
                                           logprobs=(_completion_logprobs(tt, r.token_ids, r.logprobs, top_n)
                                                     if top_n is not None else None))
@@ -322,11 +315,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                                                              sum(r.generated for r in results))))
             yield 'data: [DONE]\n\n'
 
-        def on_close():
-            run.close()
-            _end_lease(state, client_id, sess, keep=False, failed=False)
-
-        return _StreamResponse(events(), on_close, media_type='text/event-stream', headers=_SSE_HEADERS)
+        return stream(events(), run, lease, lambda: True, media_type='text/event-stream', headers=_SSE_HEADERS)
 
     # --------------------------------------------------------------- generate
     @app.post('/generate', response_model=P.GenerateResponse, dependencies=auth,
@@ -365,18 +354,10 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         gen = _gen_config(state, req, max_new, req.logprobs)
         rid = f'generate-{uuid.uuid4().hex}'
         log_request(rid, 'generate', prompt_for_log, ids, gen)
-        client_id, sess = _begin_session(state, client_id)
-        keep = req.interactive_mode
-        job = _Job(0, ids, gen, sess.internal_id, interactive=keep, stream=req.stream)
-        outcome = {'failed': True}
-        try:
-            run, firsts = await run_jobs(request, 'generate', [job])
-            outcome['failed'] = False
-        except _ClientGone:
-            return Response(status_code=_CLIENT_GONE)
-        finally:
-            if outcome['failed']:
-                _end_lease(state, client_id, sess, keep=keep, failed=True)
+        lease = _Lease(state, client_id, keep=req.interactive_mode)
+        client_id = lease.client_id
+        run, firsts = await start(request, 'generate', lease, [
+            _Job(0, ids, gen, lease.internal_id, interactive=req.interactive_mode, stream=req.stream)])
 
         def response(r_text, tokens, input_tokens, finish_reason, token_ids, logprobs):
             return P.GenerateResponse(
@@ -386,18 +367,10 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                                                      for lp in logprobs] if req.logprobs is not None else None)
 
         if not req.stream:
-            failed = True
-            try:
-                results = await finish_jobs(request, run, firsts)
-                r = results[0]
-                failed = r.finish_reason == 'error'
-            except _ClientGone:
-                return Response(status_code=_CLIENT_GONE)
-            finally:
-                _end_lease(state, client_id, sess, keep=keep, failed=failed)
-            if r.finish_reason == 'error':
-                raise APIError(500, f'generation failed: {r.error}', 'internal_error')
+            r = (await collect(request, run, firsts, lease))[0]
             return response(r.text, r.generated, r.input_tokens, r.finish_reason, r.token_ids, r.logprobs)
+
+        completed = []
 
         async def lines():
             async for _, out in run.iterate(firsts):
@@ -406,15 +379,10 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                     return
                 yield response(out.text, out.generate_token_len, out.input_token_len, out.finish_reason,
                                out.token_ids, out.logprobs or []).model_dump_json() + '\n'
-            outcome['failed'] = False
+            completed.append(True)
 
-        def on_close():
-            run.close()
-            _end_lease(state, client_id, sess, keep=keep, failed=outcome['failed'])
-
-        # a stream that does not reach its end (client gone, error) ends the session
-        outcome['failed'] = True
-        return _StreamResponse(lines(), on_close, media_type='application/x-ndjson')
+        # a stream that does not reach its end (client gone, error) ends an interactive session
+        return stream(lines(), run, lease, lambda: bool(completed), media_type='application/x-ndjson')
 
     # ------------------------------------------------------------ middleware
     app.add_middleware(_GuardMiddleware, state=state, max_body_bytes=max_body_bytes)

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger('lmdeploy.serve')
@@ -103,6 +103,10 @@ def install_error_handlers(app: FastAPI):
             msg = str(exc.detail)
         return error_response(exc.status_code, msg, {404: 'not_found', 405: 'method_not_allowed'}.get(
             exc.status_code), headers=getattr(exc, 'headers', None))
+
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(request: Request, exc: _ClientGone):
+        return Response(status_code=_CLIENT_GONE)  # nobody reads it; logged and counted
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):

@@ -63,3 +63,24 @@ def _end_lease(state: ServerState, client_id: Optional[int], sess: _Session, kee
         state.gateway.end_session(sess.internal_id)
     if client_id is not None and state.sessions.by_client.get(client_id) is sess:
         del state.sessions.by_client[client_id]
+
+
+class _Lease:
+    """One request's hold on an engine session (``_begin_session``), ended
+    exactly once: an interactive session is kept for its next turn only if
+    the request did not fail."""
+
+    def __init__(self, state: ServerState, client_id: Optional[int], exclusive: bool = False, keep: bool = False):
+        self.state = state
+        self.client_id, self.session = _begin_session(state, client_id, exclusive)
+        self.keep = keep
+        self._ended = False
+
+    @property
+    def internal_id(self) -> int:
+        return self.session.internal_id
+
+    def end(self, failed: bool):
+        if not self._ended:
+            self._ended = True
+            _end_lease(self.state, self.client_id, self.session, self.keep, failed)
