@@ -402,13 +402,14 @@ class Engine:
         row in ``hidden`` and (sequence, last row) for those ready to sample."""
         starts, done = [], []
         row = 0
+        keyed = self.block_manager.prefix_caching
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             starts.append(row)
             seq.num_computed += n
-            # only known tokens are keyed (a block holding a token in flight is keyed next step)
-            self.block_manager.register_full_blocks(seq.token_ids, min(seq.num_computed, seq.num_resolved),
-                                                    seq.block_ids, seq.block_keys)
-            if seq.num_pending == 0:
+            if keyed:  # only known tokens are keyed (a block holding a token in flight is keyed next step)
+                self.block_manager.register_full_blocks(seq.token_ids, min(seq.num_computed, seq.num_resolved),
+                                                        seq.block_ids, seq.block_keys)
+            if seq.num_computed == len(seq.token_ids):
                 done.append((seq, row + n - 1))
             row += n
         return starts, done
@@ -453,9 +454,10 @@ class Engine:
         or outputs need the host are settled now."""
         seqs = [s for s, _ in done]
         last_hidden = self.runner.rows(hidden, [r for _, r in done])
-        settle_now = bool(extras) or any(needs_host_history(s) for s in seqs)
+        plain = all(s.params.plain_greedy for s in seqs)
+        settle_now = bool(extras) or (not plain and any(needs_host_history(s) for s in seqs))
         logits = self.runner.logits(last_hidden)
-        if settle_now or not all(s.params.greedy for s in seqs):
+        if settle_now or not plain:
             logits = logits.float()  # sampling, penalties and logprobs work in float32; argmax needs not
         tokens = sample_tokens(logits, seqs)
         for i, seq in enumerate(seqs):
@@ -480,11 +482,15 @@ class Engine:
         """Put the sampled tokens in place of their placeholders, then stop,
         finish or report each sequence."""
         tokens = sampled.read().tolist()
+        plain = logits is None and not extras  # nothing but token ids to report
         for i, (seq, token) in enumerate(zip(sampled.seqs, tokens)):
             if seq.token_ids[-1:] != [-1 - i] or seq.status == SeqStatus.FINISHED:
                 continue  # the request ended while its token was in flight
             seq.token_ids[-1] = token
             self._num_generated += 1
+            if plain and seq.held is not None and token not in seq.params.stop_token_ids and not seq.sampling_done:
+                seq.held.new_token_ids.append(token)  # a held (non-streaming) output grows by one token
+                continue
             out = self._with_extra(EngineOutput([]), extras.get(seq.seq_id) if extras else None)
             p = seq.params
             # a stop token is not reported (no id, no logprobs), so neither is its row: logits and

@@ -11,7 +11,7 @@ from .graph_runner import GraphRunner
 from .model_config import ModelConfig
 from .nn import StepContext
 from .scheduler import ScheduledBatch
-from .transfer import tensor_on, to_device
+from .transfer import int64_tensor, tensor_on, to_device
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -54,17 +54,20 @@ class ModelRunner:
         (the sampled tokens of the step still in flight) on the device."""
         seqs, counts = batch.seqs, batch.num_new_tokens
         bsz, bs = len(seqs), self.block_size
-        tokens: List[int] = []
-        for seq, n in zip(seqs, counts):
-            start = seq.num_computed
-            tokens.extend(seq.token_ids[start:start + n])
+        if batch.is_decode:
+            tokens = [seq.token_ids[seq.num_computed] for seq in seqs]
+        else:
+            tokens: List[int] = []
+            for seq, n in zip(seqs, counts):
+                start = seq.num_computed
+                tokens.extend(seq.token_ids[start:start + n])
         num_tokens = len(tokens)
         flat, n_prev = list(tokens), 0
         if prev_tokens is not None:
             src = [-1 - t if t < 0 else -1 for t in tokens]  # row in prev_tokens, or -1
             n_prev = num_tokens - src.count(-1)
             if n_prev:
-                flat = [max(t, 0) for t in tokens] + src
+                flat = [t if t >= 0 else 0 for t in tokens] + src
         starts = [seq.num_computed for seq in seqs]
         if batch.is_decode:
             flat += starts  # positions
@@ -83,8 +86,7 @@ class ModelRunner:
         for seq in seqs:
             flat += seq.block_ids
             flat += [0] * (width - len(seq.block_ids))
-        host = torch.tensor(flat, dtype=torch.int64)
-        dev = to_device(host, self.torch_device)
+        dev = to_device(int64_tensor(flat), self.torch_device)
         fields = [num_tokens] * (2 if n_prev else 1)
         fields += [bsz] * (5 if batch.is_decode else 2) + [num_decode, bsz, bsz * width]
         parts = list(dev.split(fields))

@@ -70,6 +70,8 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
     """logits [B, V] on the device (float32 unless every row is a plain
     greedy pick) -> next token per row, still on
     the device (nothing here waits for the device)."""
+    if all(s.params.plain_greedy for s in seqs):
+        return ops.argmax(logits)
     banned = [_banned_ids(s) for s in seqs]
     if any(s.params.logits_processors or s.params.repetition_penalty != 1.0 for s in seqs) or any(banned):
         logits = logits.clone()  # edited in place below; the caller's copy gives the logprobs

@@ -12,7 +12,7 @@ recomputed later.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List
 
 from .block_manager import BlockManager
@@ -23,10 +23,10 @@ from .sequence import SeqStatus, Sequence
 class ScheduledBatch:
     seqs: List[Sequence]
     num_new_tokens: List[int]
+    is_decode: bool = field(init=False)  # one new token per sequence (asked several times a step)
 
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens)
+    def __post_init__(self):
+        self.is_decode = all(n == 1 for n in self.num_new_tokens)
 
 
 class Scheduler:

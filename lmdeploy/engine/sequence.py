@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 
 @dataclass
 class SamplingParams:
-    """Engine-level sampling settings: everything already turned into ids."""
+    """Engine-level sampling settings: everything already turned into ids.
+    Not to be changed once the request is submitted (the engine caches what
+    it derives from them)."""
     max_new_tokens: int = 512
     greedy: bool = True
     temperature: float = 1.0
@@ -27,7 +30,16 @@ class SamplingParams:
     logits_processors: List[Callable] = field(default_factory=list)
     prompt_loss: bool = False  # get_ppl: report the prompt's cross-entropy, generate nothing
 
-    @property
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """An argmax of the raw logits, nothing else read or reported (most
+        requests): such rows skip the sampler's per-request checks."""
+        return (self.greedy and not self.logits_processors and self.repetition_penalty == 1.0
+                and not self.bad_token_ids and not self.bad_sequences
+                and not (self.min_new_tokens and self.stop_token_ids) and self.logprobs is None
+                and not self.output_logits and not self.output_last_hidden_state)
+
+    @functools.cached_property
     def needs_all_rows(self) -> bool:
         """Whether every prompt position's output is wanted (no prefix reuse)."""
         return self.prompt_loss or self.output_logits == 'all' or self.output_last_hidden_state == 'all'
