@@ -96,7 +96,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
 
 # The slice count and the partial buffer's strides vary with the batch and its longest context: as plain
 # integers they leave one compiled variant for every step (a prefill step's decode rows run eagerly, at
-# slice counts no captured graph compiled; compiling them mid-run stalled a cold-cache H100 run ~4 s).
+# slice counts no captured graph compiled; a cold-cache H100 run lost ~4 s, most likely to such compiles).
 @triton.jit(**no_respecialising(ints=['stride_bt', 'stride_pb', 'stride_ph', 'stride_ps', 'num_splits'],
                                 pointers=['tables_ptr', 'kv_lens_ptr', 'order_ptr']))
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, order_ptr, scale_log2,
