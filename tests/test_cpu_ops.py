@@ -413,6 +413,10 @@ def _ref_filter_row(row, k, p, m):
 def _check_filter(ops, logits, top_k, top_p, min_p):
     out = ops.top_k_top_p_min_p(logits, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
     assert out.data_ptr() != logits.data_ptr()
+    # the host's bound on top_k (a partial top-k of that width instead of reading the largest k) changes nothing
+    for bound in {max(top_k), max(top_k) + 3}:
+        hinted = ops.top_k_top_p_min_p(logits, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p), bound)
+        assert torch.equal(hinted, out)
     for b in range(logits.shape[0]):
         keep = _ref_filter_row(logits[b], top_k[b], top_p[b], min_p[b])
         got = torch.isfinite(out[b]).tolist()

@@ -193,7 +193,7 @@ class DeviceOps:
         raise NotImplementedError
 
     def top_k_top_p_min_p(self, logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
-                          min_p: Optional[torch.Tensor]) -> torch.Tensor:
+                          min_p: Optional[torch.Tensor], max_top_k: Optional[int] = None) -> torch.Tensor:
         """Mask (to -inf) the tokens each filter removes; returns new logits.
         A filter given as None is off for every row (the caller knows that on
         the host, so the device need not be asked).
@@ -205,6 +205,9 @@ class DeviceOps:
         (0 = off): drop tokens with prob < min_p * max prob. Probabilities
         are the softmax of the input logits; filters apply in the order
         top-k, top-p, min-p, each on the survivors of the previous one.
+        ``max_top_k``: at least every row's top_k, when the caller knows it on
+        the host (the k-th values then come from a partial top-k of that
+        size, not a sort of the vocabulary, and the device is not asked).
         """
         raise NotImplementedError
 

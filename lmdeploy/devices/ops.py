@@ -73,8 +73,8 @@ def apply_temperature(logits, temperature):
     return _ops(logits).apply_temperature(logits, temperature)
 
 
-def top_k_top_p_min_p(logits, top_k, top_p, min_p):
-    return _ops(logits).top_k_top_p_min_p(logits, top_k, top_p, min_p)
+def top_k_top_p_min_p(logits, top_k, top_p, min_p, max_top_k=None):
+    return _ops(logits).top_k_top_p_min_p(logits, top_k, top_p, min_p, max_top_k)
 
 
 def sample(logits, seeds, offsets):

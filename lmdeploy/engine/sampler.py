@@ -104,7 +104,7 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
         top_k = tensor_on([p.top_k for p in ps], device, torch.int64) if any(p.top_k > 0 for p in ps) else None
         top_p = tensor_on([p.top_p for p in ps], device) if any(p.top_p < 1.0 for p in ps) else None
         min_p = tensor_on([p.min_p for p in ps], device) if any(p.min_p > 0.0 for p in ps) else None
-        sub = ops.top_k_top_p_min_p(sub, top_k, top_p, min_p)
+        sub = ops.top_k_top_p_min_p(sub, top_k, top_p, min_p, max(p.top_k for p in ps))
         seeds = tensor_on([p.seed for p in ps], device, torch.int64)
         offsets = tensor_on([seqs[i].num_generated for i in sampled], device, torch.int64)
         tokens[rows] = ops.sample(sub, seeds, offsets)

@@ -128,15 +128,16 @@ class CpuOps(DeviceOps):
     def apply_temperature(self, logits, temperature):
         return logits / temperature.reshape(-1, 1).to(logits.dtype)
 
-    def top_k_top_p_min_p(self, logits, top_k, top_p, min_p):
+    def top_k_top_p_min_p(self, logits, top_k, top_p, min_p, max_top_k=None):
         logits = logits.clone()
         neg_inf = float('-inf')
         vocab = logits.shape[-1]
-        # top-k: keep values >= the k-th largest
+        # top-k: keep values >= the k-th largest (the largest k of all rows found without sorting the vocabulary)
         if top_k is not None:
             k = top_k.to(torch.int64).clamp(min=0, max=vocab)
-            sorted_vals = logits.sort(dim=-1, descending=True).values
-            kth = sorted_vals.gather(1, (k - 1).clamp(min=0)[:, None])
+            widest = min(vocab, max(1, max_top_k if max_top_k is not None else int(k.max())))
+            largest = logits.topk(widest, dim=-1).values  # descending
+            kth = largest.gather(1, (k - 1).clamp(min=0, max=widest - 1)[:, None])
             logits.masked_fill_((k > 0)[:, None] & (logits < kth), neg_inf)
         # top-p: drop a token once the mass of the tokens before it reaches top_p
         if top_p is not None:

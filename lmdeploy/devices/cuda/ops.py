@@ -128,8 +128,8 @@ class CudaOps(DeviceOps):
     def apply_temperature(self, logits, temperature):
         return self._torch.apply_temperature(logits, temperature)
 
-    def top_k_top_p_min_p(self, logits, top_k, top_p, min_p):
-        return self._torch.top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    def top_k_top_p_min_p(self, logits, top_k, top_p, min_p, max_top_k=None):
+        return self._torch.top_k_top_p_min_p(logits, top_k, top_p, min_p, max_top_k)
 
     def argmax(self, logits):
         return self._k_argmax.argmax(logits)

@@ -64,7 +64,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
 
 
 @triton.jit
-def _skinny_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, I, K, stride_xm, stride_wn, stride_om,
+def _skinny_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, INTER, K, stride_xm, stride_wn, stride_om,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PDL: tl.constexpr):
     """out = silu(x W_gate^T) * (x W_up^T) for W = cat(W_gate, W_up): each
@@ -73,10 +73,10 @@ def _skinny_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, I, K, stride_xm, stride
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    n_mask = offs_n < I
+    n_mask = offs_n < INTER
     m_mask = offs_m < M
     g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    u_rows = w_ptr + (offs_n[:, None] + I).to(tl.int64) * stride_wn
+    u_rows = w_ptr + (offs_n[:, None] + INTER).to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
     wmask = n_mask[:, None] & (offs_k < K)[None, :]
     wg = tl.load(g_rows + offs_k[None, :], mask=wmask, other=0.0)
@@ -98,7 +98,7 @@ def _skinny_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, I, K, stride_xm, stride
         acc_u += tl.dot(x, tl.trans(wu))
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_ptr + I + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + INTER + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     # rounded as the unfused ops round: projection outputs, then silu, then the product
     dt = out_ptr.dtype.element_ty
     gate = acc_g.to(dt).to(tl.float32)
