@@ -31,6 +31,7 @@ def main():
     p.add_argument('--max-batch-size', type=int, default=256)
     p.add_argument('--eager-scheduling', action='store_true',
                    help='schedule as an eager device does (prefill in every step), not as a graph device')
+    p.add_argument('--stream', action='store_true', help='an output per token (as streaming requests get)')
     p.add_argument('--seed', type=int, default=0)
     args = p.parse_args()
 
@@ -75,7 +76,7 @@ def main():
     for i in np.argsort(-outs):  # longest first, as Pipeline.infer submits a batch
         ids = rng.integers(10, vocab, ins[i]).tolist()
         eng.submit(EngineRequest(int(i) + 1, ids, SamplingParams(max_new_tokens=int(outs[i]), greedy=True),
-                                 on_output, stream=False))  # as Pipeline.infer: one output at the end
+                                 on_output, stream=args.stream))  # Pipeline.infer: one output at the end
     done.wait()
     elapsed = time.perf_counter() - t0
     eng.close()
