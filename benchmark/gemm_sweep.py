@@ -11,6 +11,7 @@ replays (as the engine runs them).
 
     python benchmark/gemm_sweep.py                      # Llama-3-8B shapes, M = 256
     python benchmark/gemm_sweep.py --m 248 --top 5
+    python benchmark/gemm_sweep.py --others --no-sweep  # cuBLAS, cuBLASLt, torch.compile max-autotune
 
 ``--check`` runs only the correctness check, on small shapes (works in the
 Triton interpreter: TRITON_INTERPRET=1 on a CPU-only machine).
@@ -104,6 +105,33 @@ def check(device, dtype, shapes, cfgs):
     return True
 
 
+def other_gemms(x, w, want):
+    """(label, microseconds or None) for cuBLASLt and torch.compile's
+    max-autotune templates on the same operands, each checked first."""
+    from triton.testing import do_bench_cudagraph
+    out = []
+    previous = torch.backends.cuda.preferred_blas_library()
+    try:
+        torch.backends.cuda.preferred_blas_library('cublaslt')
+        got = torch.nn.functional.linear(x, w).float()
+        ok = ((got - want).norm() / want.norm()).item() < 2e-2
+        out.append(('cuBLASLt', 1e3 * do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w)))
+                   if ok else ('cuBLASLt: WRONG RESULT', None))
+    except Exception as e:  # not available in this build
+        out.append((f'cuBLASLt: {type(e).__name__}: {e}', None))
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+    try:
+        compiled = torch.compile(torch.nn.functional.linear, mode='max-autotune-no-cudagraphs', dynamic=False)
+        got = compiled(x, w).float()
+        ok = ((got - want).norm() / want.norm()).item() < 2e-2
+        out.append(('torch.compile max-autotune', 1e3 * do_bench_cudagraph(lambda: compiled(x, w)))
+                   if ok else ('torch.compile: WRONG RESULT', None))
+    except Exception as e:  # inductor missing or failing here
+        out.append((f'torch.compile: {type(e).__name__}: {str(e)[:200]}', None))
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('--m', type=int, default=256)
@@ -111,6 +139,10 @@ def main():
     p.add_argument('--shapes', default=','.join(name for name, _, _ in SHAPES), help='which of ' +
                    ', '.join(name for name, _, _ in SHAPES))
     p.add_argument('--check', action='store_true', help='correctness only, small shapes')
+    p.add_argument('--others', action='store_true',
+                   help="also time cuBLASLt (torch's preferred BLAS library switched) and torch.compile's "
+                   'max-autotune GEMM templates (minutes of autotuning per shape)')
+    p.add_argument('--no-sweep', action='store_true', help='skip the Triton configurations')
     args = p.parse_args()
     interp = os.environ.get('TRITON_INTERPRET') == '1'
     device = 'cuda' if torch.cuda.is_available() and not interp else 'cpu'
@@ -134,8 +166,13 @@ def main():
             return f'{us:7.1f} us {n * k * 2 / us / 1e6:5.2f} TB/s {2 * args.m * n * k / us / 1e6:4.0f} TFLOP/s'
 
         base = 1e3 * do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w))
+        print(f'{name:8s} N={n} K={k}: cuBLAS {rate(base)}', flush=True)
+        if args.others:
+            for label, us in other_gemms(x, w, want):
+                print(f'          {label}: {rate(us)} ({base / us:.2f}x cuBLAS)' if us else f'          {label}',
+                      flush=True)
         results = []
-        for cfg in cfgs:
+        for cfg in [] if args.no_sweep else cfgs:
             try:
                 got = triton_linear(x, w, cfg, partial).float()
             except Exception as e:  # out of resources for this GPU: skip the configuration
@@ -146,7 +183,6 @@ def main():
                 continue
             results.append((1e3 * do_bench_cudagraph(lambda: triton_linear(x, w, cfg, partial)), cfg))
         results.sort()
-        print(f'{name:8s} N={n} K={k}: cuBLAS {rate(base)}')
         for us, cfg in results[:args.top]:
             print(f'          triton {cfg}: {rate(us)} ({base / us:.2f}x cuBLAS)')
 
