@@ -596,3 +596,25 @@ def test_extreme_valid_values_do_not_break_the_engine(http, srv, extra):
         assert r.json()['choices'][0]['finish_reason'] in ('stop', 'length')
     ok = http.post(CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=2))
     assert ok.status_code == 200
+
+
+def test_text_chunks_match_the_pydantic_chunks():
+    """The streams' text-only chunks (built from one dump of the response
+    model) are byte for byte what the pydantic models give."""
+    from lmdeploy.serve.openai import protocol as P
+    from lmdeploy.serve.openai.jobs import _sse, _TextChunks
+
+    def chat(delta, finish_reason=None):
+        return P.ChatCompletionStreamResponse(id='chatcmpl-1', created=7, model='m', choices=[
+            P.ChatCompletionStreamChoice(delta=delta, finish_reason=finish_reason)])
+
+    def completion(text, finish_reason=None, index=0):
+        return P.CompletionResponse(id='cmpl-1', created=7, model='m', choices=[
+            P.CompletionChoice(index=index, text=text, finish_reason=finish_reason)])
+
+    for usage in (True, False):
+        chat_chunk = _TextChunks(chat(P.DeltaMessage(content='')), usage)
+        completion_chunk = _TextChunks(completion(''), usage)
+        for text, reason, index in (('Hello', None, 0), (' wörld "quoted" \\ \n', 'stop', 2), ('', 'length', 1)):
+            assert chat_chunk(text, reason) == _sse(chat(P.DeltaMessage(content=text), reason), usage)
+            assert completion_chunk(text, reason, index) == _sse(completion(text, reason, index), usage)

@@ -49,7 +49,8 @@ from lmdeploy.messages import GenerationConfig, PytorchEngineConfig, TurbomindEn
 from . import protocol as P
 from .errors import APIError, error_body, error_response, install_error_handlers
 from .guard import DEFAULT_MAX_BODY_BYTES, _GuardMiddleware
-from .jobs import _SSE_HEADERS, _accumulate, _Job, _race, _raise_early_failure, _Result, _Run, _sse, _StreamResponse
+from .jobs import (_SSE_HEADERS, _accumulate, _Job, _race, _raise_early_failure, _Result, _Run, _sse, _StreamResponse,
+                   _TextChunks)
 from .metrics import CONTENT_TYPE_LATEST
 from .params import (MAX_PROMPTS, _chat_logprobs, _check_ids, _check_model, _check_unsupported,
                      _completion_logprobs, _encode, _finite, _gen_config, _max_new_tokens, _messages, _TokenText,
@@ -222,6 +223,8 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                 id=rid, created=created, model=state.model_name,
                 choices=[P.ChatCompletionStreamChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)])
 
+        text_chunk = _TextChunks(chunk(P.DeltaMessage(content='')), include_usage)
+
         async def events():
             yield _sse(chunk(P.DeltaMessage(role='assistant', content='')), include_usage)
             r = _Result()
@@ -232,8 +235,10 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                     break
                 logprobs = (_chat_logprobs(tt, out.token_ids, out.logprobs, top_n)
                             if req.logprobs and out.token_ids else None)
-                if out.text or out.finish_reason is not None or logprobs is not None:
+                if logprobs is not None:
                     yield _sse(chunk(P.DeltaMessage(content=out.text), out.finish_reason, logprobs), include_usage)
+                elif out.text or out.finish_reason is not None:
+                    yield text_chunk(out.text, out.finish_reason)
             if include_usage:
                 yield _sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=state.model_name,
                                                           choices=[], usage=_usage(r.input_tokens, r.generated)))
@@ -292,6 +297,9 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+        text_chunk = _TextChunks(P.CompletionResponse(id=rid, created=created, model=state.model_name,
+                                                      choices=[P.CompletionChoice(text='')]), include_usage)
+
         async def events():
             results = [_Result() for _ in prompts]
             offsets = [0] * len(prompts)
@@ -304,11 +312,13 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                 if top_n is not None and out.token_ids:
                     logprobs = _completion_logprobs(tt, out.token_ids, out.logprobs, top_n, offsets[i])
                     offsets[i] += sum(len(t) for t in logprobs.tokens)
-                if out.text or out.finish_reason is not None or logprobs is not None:
+                if logprobs is not None:
                     yield _sse(P.CompletionResponse(
                         id=rid, created=created, model=state.model_name,
                         choices=[P.CompletionChoice(index=i, text=out.text, logprobs=logprobs,
                                                     finish_reason=out.finish_reason)]), include_usage)
+                elif out.text or out.finish_reason is not None:
+                    yield text_chunk(out.text, out.finish_reason, i)
             if include_usage:
                 yield _sse(P.CompletionResponse(id=rid, created=created, model=state.model_name, choices=[],
                                                 usage=_usage(sum(r.input_tokens for r in results),
