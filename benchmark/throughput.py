@@ -78,6 +78,9 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     generated = sum(r.generate_token_len for r in responses)
     assert generated == sum(outs), (generated, sum(outs))
     x = stats.extra
+    busy = sum(x.get(f'{phase}_device_seconds', 0.0) for phase in ('prefill', 'decode'))
+    print(f'  the device ran steps for {busy:.1f} s of the call\'s {elapsed:.1f} s ({100 * busy / elapsed:.1f}%; '
+          'the rest it waited for the host, or the host for requests)')
     for phase in ('prefill', 'decode'):
         if x.get(f'{phase}_steps'):
             n, on_device = x[f'{phase}_steps'], x[f'{phase}_device_seconds']
