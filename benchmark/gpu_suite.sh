@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# What benchmark/RESULTS.md records for a CUDA GPU, in one go: the kernel and
+# end-to-end tests at full size, the op self-test, the issue's throughput
+# workload twice (the first run on a cold Triton cache), batch-1 latency, and
+# the decode-GEMM comparison. Logs go to $LOG_DIR (default ./gpu-logs).
+#
+#   bash benchmark/gpu_suite.sh                 # everything (~10 minutes on an H100)
+#   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+LOG_DIR=${LOG_DIR:-gpu-logs}
+MODEL=${MODEL:-/tmp/l8b}
+mkdir -p "$LOG_DIR"
+steps=${*:-tests check tp lat gemm}
+
+model() {
+  [ -f "$MODEL/config.json" ] || python3 benchmark/random_model.py --shape llama3-8b --out "$MODEL"
+}
+
+throughput() {
+  python3 benchmark/throughput.py --model "$MODEL" --device cuda --num-requests 2000 --input-len 150 \
+    --output-len 140 --input-sigma 0.9 --output-sigma 0.9 --max-input-len 2000 --max-output-len 1000 \
+    --max-batch-size 256 "$@"
+}
+
+for step in $steps; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    tests) LMDEPLOY_TEST_FULL=1 python3 -m pytest -q tests/test_cuda_kernels.py tests/test_cuda_e2e.py 2>&1 |
+             tee "$LOG_DIR/tests.log" | tail -5 ;;
+    check) python3 -m lmdeploy check_env 2>&1 | tee "$LOG_DIR/check_env.log" | tail -20 ;;
+    tp) model; for run in 1 2; do throughput 2>&1 | grep -v Warning | tee "$LOG_DIR/throughput-$run.log" | tail -6; done ;;
+    lat) model; python3 benchmark/latency.py --model "$MODEL" --device cuda --input-len 512 --output-len 256 2>&1 |
+           tee "$LOG_DIR/latency.log" | tail -3 ;;
+    gemm) python3 benchmark/gemm_sweep.py --shapes gate_up,down,qkv,o 2>&1 | tee "$LOG_DIR/gemm.log" | tail -25 ;;
+    *) echo "unknown step $step (tests check tp lat gemm)"; exit 2 ;;
+  esac
+done
+echo "=== done $(date +%T); logs in $LOG_DIR"
