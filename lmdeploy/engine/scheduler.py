@@ -39,8 +39,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         # prefilling at every step suits eager devices; devices that replay
         # recorded decode steps decode alone most steps (replayed) and prefill
-        # (with the decoding sequences along, eagerly) when 1/8 of the batch is
-        # free, or at most every ``prefill_interval`` decode steps while it is full
+        # (with the decoding sequences along, eagerly) when ``refill_slots`` of
+        # the batch are free, or at most every ``prefill_interval`` decode steps
         self.mix = mix_prefill_decode
         self.prefill_interval = prefill_interval
         self.refill_slots = max(1, max_batch_size // 8)  # free slots that call for a prefill step

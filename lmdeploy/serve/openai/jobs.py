@@ -190,15 +190,21 @@ class _StreamResponse(StreamingResponse):
 _SSE_HEADERS = {'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'}
 
 
+def _chunk_body(model, with_usage: bool) -> Dict[str, Any]:
+    """A stream chunk's JSON object, as OpenAI writes it."""
+    obj = model.model_dump(exclude_none=False)
+    for choice in obj.get('choices') or []:
+        delta = choice.get('delta')
+        if isinstance(delta, dict):  # as OpenAI: a delta names only what it carries
+            choice['delta'] = {k: v for k, v in delta.items() if v is not None}
+    if not with_usage:  # OpenAI sends "usage" only with stream_options.include_usage
+        obj.pop('usage', None)
+    return obj
+
+
 def _sse(obj, with_usage: bool = True) -> str:
     if isinstance(obj, P._Model):
-        obj = obj.model_dump(exclude_none=False)
-        for choice in obj.get('choices') or []:
-            delta = choice.get('delta')
-            if isinstance(delta, dict):  # as OpenAI: a delta names only what it carries
-                choice['delta'] = {k: v for k, v in delta.items() if v is not None}
-        if not with_usage:  # OpenAI sends "usage" only with stream_options.include_usage
-            obj.pop('usage', None)
+        obj = _chunk_body(obj, with_usage)
     return f'data: {json.dumps(obj, ensure_ascii=False)}\n\n'
 
 
@@ -211,11 +217,8 @@ class _TextChunks:
     a chat ``delta`` or a completion ``text``."""
 
     def __init__(self, template, with_usage: bool):
-        obj = template.model_dump(exclude_none=False)
-        if not with_usage:
-            obj.pop('usage', None)
-        self._choice = obj['choices'][0]
-        self._obj = obj
+        self._obj = _chunk_body(template, with_usage)
+        self._choice = self._obj['choices'][0]
 
     def __call__(self, text: str, finish_reason: Optional[str] = None, index: int = 0) -> str:
         choice = dict(self._choice, index=index, finish_reason=finish_reason)
