@@ -5,7 +5,10 @@
 # the decode-GEMM comparison. Logs go to $LOG_DIR (default ./gpu-logs).
 #
 #   bash benchmark/gpu_suite.sh                 # everything (~10 minutes on an H100)
-#   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm
+#   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm trace refill
+#
+# trace: one throughput run with a 2 s kernel trace from 12 s in (trace.json.gz; read it with
+# benchmark/trace_gaps.py); refill: throughput with 16 and 64 free slots calling for a prefill step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -33,8 +36,12 @@ for step in $steps; do
     tp) model; for run in 1 2; do throughput 2>&1 | grep -v Warning | tee "$LOG_DIR/throughput-$run.log" | tail -6; done ;;
     lat) model; python3 benchmark/latency.py --model "$MODEL" --device cuda --input-len 512 --output-len 256 2>&1 |
            tee "$LOG_DIR/latency.log" | tail -3 ;;
+    trace) model; throughput --profile-at 12 --profile-len 2 --trace "$LOG_DIR/trace.json.gz" 2>&1 |
+             grep -v Warning | tee "$LOG_DIR/throughput-trace.log" | tail -12 ;;
+    refill) model; for slots in 16 64; do throughput --refill-slots $slots 2>&1 | grep -v Warning |
+              tee "$LOG_DIR/throughput-refill-$slots.log" | tail -6; done ;;
     gemm) python3 benchmark/gemm_sweep.py --shapes gate_up,down,qkv,o 2>&1 | tee "$LOG_DIR/gemm.log" | tail -25 ;;
-    *) echo "unknown step $step (tests check tp lat gemm)"; exit 2 ;;
+    *) echo "unknown step $step (tests check tp lat gemm trace refill)"; exit 2 ;;
   esac
 done
 echo "=== done $(date +%T); logs in $LOG_DIR"

@@ -50,7 +50,7 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     if args.warmup:
         pipe(prompts[:2], gens[:2])
     if args.profile_at is not None:
-        threading.Timer(args.profile_at, profile_window, (args.profile_len, )).start()
+        threading.Timer(args.profile_at, profile_window, (args.profile_len, args.trace)).start()
     finished = threading.Event()
     if args.timeline:
         threading.Thread(target=timeline, args=(pipe.engine, args.timeline, finished), daemon=True).start()
@@ -112,12 +112,23 @@ def timeline(engine, period: float, finished: threading.Event):
         last = x
 
 
-def profile_window(seconds: float):
+def profile_window(seconds: float, trace: str = None):
     """How busy the GPU is: kernel time over a window of the run (the rest
-    is the device waiting for the host), and the kernels that fill it."""
+    is the device waiting for the host), and the kernels that fill it.
+    ``trace``: also write the window's kernels and copies as a gzipped
+    Chrome trace (benchmark/trace_gaps.py reads it)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         time.sleep(seconds)
+    if trace:
+        import gzip
+        import os
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = os.path.join(tmp, 'trace.json')
+            prof.export_chrome_trace(raw)
+            with open(raw, 'rb') as src, gzip.open(trace, 'wb') as dst:
+                dst.write(src.read())
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / 1e6
     print(f'  GPU busy {100 * busy / seconds:.1f}% of a {seconds:.1f} s window (kernel time {busy:.3f} s)')
@@ -203,6 +214,7 @@ def main():
     p.add_argument('--profile-at', type=float, default=None,
                    help='seconds into the run: profile the GPU for --profile-len seconds from there')
     p.add_argument('--profile-len', type=float, default=1.0)
+    p.add_argument('--trace', default=None, help='with --profile-at: write the window as a gzipped Chrome trace')
     p.add_argument('--timeline', type=float, default=0.0,
                    help='print step counts and times every this many seconds of the run (best effort: '
                    'the printing thread competes with the engine for the GIL, so lines can come late)')
