@@ -34,6 +34,32 @@ def make_workload(args, vocab_size: int) -> Tuple[List[List[int]], List[int]]:
     return prompts, outs
 
 
+def log_compiles():
+    """Print each Triton kernel variant this process compiles (or loads from
+    the disk cache), with the time since the call started, so a compile in
+    the middle of a run shows up with what made it a new variant."""
+    from triton import knobs
+    started = {}
+
+    def before(key, repr, **_):
+        started[str(key)] = time.perf_counter()
+        return False  # go on and compile
+
+    def after(key, repr, **_):
+        t = time.perf_counter()
+        took = t - started.pop(str(key), t)
+        print(f'  [triton {t - _CALL_START[0]:7.2f} s] {took:5.2f} s {repr[:400]}', flush=True)
+
+    try:
+        knobs.runtime.jit_cache_hook = before
+        knobs.runtime.jit_post_compile_hook = after
+    except AttributeError as e:  # a Triton without these hooks
+        print(f'  --log-compiles: {e}')
+
+
+_CALL_START = [time.perf_counter()]
+
+
 def run_lmdeploy(args, prompts, outs) -> dict:
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
     cfg = PytorchEngineConfig(device_type=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
@@ -41,6 +67,8 @@ def run_lmdeploy(args, prompts, outs) -> dict:
                               cache_max_entry_count=args.cache_max_entry_count,
                               max_prefill_token_num=args.max_prefill_token_num,
                               prefill_interval=args.prefill_interval)
+    if args.log_compiles:
+        log_compiles()
     t0 = time.perf_counter()
     pipe = pipeline(args.model, backend_config=cfg)
     load_s = time.perf_counter() - t0
@@ -66,6 +94,7 @@ def run_lmdeploy(args, prompts, outs) -> dict:
 
     pipe.engine._step = timed_step
     t0 = time.perf_counter()
+    _CALL_START[0] = t0
     responses = pipe(prompts, gens, use_tqdm=args.tqdm)
     elapsed = time.perf_counter() - t0
     if first:
@@ -218,6 +247,8 @@ def main():
     p.add_argument('--timeline', type=float, default=0.0,
                    help='print step counts and times every this many seconds of the run (best effort: '
                    'the printing thread competes with the engine for the GIL, so lines can come late)')
+    p.add_argument('--log-compiles', action='store_true',
+                   help='print every Triton kernel variant compiled (times from the start of the timed call)')
     p.add_argument('--compare-hf', action='store_true', help='also time transformers.generate')
     p.add_argument('--json', default=None, help='write the results here')
     args = p.parse_args()
