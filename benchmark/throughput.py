@@ -48,7 +48,7 @@ def log_compiles():
     def after(key, repr, **_):
         t = time.perf_counter()
         took = t - started.pop(str(key), t)
-        print(f'  [triton {t - _CALL_START[0]:7.2f} s] {took:5.2f} s {repr[:400]}', flush=True)
+        print(f'  [triton {t - _CALL_START[0]:7.2f} s] {took:5.2f} s {repr[:1500]}', flush=True)
 
     try:
         knobs.runtime.jit_cache_hook = before

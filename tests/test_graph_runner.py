@@ -14,6 +14,7 @@ from engine_utils import assert_engine_clean, submit
 from helpers import hf_greedy
 
 import lmdeploy.engine.engine as engine_module
+from lmdeploy.devices import ops
 from lmdeploy.devices.cpu import CpuOps
 from lmdeploy.engine.engine import Engine
 from lmdeploy.engine.graph_runner import capture_sizes
@@ -69,3 +70,43 @@ def test_padded_replays_give_transformers_tokens(tiny_model_factory, replaying, 
     assert got == [r[:n] for r, n in zip(ref, limits)]
     # decode steps replayed, at padded sizes as the batch shrank (3 -> 4, 5 -> 8, then 2, 1 ...)
     assert replaying.replays >= max(limits) - 2
+
+
+def test_replayed_and_eager_decode_rows_give_attention_the_same_index_types(tiny_model_factory, replaying,
+                                                                           monkeypatch):
+    """A prefill step's decode rows run eagerly through the decode-attention
+    kernel the graphs were captured with; an index tensor of another type
+    (the longest-first order was int32 in the graphs, int64 in eager steps)
+    makes Triton compile that kernel again, mid-run."""
+    seen = {'replay': set(), 'eager': set()}
+    in_graph = [False]
+    attend = ops.paged_decode_attention
+
+    def spy(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None):
+        seen['replay' if in_graph[0] else 'eager'].add(
+            (block_tables.dtype, kv_seqlens.dtype, order.dtype if order is not None else None))
+        return attend(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order)
+
+    def in_graphs(fn):
+        def run(*a):
+            in_graph[0] = True
+            try:
+                return fn(*a)
+            finally:
+                in_graph[0] = False
+        return run
+
+    monkeypatch.setattr(ops, 'paged_decode_attention', spy)
+    capture = replaying.capture_graph
+    replaying.capture_graph = lambda fn, pool=None: capture(in_graphs(fn), pool)
+    eng = Engine(tiny_model_factory('llama'), PytorchEngineConfig(device_type='cpu', block_size=4, session_len=128,
+                                                                  max_batch_size=2))
+    try:
+        cols = [submit(eng, p, SamplingParams(max_new_tokens=n)) for p, n in (([30, 31, 32], 9), ([40] * 7, 3),
+                                                                            ([50] * 5, 4))]
+        [c.wait() for c in cols]
+        assert_engine_clean(eng)
+    finally:
+        eng.close()
+    assert seen['eager'] and seen['replay'], seen  # a prefill step carried decode rows
+    assert seen['eager'] == seen['replay']

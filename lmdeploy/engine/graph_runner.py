@@ -46,7 +46,9 @@ class GraphRunner:
         self.tables = buf(0, n, max_blocks, dtype=torch.int32)
         self.slots = buf(-1, n)
         self.rope_lens = buf(1, n)
-        self.rows = torch.arange(n, dtype=torch.int32, device=torch_device)
+        # int64, as an eager step's order: a kernel given another index type would be compiled again for
+        # the eager steps' decode rows, mid-run (a cold-cache H100 run lost ~6 s that way)
+        self.rows = torch.arange(n, dtype=torch.int64, device=torch_device)
         self.order = self.rows.clone()
         self.graphs: Dict[int, Tuple[Callable[[], None], torch.Tensor]] = {}
         self.pool = None  # one memory pool for this engine's graphs

@@ -5,6 +5,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from lmdeploy.devices import ops
 from lmdeploy.devices.interface import DeviceOps
 
 from .graph_runner import GraphRunner
@@ -153,6 +154,8 @@ def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: Device
                       rope_lens=torch.full((num_tokens, ), num_tokens, device=dev), max_q_len=num_tokens,
                       max_kv_len=num_tokens, kv_caches=caches)
     hidden = model(ids, positions, ctx)
-    model.compute_logits(hidden[-1:].expand(max_batch_size, -1)).float()
+    logits = model.compute_logits(hidden[-1:].expand(max_batch_size, -1))
+    ops.argmax(logits)  # greedy picks read the model-dtype logits: compiled now, not at the first request
+    logits.float()
     device.synchronize()
     del caches, hidden
