@@ -11,7 +11,7 @@ replays (as the engine runs them).
 
     python benchmark/gemm_sweep.py                      # Llama-3-8B shapes, M = 256
     python benchmark/gemm_sweep.py --m 248 --top 5
-    python benchmark/gemm_sweep.py --others --no-sweep  # cuBLAS, cuBLASLt, torch.compile max-autotune
+    python benchmark/gemm_sweep.py --others --no-sweep  # cuBLAS, swapped, cuBLASLt, torch.compile max-autotune
 
 ``--check`` runs only the correctness check, on small shapes (works in the
 Triton interpreter: TRITON_INTERPRET=1 on a CPU-only machine).
@@ -105,11 +105,17 @@ def check(device, dtype, shapes, cfgs):
     return True
 
 
-def other_gemms(x, w, want):
-    """(label, microseconds or None) for cuBLASLt and torch.compile's
-    max-autotune templates on the same operands, each checked first."""
+def other_gemms(x, w, want, compile_too=True):
+    """(label, microseconds or None) for the swapped product (w @ x^T, the
+    output transposed: cuBLAS then sees N as its rows), cuBLASLt and
+    torch.compile's max-autotune templates on the same operands, each
+    checked first."""
     from triton.testing import do_bench_cudagraph
     out = []
+    got = torch.mm(w, x.t()).t().float()
+    ok = ((got - want).norm() / want.norm()).item() < 2e-2
+    out.append(('swapped w @ x^T', 1e3 * do_bench_cudagraph(lambda: torch.mm(w, x.t())))
+               if ok else ('swapped: WRONG RESULT', None))
     previous = torch.backends.cuda.preferred_blas_library()
     try:
         torch.backends.cuda.preferred_blas_library('cublaslt')
@@ -121,6 +127,8 @@ def other_gemms(x, w, want):
         out.append((f'cuBLASLt: {type(e).__name__}: {e}', None))
     finally:
         torch.backends.cuda.preferred_blas_library(previous)
+    if not compile_too:
+        return out
     try:
         compiled = torch.compile(torch.nn.functional.linear, mode='max-autotune-no-cudagraphs', dynamic=False)
         got = compiled(x, w).float()
@@ -142,6 +150,7 @@ def main():
     p.add_argument('--others', action='store_true',
                    help="also time cuBLASLt (torch's preferred BLAS library switched) and torch.compile's "
                    'max-autotune GEMM templates (minutes of autotuning per shape)')
+    p.add_argument('--no-compile', action='store_true', help='with --others: leave torch.compile out')
     p.add_argument('--no-sweep', action='store_true', help='skip the Triton configurations')
     args = p.parse_args()
     interp = os.environ.get('TRITON_INTERPRET') == '1'
@@ -168,7 +177,7 @@ def main():
         base = 1e3 * do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w))
         print(f'{name:8s} N={n} K={k}: cuBLAS {rate(base)}', flush=True)
         if args.others:
-            for label, us in other_gemms(x, w, want):
+            for label, us in other_gemms(x, w, want, not args.no_compile):
                 print(f'          {label}: {rate(us)} ({base / us:.2f}x cuBLAS)' if us else f'          {label}',
                       flush=True)
         results = []

@@ -75,22 +75,27 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, tables_ptr, q_start_ptr, q_l
                  out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
 
 
+def prefill_tiles(block_d: int):
+    """(query rows, context tokens) a program's tile holds, warps, stages."""
+    return (64 if block_d <= 128 else 32), (64 if block_d <= 64 else 32), 4, 2
+
+
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
-                            max_kv_len):
+                            max_kv_len, tiles=None):
+    """``tiles``: (block_m, block_n, warps, stages) instead of prefill_tiles' (for sweeps)."""
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     out = torch.empty_like(q)
     if t == 0:
         return out
     block_d = triton.next_power_of_2(d)
-    block_m = 64 if block_d <= 128 else 32
-    block_n = 64 if block_d <= 64 else 32
+    block_m, block_n, warps, stages = tiles or prefill_tiles(block_d)
     grid = (triton.cdiv(max_q_len, block_m), q_seqlens.shape[0], h)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
                           scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                           k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), h, GROUP=h // hkv,
                           BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                          BLOCK_D=block_d, num_warps=4, num_stages=2)
+                          BLOCK_D=block_d, num_warps=warps, num_stages=stages)
     return out
 
 
