@@ -235,7 +235,7 @@ def main():
     p.add_argument('--prefill-interval', type=int, default=16,
                    help='graph devices: at most this many decode steps between prefill steps')
     p.add_argument('--refill-slots', type=int, default=0,
-                   help='graph devices: free batch slots that call for a prefill step (default: 1/8 of the batch)')
+                   help='graph devices: free batch slots that call for a prefill step (default: 1/32 of the batch)')
     p.add_argument('--eager', action='store_true')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--warmup', action='store_true')

@@ -127,7 +127,7 @@ class PytorchEngineConfig:
     quant_policy: int = 0
     cpu_kv_cache_cap_gb: float = 4.0
     # with graph replay, decode steps run alone (replayed) and a prefill step
-    # (which carries the decoding sequences too) comes when an eighth of the
+    # (which carries the decoding sequences too) comes when a thirty-second of the
     # batch is free, or at most every this many decode steps
     prefill_interval: int = 16
     # accepted for LMDeploy compatibility; no effect here

@@ -36,8 +36,9 @@ def finish(sched, n):
 
 
 def test_refill_waits_for_enough_free_slots_then_carries_the_decoding_sequences():
+    assert make(256, 0).refill_slots == 8 and make(16, 0).refill_slots == 1  # a 32nd of the batch, at least 1
     sched = make(16, 40)
-    assert sched.refill_slots == 2  # an eighth of the batch
+    sched.refill_slots = 2
     first = step(sched)
     assert len(first.seqs) == 16 and not first.is_decode
     for _ in range(3):
