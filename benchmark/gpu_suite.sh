@@ -38,10 +38,11 @@ for step in $steps; do
            tee "$LOG_DIR/latency.log" | tail -3 ;;
     trace) model; throughput --profile-at 12 --profile-len 2 --trace "$LOG_DIR/trace.json.gz" 2>&1 |
              grep -v Warning | tee "$LOG_DIR/throughput-trace.log" | tail -12 ;;
+    refill4) model; throughput --refill-slots 4 2>&1 | grep -v Warning | tee "$LOG_DIR/throughput-refill-4.log" | tail -6 ;;
     refill) model; for slots in 16 64; do throughput --refill-slots $slots 2>&1 | grep -v Warning |
               tee "$LOG_DIR/throughput-refill-$slots.log" | tail -6; done ;;
     gemm) python3 benchmark/gemm_sweep.py --shapes gate_up,down,qkv,o 2>&1 | tee "$LOG_DIR/gemm.log" | tail -25 ;;
-    *) echo "unknown step $step (tests check tp lat gemm trace refill)"; exit 2 ;;
+    *) echo "unknown step $step (tests check tp lat gemm trace refill refill4)"; exit 2 ;;
   esac
 done
 echo "=== done $(date +%T); logs in $LOG_DIR"

@@ -223,7 +223,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
     splits = num_decode_splits(bsz, hkv, max_kv_len, num_sms)
     block_d = triton.next_power_of_2(d)
     block_n, stages = _decode_tiles(q)
-    part = torch.empty((bsz, h, splits, d + 1), dtype=torch.float32, device=q.device) if splits > 1 else out
+    # float32 even when unused (one slice writes straight to out): a pointer of out's dtype here would be
+    # another compiled variant, which a prefill step's few short decode rows could need mid-run
+    part = torch.empty((bsz, h, splits, d + 1) if splits > 1 else (1, 1, 1, 1), dtype=torch.float32,
+                       device=q.device)
     # Longest first pays from 16 sequences (H100, lognormal contexts: 248 sequences 113 -> 107 us, 200: 133 ->
     # 115); below that the order's extra dependent load at each program's start costs more than it balances.
     if bsz < 16:
@@ -232,7 +235,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
                                            kv_seqlens if order is None else order, scale * _LOG2E, q.stride(0),
                                            q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                                            k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-                                           part.stride(0), part.stride(1), part.stride(2) if splits > 1 else 0,
+                                           part.stride(0), part.stride(1), part.stride(2),
                                            splits, NUM_KV_HEADS=hkv, GROUP=group,
                                            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1],
                                            HEAD_DIM=d, BLOCK_N=block_n, BLOCK_D=block_d, ORDERED=order is not None,
