@@ -379,13 +379,35 @@ def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):
     assert rel_err(out, ref) < tol(dtype) * 2
 
 
+def benchmark_module(name):
+    """A script of benchmark/ loaded as a module (they import each other by name)."""
+    import importlib.util
+    import sys
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmark')
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(folder, f'{name}.py'))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module
+
+
 def test_gemm_sweep_kernel_matches_torch():
     """benchmark/gemm_sweep.py's candidate GEMM (tiles, split-K with atomics)
     gives x @ w.T, so its timings compare like with like."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmark', 'gemm_sweep.py')
-    spec = importlib.util.spec_from_file_location('gemm_sweep', path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
     cfgs = [(16, 32, 32, 2, 4, 1), (32, 16, 32, 2, 4, 2), (16, 16, 16, 2, 4, 4)]
-    assert sweep.check(DEV, DTYPES[-1], [(5, 40, 100), (33, 17, 64)], cfgs)
+    assert benchmark_module('gemm_sweep').check(DEV, DTYPES[-1], [(5, 40, 100), (33, 17, 64)], cfgs)
+
+
+def test_tma_gemm_candidates_match_torch():
+    """benchmark/gemm_tma.py's GEMM and its silu-fused variant (tiles by TMA
+    descriptor, persistent or not) against torch, partial tiles included."""
+    assert benchmark_module('gemm_tma').check(DEV, torch.float16)
+
+
+def test_decode_attention_candidates_match_the_kernel_in_use():
+    """benchmark/decode_attn_sweep.py's page-walking variants (plain loads and
+    TMA) give what the decode kernel in use gives, NaN in unowned slots."""
+    assert benchmark_module('decode_attn_sweep').check(DEV, DTYPES[0])
