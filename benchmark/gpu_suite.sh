@@ -5,10 +5,11 @@
 # the decode-GEMM comparison. Logs go to $LOG_DIR (default ./gpu-logs).
 #
 #   bash benchmark/gpu_suite.sh                 # everything (~10 minutes on an H100)
-#   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm trace refill
+#   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm trace refill refill4
 #
 # trace: one throughput run with a 2 s kernel trace from 12 s in (trace.json.gz; read it with
-# benchmark/trace_gaps.py); refill: throughput with 16 and 64 free slots calling for a prefill step.
+# benchmark/trace_gaps.py); refill: throughput with 16 and 64 free slots calling for a prefill step,
+# refill4: with 4.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
