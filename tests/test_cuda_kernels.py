@@ -411,3 +411,15 @@ def test_decode_attention_candidates_match_the_kernel_in_use():
     """benchmark/decode_attn_sweep.py's page-walking variants (plain loads and
     TMA) give what the decode kernel in use gives, NaN in unowned slots."""
     assert benchmark_module('decode_attn_sweep').check(DEV, DTYPES[0])
+
+
+def test_cublaslt_heuristic_result_has_the_headers_layout():
+    """benchmark/cublaslt_algos.py reads cuBLASLt's suggestions through ctypes:
+    cublasLtMatmulHeuristicResult_t is a 64-byte algorithm, the workspace
+    size, a status, the wave count and four reserved ints (cublasLt.h)."""
+    lt = benchmark_module('cublaslt_algos')
+    h = lt.Heuristic
+    assert (h.algo.offset, h.workspace_size.offset, h.state.offset, h.waves.offset, h.reserved.offset) == \
+        (0, 64, 72, 76, 80)
+    import ctypes
+    assert ctypes.sizeof(lt.Algo) == 64 and ctypes.sizeof(h) == 96
