@@ -3,6 +3,7 @@
 Without a GPU they run through Triton's interpreter (TRITON_INTERPRET=1) on
 small shapes; with one (LMDEPLOY_TEST_FULL=1) at full size on the GPU.
 """
+import ctypes
 import os
 
 import pytest
@@ -421,5 +422,4 @@ def test_cublaslt_heuristic_result_has_the_headers_layout():
     h = lt.Heuristic
     assert (h.algo.offset, h.workspace_size.offset, h.state.offset, h.waves.offset, h.reserved.offset) == \
         (0, 64, 72, 76, 80)
-    import ctypes
     assert ctypes.sizeof(lt.Algo) == 64 and ctypes.sizeof(h) == 96
