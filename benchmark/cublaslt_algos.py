@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-SHAPES = [('qkv', 6144, 4096), ('o', 4096, 4096), ('gate_up', 28672, 4096), ('down', 4096, 14336),
-          ('lm_head', 128256, 4096)]
+from bench_utils import SHAPES, rel_err, us_per_weight, weight_copies
+
 CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 68, 0, 2, 14
 DESC_TRANSA, DESC_TRANSB, PREF_MAX_WORKSPACE_BYTES, OP_N, OP_T = 3, 4, 1, 0, 1
 WORKSPACE = 32 << 20
@@ -106,19 +106,17 @@ def main():
     p.add_argument('--algos', type=int, default=32, help='how many suggestions to ask for')
     p.add_argument('--top', type=int, default=3)
     args = p.parse_args()
-    from triton.testing import do_bench_cudagraph
     torch.nn.functional.linear(torch.ones(8, 8, device='cuda', dtype=torch.bfloat16),
                                torch.ones(8, 8, device='cuda', dtype=torch.bfloat16))  # loads cuBLASLt
     lib = load_library()
     print(f'{torch.cuda.get_device_name()}, cuBLASLt {lib.cublasLtGetVersion()}')
     for m in (int(v) for v in args.m.split(',')):
         for name, n, k in [s for s in SHAPES if s[0] in args.shapes.split(',')]:
-            copies = max(1, (2 << 30) // (n * k * 2))
             x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
-            ws = [torch.randn(n, k, device='cuda', dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+            ws = weight_copies(n, k)
             out = torch.empty(m, n, device='cuda', dtype=torch.bfloat16)
-            want = torch.nn.functional.linear(x, ws[0]).float()
-            base = 1e3 * do_bench_cudagraph(lambda: [torch.nn.functional.linear(x, w) for w in ws]) / copies
+            want = torch.nn.functional.linear(x, ws[0])
+            base = us_per_weight(lambda w: torch.nn.functional.linear(x, w), ws)
             gemm = LtGemm(lib, m, n, k, torch.bfloat16)
             found = gemm.heuristics(args.algos)
             print(f'M={m} {name} N={n} K={k}: torch {base:7.1f} us, {2 * m * n * k / base / 1e6:4.0f} TFLOP/s; '
@@ -126,14 +124,14 @@ def main():
             timed = []
             for i, h in enumerate(found):
                 try:
-                    got = gemm(x, ws[0], out, h).float()
+                    got = gemm(x, ws[0], out, h)
                 except RuntimeError as e:
                     print(f'  suggestion {i}: {e}')
                     continue
-                if not ((got - want).norm() / want.norm()).item() < 1e-2:
+                if not rel_err(got, want) < 1e-2:
                     print(f'  suggestion {i}: WRONG RESULT')
                     continue
-                us = 1e3 * do_bench_cudagraph(lambda h=h: [gemm(x, w, out, h) for w in ws]) / copies
+                us = us_per_weight(lambda w, h=h: gemm(x, w, out, h), ws)
                 timed.append((us, i, h.waves))
             for us, i, waves in sorted(timed)[:args.top]:
                 print(f'  suggestion {i:2d} (waves {waves:.2f}): {us:7.1f} us ({base / us:.2f}x torch)', flush=True)

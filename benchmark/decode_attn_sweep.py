@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from bench_utils import rel_err
 from lmdeploy.devices.cuda.kernels import attention
 
 _LOG2E = 1.4426950408889634
@@ -134,7 +135,7 @@ def check(device, dtype) -> bool:
     want = attention.paged_decode_attention(q, kc, vc, tables, lens, 0.125, max(lengths), 4, order)
     for tma in (False, True):
         got = page_attention(q, kc, vc, tables, lens, 0.125, order, tma, 4, 2)
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        err = rel_err(got, want)
         assert err < 1e-2 and torch.isfinite(got).all(), (tma, err)
     return True
 
@@ -176,7 +177,7 @@ def main():
                     except Exception as e:
                         print(f'  tma={tma} warps={warps} stages={stages}: {type(e).__name__} {str(e)[:100]}')
                         continue
-                    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                    err = rel_err(got, want)
                     if not (err < 1e-2):
                         print(f'  tma={tma} warps={warps} stages={stages}: WRONG ({err:.3g})')
                         continue

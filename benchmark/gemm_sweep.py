@@ -26,9 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-# (name, N, K) of a Llama-3-8B block, and its logits
-SHAPES = [('qkv', 6144, 4096), ('o', 4096, 4096), ('gate_up', 28672, 4096), ('down', 4096, 14336),
-          ('lm_head', 128256, 4096)]
+from bench_utils import SHAPES, rel_err
 
 
 @triton.jit
@@ -100,7 +98,7 @@ def check(device, dtype, shapes, cfgs):
         w = torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5
         got = triton_linear(x, w, cfg).float()
         want = x.float() @ w.float().T
-        err = ((got - want).norm() / want.norm()).item()
+        err = rel_err(got, want)
         assert err < 2e-2, (m, n, k, cfg, err)
     return True
 
@@ -113,14 +111,14 @@ def other_gemms(x, w, want, compile_too=True):
     from triton.testing import do_bench_cudagraph
     out = []
     got = torch.mm(w, x.t()).t().float()
-    ok = ((got - want).norm() / want.norm()).item() < 2e-2
+    ok = rel_err(got, want) < 2e-2
     out.append(('swapped w @ x^T', 1e3 * do_bench_cudagraph(lambda: torch.mm(w, x.t())))
                if ok else ('swapped: WRONG RESULT', None))
     previous = torch.backends.cuda.preferred_blas_library()
     try:
         torch.backends.cuda.preferred_blas_library('cublaslt')
         got = torch.nn.functional.linear(x, w).float()
-        ok = ((got - want).norm() / want.norm()).item() < 2e-2
+        ok = rel_err(got, want) < 2e-2
         out.append(('cuBLASLt', 1e3 * do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w)))
                    if ok else ('cuBLASLt: WRONG RESULT', None))
     except Exception as e:  # not available in this build
@@ -132,7 +130,7 @@ def other_gemms(x, w, want, compile_too=True):
     try:
         compiled = torch.compile(torch.nn.functional.linear, mode='max-autotune-no-cudagraphs', dynamic=False)
         got = compiled(x, w).float()
-        ok = ((got - want).norm() / want.norm()).item() < 2e-2
+        ok = rel_err(got, want) < 2e-2
         out.append(('torch.compile max-autotune', 1e3 * do_bench_cudagraph(lambda: compiled(x, w)))
                    if ok else ('torch.compile: WRONG RESULT', None))
     except Exception as e:  # inductor missing or failing here
@@ -187,7 +185,7 @@ def main():
             except Exception as e:  # out of resources for this GPU: skip the configuration
                 print(f'  {name} {cfg}: {type(e).__name__}')
                 continue
-            if ((got - want).norm() / want.norm()).item() > 2e-2:
+            if rel_err(got, want) > 2e-2:
                 print(f'  {name} {cfg}: WRONG RESULT')
                 continue
             results.append((1e3 * do_bench_cudagraph(lambda: triton_linear(x, w, cfg, partial)), cfg))

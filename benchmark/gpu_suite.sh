@@ -5,11 +5,11 @@
 # the decode-GEMM comparison. Logs go to $LOG_DIR (default ./gpu-logs).
 #
 #   bash benchmark/gpu_suite.sh                 # everything (~10 minutes on an H100)
-#   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm trace refill refill4 lt
+#   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm trace refill lt
 #
 # trace: one throughput run with a 2 s kernel trace from 12 s in (trace.json.gz; read it with
-# benchmark/trace_gaps.py); refill: throughput with 16 and 64 free slots calling for a prefill step,
-# refill4: with 4; lt: the decode and prefill GEMMs through each algorithm cuBLASLt suggests.
+# benchmark/trace_gaps.py); refill: throughput with each of $REFILL_SLOTS (default 16 64) free slots
+# calling for a prefill step; lt: the decode and prefill GEMMs through each algorithm cuBLASLt suggests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -39,12 +39,11 @@ for step in $steps; do
            tee "$LOG_DIR/latency.log" | tail -3 ;;
     trace) model; throughput --profile-at 12 --profile-len 2 --trace "$LOG_DIR/trace.json.gz" 2>&1 |
              grep -v Warning | tee "$LOG_DIR/throughput-trace.log" | tail -12 ;;
-    refill4) model; throughput --refill-slots 4 2>&1 | grep -v Warning | tee "$LOG_DIR/throughput-refill-4.log" | tail -6 ;;
-    refill) model; for slots in 16 64; do throughput --refill-slots $slots 2>&1 | grep -v Warning |
+    refill) model; for slots in ${REFILL_SLOTS:-16 64}; do throughput --refill-slots $slots 2>&1 | grep -v Warning |
               tee "$LOG_DIR/throughput-refill-$slots.log" | tail -6; done ;;
     gemm) python3 benchmark/gemm_sweep.py --shapes gate_up,down,qkv,o 2>&1 | tee "$LOG_DIR/gemm.log" | tail -25 ;;
     lt) python3 benchmark/cublaslt_algos.py --m 256,4800 2>&1 | tee "$LOG_DIR/cublaslt.log" | tail -45 ;;
-    *) echo "unknown step $step (tests check tp lat gemm trace refill refill4 lt)"; exit 2 ;;
+    *) echo "unknown step $step (tests check tp lat gemm trace refill lt)"; exit 2 ;;
   esac
 done
 echo "=== done $(date +%T); logs in $LOG_DIR"

@@ -17,6 +17,7 @@ import random
 
 import torch
 
+from bench_utils import rel_err
 from decode_attn_sweep import make_batch
 from lmdeploy.devices.cuda.kernels import attention
 
@@ -53,7 +54,7 @@ def main():
         except Exception as e:  # out of resources: skip
             print(f'  {tiles}: {type(e).__name__}')
             continue
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        err = rel_err(got, want)
         if not err < 1e-2:
             print(f'  {tiles}: WRONG ({err:.3g})')
             continue

@@ -1,0 +1,28 @@
+"""What the GEMM and attention benchmarks share: the Llama-3-8B GEMM shapes,
+the relative error every candidate is checked with, and timing over a
+model's worth of weights."""
+from __future__ import annotations
+
+from typing import Callable, List
+
+import torch
+
+# (name, N, K) of a Llama-3-8B block, and its logits
+SHAPES = [('qkv', 6144, 4096), ('o', 4096, 4096), ('gate_up', 28672, 4096), ('down', 4096, 14336),
+          ('lm_head', 128256, 4096)]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def weight_copies(n: int, k: int, dtype=torch.bfloat16) -> List[torch.Tensor]:
+    """~2 GB of random [n, k] weights: a replay that walks them all reads each
+    from memory, as a decode step does (L2 holds none of them)."""
+    return [torch.randn(n, k, device='cuda', dtype=dtype) / k**0.5 for _ in range(max(1, (2 << 30) // (n * k * 2)))]
+
+
+def us_per_weight(fn: Callable[[torch.Tensor], object], ws: List[torch.Tensor]) -> float:
+    """Microseconds of ``fn(w)`` for one weight, timed as CUDA graph replays over all of ``ws``."""
+    from triton.testing import do_bench_cudagraph
+    return 1e3 * do_bench_cudagraph(lambda: [fn(w) for w in ws]) / len(ws)
