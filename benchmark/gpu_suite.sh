@@ -5,11 +5,13 @@
 # the decode-GEMM comparison. Logs go to $LOG_DIR (default ./gpu-logs).
 #
 #   bash benchmark/gpu_suite.sh                 # everything (~10 minutes on an H100)
-#   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm trace refill lt
+#   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm trace refill lt floor
 #
 # trace: one throughput run with a 2 s kernel trace from 12 s in (trace.json.gz; read it with
 # benchmark/trace_gaps.py); refill: throughput with each of $REFILL_SLOTS (default 16 64) free slots
-# calling for a prefill step; lt: the decode and prefill GEMMs through each algorithm cuBLASLt suggests.
+# calling for a prefill step; lt: the decode and prefill GEMMs through each algorithm cuBLASLt suggests;
+# floor: the workload's schedule with each step's kernels timed back to back (KV capacity $KV_TOKENS, the
+# tp run's: 312000 on an H100 80GB).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -43,7 +45,9 @@ for step in $steps; do
               tee "$LOG_DIR/throughput-refill-$slots.log" | tail -6; done ;;
     gemm) python3 benchmark/gemm_sweep.py --shapes gate_up,down,qkv,o 2>&1 | tee "$LOG_DIR/gemm.log" | tail -25 ;;
     lt) python3 benchmark/cublaslt_algos.py --m 256,4800 2>&1 | tee "$LOG_DIR/cublaslt.log" | tail -45 ;;
-    *) echo "unknown step $step (tests check tp lat gemm trace refill lt)"; exit 2 ;;
+    floor) python3 benchmark/step_floor.py --measure --kv-tokens ${KV_TOKENS:-312000} 2>&1 | grep -v Writing |
+             tee "$LOG_DIR/floor.log" | tail -8 ;;
+    *) echo "unknown step $step (tests check tp lat gemm trace refill lt floor)"; exit 2 ;;
   esac
 done
 echo "=== done $(date +%T); logs in $LOG_DIR"

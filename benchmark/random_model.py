@@ -40,14 +40,21 @@ def write_tokenizer(out: str, vocab_size: int):
                    'unk_token': 't0', 'model_max_length': 1 << 20}, f)
 
 
-def make_model(shape: str, out: str, dtype: str = 'bfloat16', seed: int = 0, **overrides) -> str:
-    import torch
+def make_config(shape: str, **overrides):
+    """The transformers config of a shape (``overrides`` replace its fields)."""
     import transformers
     spec = dict(SHAPES[shape], **overrides)
     cls = getattr(transformers, spec.pop('arch'))
     theta = spec.pop('rope_theta')
     cfg = cls(**spec, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     cfg.rope_parameters = {'rope_type': 'default', 'rope_theta': theta}
+    return cfg
+
+
+def make_model(shape: str, out: str, dtype: str = 'bfloat16', seed: int = 0, **overrides) -> str:
+    import torch
+    import transformers
+    cfg = make_config(shape, **overrides)
     torch.manual_seed(seed)
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     with torch.device(device):

@@ -354,3 +354,18 @@ def build_tiny_models(root: str, tokenizer_dir: str, names=None) -> dict:
         n: build_tiny_model(n, os.path.join(root, n), tokenizer_dir)
         for n in names
     }
+
+
+def benchmark_module(name):
+    """A script of benchmark/ loaded as a module (they import each other by name)."""
+    import importlib.util
+    import sys
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmark')
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(folder, f'{name}.py'))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+    return module

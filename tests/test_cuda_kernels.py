@@ -14,6 +14,8 @@ if not HAS_CUDA:
     os.environ.setdefault('TRITON_INTERPRET', '1')
 import triton  # noqa: E402,F401  (a test dependency: these tests must not skip silently)
 
+from helpers import benchmark_module  # noqa: E402
+
 from lmdeploy.devices import get_device  # noqa: E402
 from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary  # noqa: E402
 
@@ -378,21 +380,6 @@ def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):
         monkeypatch.setitem(dispatch._by_torch_type, 'cpu', CudaOps(num_sms=132))
     out = run(DEV, 3, torch.tensor([2, 0, 1], device=DEV))
     assert rel_err(out, ref) < tol(dtype) * 2
-
-
-def benchmark_module(name):
-    """A script of benchmark/ loaded as a module (they import each other by name)."""
-    import importlib.util
-    import sys
-    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmark')
-    sys.path.insert(0, folder)
-    try:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(folder, f'{name}.py'))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(folder)
-    return module
 
 
 def test_gemm_sweep_kernel_matches_torch():

@@ -1,0 +1,275 @@
+"""The throughput workload's floor on this GPU: its exact schedule, each step's kernels back to back.
+
+A run's device time is its steps' kernels plus whatever keeps the GPU from running them back to back
+(host work, launch gaps, clocks). This separates the two.
+
+1. The workload (``throughput.make_workload``: same seed, same lengths as ``throughput.py``) runs through
+   the real engine and scheduler on the cpu device with the model taken out (as host_overhead.py does),
+   with the KV capacity of the GPU run, and every step is recorded: each sequence's tokens this step, its
+   context, its KV blocks. Printed: the steps and the work they fix, GEMM FLOPs per phase and the KV bytes
+   decode attention reads. Every generated token reads its whole context once, so the KV bytes are the
+   same under any schedule; so are the GEMM rows (each token passes through the model once).
+2. ``--measure`` (a CUDA GPU): one decoder layer of the model's shape, random weights, runs every
+   recorded step with its real block tables: decode steps as graphs padded as the engine pads them,
+   prefill steps eagerly, as the engine runs them. 32 layers of that plus the step's own part (embedding,
+   final norm, logits, greedy pick) is the step's floor; the layer's four GEMMs are timed alone at the
+   same rows to split it. The sum is what the run would take if the GPU ran these kernels back to back.
+
+    python benchmark/step_floor.py                                 # schedule and work (cpu, ~10 s)
+    python benchmark/step_floor.py --measure --kv-tokens 312000    # + the floor on this GPU (~1 min)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import types
+from collections import Counter
+from typing import List, NamedTuple, Tuple
+
+from random_model import SHAPES, make_config, make_model
+from throughput import make_workload
+
+
+class Row(NamedTuple):
+    computed: int  # context tokens before this step
+    new: int  # tokens this step
+    total: int  # the sequence's tokens so far (prompt and generated)
+    blocks: Tuple[int, ...]
+
+
+class Step(NamedTuple):
+    is_decode: bool
+    rows: List[Row]
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.new for r in self.rows)
+
+    @property
+    def sampled(self) -> int:
+        """Rows whose logits are taken: every sequence that finishes its pending tokens."""
+        return sum(r.computed + r.new >= r.total for r in self.rows)
+
+    def decode_context(self) -> int:
+        """Context tokens the step's one-token rows attend over (their new token included)."""
+        return sum(r.computed + 1 for r in self.rows if r.new == 1)
+
+
+def stand_in_model(out: str, vocab_size: int, max_positions: int) -> str:
+    """A one-layer model the stubbed engine loads: only its vocabulary and length limit matter."""
+    return make_model('llama-small', out, dtype='float32', num_hidden_layers=1, hidden_size=64,
+                      intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab_size,
+                      max_position_embeddings=max_positions)
+
+
+def record_schedule(model_dir: str, prompts: List[List[int]], outs: List[int], max_batch_size: int,
+                    num_blocks: int, block_size: int, max_prefill_tokens: int) -> List[Step]:
+    """Every step the engine runs for these requests, submitted as Pipeline.infer submits a batch."""
+    import torch
+
+    from lmdeploy.engine.engine import Engine, EngineRequest
+    from lmdeploy.engine.sequence import SamplingParams
+    from lmdeploy.messages import PytorchEngineConfig
+    eng = Engine(model_dir, PytorchEngineConfig(device_type='cpu', max_batch_size=max_batch_size,
+                                                num_gpu_blocks=num_blocks, block_size=block_size,
+                                                max_prefill_token_num=max_prefill_tokens))
+    eng.scheduler.mix = False  # schedule as a graph device does
+    hidden = eng.model_config.hidden_size
+    eng.runner._forward = lambda ids, positions, ctx: torch.empty(ids.shape[0], hidden)
+    top = torch.zeros(max_batch_size, 8)  # a few columns: the greedy pick over them costs nothing
+    eng.runner.logits = lambda h: top[:h.shape[0]]
+    steps: List[Step] = []
+    run_step = eng._run_step
+
+    def recorded(batch):
+        steps.append(Step(batch.is_decode, [Row(s.num_computed, n, s.num_tokens, tuple(s.block_ids))
+                                            for s, n in zip(batch.seqs, batch.num_new_tokens)]))
+        run_step(batch)
+
+    eng._run_step = recorded
+    left, done = [len(prompts)], threading.Event()
+
+    def on_output(out):
+        if out.finished:
+            left[0] -= 1
+            if not left[0]:
+                done.set()
+
+    for i in sorted(range(len(outs)), key=lambda i: -outs[i]):  # longest first, as Pipeline.infer
+        eng.submit(EngineRequest(i + 1, prompts[i], SamplingParams(max_new_tokens=outs[i], greedy=True), on_output))
+    done.wait()
+    eng.close()
+    return steps
+
+
+def work(steps: List[Step], cfg) -> dict:
+    """What the schedule fixes, per phase: steps, rows, GEMM TFLOP, decode-attention KV TB."""
+    d, i, hkv, hd, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    per_row = 2 * L * d * (cfg.num_heads * hd + 2 * hkv * hd + cfg.num_heads * hd + 3 * i)
+    kv_per_token = 2 * L * hkv * hd * 2  # K and V, bf16
+    out = {}
+    for phase, is_decode in (('prefill', False), ('decode', True)):
+        ss = [s for s in steps if s.is_decode == is_decode]
+        rows = sum(s.tokens for s in ss)
+        sampled = sum(s.sampled for s in ss)
+        out[phase] = dict(steps=len(ss), rows=rows, sampled=sampled,
+                          tflop=(rows * per_row + sampled * 2 * d * cfg.vocab_size) / 1e12,
+                          kv_tb=sum(s.decode_context() for s in ss) * kv_per_token / 1e12)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ GPU part
+def _fake_batch(step: Step):
+    """The step as ModelRunner.build_inputs reads it."""
+    from lmdeploy.engine.scheduler import ScheduledBatch
+
+    class Ids:  # token ids: their values do not change a kernel's time
+
+        def __getitem__(self, i):
+            return [1] * len(range(*i.indices(1 << 30))) if isinstance(i, slice) else 1
+
+    seqs = [types.SimpleNamespace(token_ids=Ids(), num_computed=r.computed, block_ids=list(r.blocks),
+                                  num_tokens=r.total) for r in step.rows]
+    return ScheduledBatch(seqs, [r.new for r in step.rows])
+
+
+def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_len: int, device_type: str = 'cuda',
+            reps: int = 3) -> List[Tuple[float, float]]:
+    """Per step: seconds of (its layers and its own part, the block GEMMs of its layers) on the device."""
+    import dataclasses
+
+    import torch
+
+    from lmdeploy.devices import get_device, ops
+    from lmdeploy.engine.graph_runner import GraphRunner
+    from lmdeploy.engine.model_runner import ModelRunner
+    from lmdeploy.engine.models import get_model_class
+    device = get_device(device_type)
+    dev = device.torch_device()
+    dtype = torch.bfloat16 if device_type == 'cuda' else torch.float32
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = get_model_class(cfg)(dataclasses.replace(cfg, num_layers=1)).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # O(1) activations, as random_model.py draws them
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 1.0 if 'embed' in name else p.shape[-1]**-0.5)
+    layer, body = model.model.layers[0], model.model
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.randn(shape, dtype=dtype, device=dev), torch.randn(shape, dtype=dtype, device=dev))]
+    runner = types.SimpleNamespace(block_size=block_size, torch_device=dev, kv_caches=caches)
+    most = max(256, max(s.tokens for s in steps))
+    x = torch.randn(most, cfg.hidden_size, dtype=dtype, device=dev)
+    res = torch.randn_like(x)
+    wide = torch.randn(most, cfg.intermediate_size, dtype=dtype, device=dev)
+    cos = torch.rand(most, cfg.head_dim, dtype=dtype, device=dev)
+    sin = torch.rand_like(cos)
+    attn, mlp = layer.self_attn, layer.mlp
+    gemms = [(x, attn.qkv_proj.weight), (x, attn.o_proj.weight), (x, mlp.gate_up_proj.weight),
+             (wide, mlp.down_proj.weight)]
+
+    def one_layer(ids, positions, ctx):
+        n = ids.shape[0]
+        return layer(x[:n], res[:n], cos[:n], sin[:n], ctx)[0]
+
+    graphs = None
+    if device.supports_graphs:  # decode steps replay graphs, padded as the engine pads them
+        graphs = GraphRunner(device, one_layer, caches, 256, -(-session_len // block_size), session_len, dev)
+
+    def timed(fn) -> float:
+        fn()
+        start = device.timestamp()
+        for _ in range(reps):
+            fn()
+        end = device.timestamp()
+        device.synchronize()
+        return device.seconds_between(start, end) / reps
+
+    def step_part(ids, positions, ctx, sampled):
+        """Once a step: embedding, rotary angles, final norm, logits of the sampled rows, greedy pick."""
+        h = body.embed_tokens(ids)
+        body.rotary_emb.cos_sin(positions, ctx.rope_lens)
+        h, _ = body.norm(h, res[:ids.shape[0]])
+        ops.argmax(model.compute_logits(h[:sampled]))
+
+    results = []
+    with torch.inference_mode():
+        for step in steps:
+            ids, positions, ctx = ModelRunner.build_inputs(runner, _fake_batch(step))
+            rows = ids.shape[0]
+            if graphs is not None and step.is_decode:
+                graphs(ids, positions, ctx)  # records the padded size's graph on first use
+                rows = next(n for n in graphs.sizes if n >= rows)
+                t_layer = timed(graphs.graphs[rows][0])
+            else:
+                t_layer = timed(lambda: one_layer(ids, positions, ctx))
+            t_gemm = timed(lambda: [ops.linear(a[:rows], w) for a, w in gemms])
+            t_step = timed(lambda: step_part(ids, positions, ctx, step.sampled))
+            results.append((cfg.num_layers * t_layer + t_step, cfg.num_layers * t_gemm))
+    return results
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--shape', default='llama3-8b', help="random_model.py's shape whose config is used")
+    p.add_argument('--num-requests', type=int, default=2000)
+    p.add_argument('--input-len', type=int, default=150)
+    p.add_argument('--output-len', type=int, default=140)
+    p.add_argument('--sigma', type=float, default=0.9)
+    p.add_argument('--max-input-len', type=int, default=2000)
+    p.add_argument('--max-output-len', type=int, default=1000)
+    p.add_argument('--max-batch-size', type=int, default=256)
+    p.add_argument('--max-prefill-token-num', type=int, default=8192)
+    p.add_argument('--kv-tokens', type=int, default=312000, help="the GPU run's KV capacity (throughput.py prints it)")
+    p.add_argument('--block-size', type=int, default=64)
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--measure', action='store_true', help='time every step on the device')
+    p.add_argument('--device', default='cuda', help='where --measure times the steps')
+    p.add_argument('--max-steps', type=int, default=None, help='time only the first steps (a check)')
+    args = p.parse_args()
+
+    from lmdeploy.engine.model_config import load_model_config
+    shape = SHAPES[args.shape]
+    wl = types.SimpleNamespace(seed=args.seed, num_requests=args.num_requests, input_len=args.input_len,
+                               output_len=args.output_len, input_sigma=args.sigma, output_sigma=args.sigma,
+                               max_input_len=args.max_input_len, max_output_len=args.max_output_len)
+    prompts, outs = make_workload(wl, shape['vocab_size'])
+    with tempfile.TemporaryDirectory() as tmp:
+        stand_in = stand_in_model(os.path.join(tmp, 'stand-in'), shape['vocab_size'], shape['max_position_embeddings'])
+        steps = record_schedule(stand_in, prompts, outs, args.max_batch_size, -(-args.kv_tokens // args.block_size),
+                                args.block_size, args.max_prefill_token_num)
+        cfg_dir = os.path.join(tmp, 'config')
+        config = make_config(args.shape)
+        config.architectures = [type(config).__name__.replace('Config', 'ForCausalLM')]
+        config.save_pretrained(cfg_dir)
+        cfg = load_model_config(cfg_dir)
+    generated = sum(outs)
+    print(f'{args.num_requests} requests, {sum(map(len, prompts))} prompt and {generated} output tokens, '
+          f'{cfg.num_layers} layers of the {args.shape} shape, KV for {args.kv_tokens} tokens')
+    for phase, w in work(steps, cfg).items():
+        print(f"  {phase}: {w['steps']} steps, {w['rows'] / max(1, w['steps']):.1f} rows/step, "
+              f"{w['tflop']:,.1f} TFLOP of GEMMs, decode attention reads {w['kv_tb']:.2f} TB of KV")
+    if not args.measure:
+        return
+    steps = steps[:args.max_steps]
+    per_step = measure(steps, cfg, -(-args.kv_tokens // args.block_size), args.block_size,
+                       shape['max_position_embeddings'], args.device)
+    floors = Counter()
+    for phase, is_decode in (('prefill', False), ('decode', True)):
+        got = [r for s, r in zip(steps, per_step) if s.is_decode == is_decode]
+        total, gemm = sum(t for t, _ in got), sum(g for _, g in got)
+        floors[phase] = total
+        print(f'  floor of the {phase} steps: {total:.2f} s ({1e3 * total / max(1, len(got)):.2f} ms/step), '
+              f'of which the block GEMMs {gemm:.2f} s')
+    floor = sum(floors.values())
+    if len(steps) == len(per_step) and args.max_steps is None:
+        print(f'floor of the run: {floor:.2f} s of kernels back to back -> at most {generated / floor:,.0f} '
+              'output tok/s')
+
+
+if __name__ == '__main__':
+    main()

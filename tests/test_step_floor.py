@@ -1,0 +1,46 @@
+"""benchmark/step_floor.py: the schedule it records is the engine's, and the
+work it derives is what the workload fixes (whatever the schedule)."""
+import random
+
+from helpers import benchmark_module
+
+
+def test_recorded_schedule_carries_every_token_once(tmp_path):
+    sf = benchmark_module('step_floor')
+    rng = random.Random(7)
+    ins = [rng.randint(4, 90) for _ in range(30)]
+    outs = [rng.randint(2, 40) for _ in range(30)]
+    prompts = [[rng.randrange(100, 32000) for _ in range(n)] for n in ins]
+    model = sf.stand_in_model(str(tmp_path / 'stand-in'), 32000, 4096)
+    steps = sf.record_schedule(model, prompts, outs, max_batch_size=8, num_blocks=200, block_size=16,
+                               max_prefill_tokens=256)
+    assert any(s.is_decode for s in steps) and any(not s.is_decode for s in steps)
+    decode_rows = [r for s in steps for r in s.rows if r.new == 1]
+    prompt_rows = [r for s in steps for r in s.rows if r.new > 1]
+    # each prompt token computed once (chunks of at most the budget), each output token after the first decoded
+    # once (the first comes from the prompt's last row), over the whole context so far
+    assert sum(r.new for r in prompt_rows) == sum(ins)
+    assert max(s.tokens for s in steps if not s.is_decode) <= 256 + 8
+    assert len(decode_rows) == sum(outs) - len(outs)
+    assert sum(s.decode_context() for s in steps) == sum((o - 1) * i + o * (o - 1) // 2 for i, o in zip(ins, outs))
+    assert sum(s.sampled for s in steps) == sum(outs)
+    assert all(len(r.blocks) * 16 >= r.computed + r.new for s in steps for r in s.rows)
+
+
+def test_step_times_on_the_cpu_device(tmp_path):
+    """The timing path (inputs built as the engine builds them, one layer per step) runs on any device."""
+    sf = benchmark_module('step_floor')
+    from lmdeploy.engine.model_config import load_model_config
+    config = sf.make_config('llama-small', num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
+    config.architectures = ['LlamaForCausalLM']
+    config.save_pretrained(tmp_path / 'cfg')
+    cfg = load_model_config(str(tmp_path / 'cfg'))
+    model = sf.stand_in_model(str(tmp_path / 'stand-in'), 500, 4096)
+    steps = sf.record_schedule(model, [[120] * 40, [130] * 9, [140] * 17], [3, 5, 2], max_batch_size=4,
+                               num_blocks=20, block_size=16, max_prefill_tokens=64)
+    times = sf.measure(steps, cfg, num_blocks=20, block_size=16, session_len=4096, device_type='cpu', reps=1)
+    assert len(times) == len(steps)
+    assert all(0 < gemm < total for total, gemm in times)
+    work = sf.work(steps, cfg)
+    assert work['prefill']['rows'] + work['decode']['rows'] == 40 + 9 + 17 + (3 - 1) + (5 - 1) + (2 - 1)
