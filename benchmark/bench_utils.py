@@ -1,6 +1,6 @@
-"""What the GEMM and attention benchmarks share: the Llama-3-8B GEMM shapes,
-the relative error every candidate is checked with, and timing over a
-model's worth of weights."""
+"""What the benchmarks share: the Llama-3-8B GEMM shapes, the relative error
+every candidate is checked with, timing over a model's worth of weights, and
+an engine with its model taken out (to time or record the host's part)."""
 from __future__ import annotations
 
 from typing import Callable, List
@@ -26,3 +26,12 @@ def us_per_weight(fn: Callable[[torch.Tensor], object], ws: List[torch.Tensor]) 
     """Microseconds of ``fn(w)`` for one weight, timed as CUDA graph replays over all of ``ws``."""
     from triton.testing import do_bench_cudagraph
     return 1e3 * do_bench_cudagraph(lambda: [fn(w) for w in ws]) / len(ws)
+
+
+def stub_model(engine, max_rows: int):
+    """Take the model out of a cpu engine: a step's forward returns an empty hidden state and its logits a
+    few columns (a greedy pick over them costs nothing), so what runs is the host's part alone."""
+    hidden = engine.model_config.hidden_size
+    engine.runner._forward = lambda ids, positions, ctx: torch.empty(ids.shape[0], hidden)
+    top = torch.zeros(max_rows, 8)
+    engine.runner.logits = lambda h: top[:h.shape[0]]

@@ -18,7 +18,8 @@ import threading
 import time
 
 import numpy as np
-import torch
+
+from bench_utils import stub_model
 
 
 def main():
@@ -43,13 +44,10 @@ def main():
                  PytorchEngineConfig(device_type='cpu', max_batch_size=args.max_batch_size, session_len=4096,
                                      max_prefill_token_num=8192, cache_max_entry_count=0.3))
     eng.scheduler.mix = args.eager_scheduling
-    hidden = eng.model_config.hidden_size
     vocab = eng.model_config.vocab_size
-    eng.runner._forward = lambda ids, positions, ctx: torch.empty(ids.shape[0], hidden)
     # a few columns of logits: on the cpu device sampling would otherwise run a real argmax over the
     # vocabulary (a launch on a GPU, milliseconds here)
-    top = torch.zeros(args.max_batch_size, 8)
-    eng.runner.logits = lambda h: top[:h.shape[0]]
+    stub_model(eng, args.max_batch_size)
 
     times = {'prefill': [], 'decode': []}
     run_step = eng._run_step

@@ -28,6 +28,7 @@ import types
 from collections import Counter
 from typing import List, NamedTuple, Tuple
 
+from bench_utils import stub_model
 from random_model import SHAPES, make_config, make_model
 from throughput import make_workload
 
@@ -67,8 +68,6 @@ def stand_in_model(out: str, vocab_size: int, max_positions: int) -> str:
 def record_schedule(model_dir: str, prompts: List[List[int]], outs: List[int], max_batch_size: int,
                     num_blocks: int, block_size: int, max_prefill_tokens: int) -> List[Step]:
     """Every step the engine runs for these requests, submitted as Pipeline.infer submits a batch."""
-    import torch
-
     from lmdeploy.engine.engine import Engine, EngineRequest
     from lmdeploy.engine.sequence import SamplingParams
     from lmdeploy.messages import PytorchEngineConfig
@@ -76,10 +75,7 @@ def record_schedule(model_dir: str, prompts: List[List[int]], outs: List[int], m
                                                 num_gpu_blocks=num_blocks, block_size=block_size,
                                                 max_prefill_token_num=max_prefill_tokens))
     eng.scheduler.mix = False  # schedule as a graph device does
-    hidden = eng.model_config.hidden_size
-    eng.runner._forward = lambda ids, positions, ctx: torch.empty(ids.shape[0], hidden)
-    top = torch.zeros(max_batch_size, 8)  # a few columns: the greedy pick over them costs nothing
-    eng.runner.logits = lambda h: top[:h.shape[0]]
+    stub_model(eng, max_batch_size)
     steps: List[Step] = []
     run_step = eng._run_step
 
