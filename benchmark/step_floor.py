@@ -66,15 +66,20 @@ def stand_in_model(out: str, vocab_size: int, max_positions: int) -> str:
 
 
 def record_schedule(model_dir: str, prompts: List[List[int]], outs: List[int], max_batch_size: int,
-                    num_blocks: int, block_size: int, max_prefill_tokens: int) -> List[Step]:
-    """Every step the engine runs for these requests, submitted as Pipeline.infer submits a batch."""
+                    num_blocks: int, block_size: int, max_prefill_tokens: int, refill_slots: int = 0,
+                    mix: bool = False) -> List[Step]:
+    """Every step the engine runs for these requests, submitted as Pipeline.infer submits a batch, scheduled
+    as a graph device schedules them (``refill_slots`` other than the scheduler's own), or with ``mix`` as an
+    eager device does (prompts join every step)."""
     from lmdeploy.engine.engine import Engine, EngineRequest
     from lmdeploy.engine.sequence import SamplingParams
     from lmdeploy.messages import PytorchEngineConfig
     eng = Engine(model_dir, PytorchEngineConfig(device_type='cpu', max_batch_size=max_batch_size,
                                                 num_gpu_blocks=num_blocks, block_size=block_size,
                                                 max_prefill_token_num=max_prefill_tokens))
-    eng.scheduler.mix = False  # schedule as a graph device does
+    eng.scheduler.mix = mix
+    if refill_slots:
+        eng.scheduler.refill_slots = refill_slots
     stub_model(eng, max_batch_size)
     steps: List[Step] = []
     run_step = eng._run_step
@@ -223,6 +228,10 @@ def main():
     p.add_argument('--kv-tokens', type=int, default=312000, help="the GPU run's KV capacity (throughput.py prints it)")
     p.add_argument('--block-size', type=int, default=64)
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--refill-slots', type=int, default=0, help="free slots that call for a prefill step "
+                   "(default: the scheduler's)")
+    p.add_argument('--mix', action='store_true', help='prompts join every step, as on an eager device (what '
+                   'the floor of such a schedule is; the engine replays graphs only for decode-only steps)')
     p.add_argument('--measure', action='store_true', help='time every step on the device')
     p.add_argument('--device', default='cuda', help='where --measure times the steps')
     p.add_argument('--max-steps', type=int, default=None, help='time only the first steps (a check)')
@@ -237,7 +246,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         stand_in = stand_in_model(os.path.join(tmp, 'stand-in'), shape['vocab_size'], shape['max_position_embeddings'])
         steps = record_schedule(stand_in, prompts, outs, args.max_batch_size, -(-args.kv_tokens // args.block_size),
-                                args.block_size, args.max_prefill_token_num)
+                                args.block_size, args.max_prefill_token_num, args.refill_slots, args.mix)
         cfg_dir = os.path.join(tmp, 'config')
         config = make_config(args.shape)
         config.architectures = [type(config).__name__.replace('Config', 'ForCausalLM')]
