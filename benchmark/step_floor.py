@@ -1,4 +1,4 @@
-"""The throughput workload's floor on this GPU: its exact schedule, each step's kernels back to back.
+"""The throughput workload's floor on this GPU: its schedule, each step's kernels back to back.
 
 A run's device time is its steps' kernels plus whatever keeps the GPU from running them back to back
 (host work, launch gaps, clocks). This separates the two.
@@ -6,7 +6,8 @@ A run's device time is its steps' kernels plus whatever keeps the GPU from runni
 1. The workload (``throughput.make_workload``: same seed, same lengths as ``throughput.py``) runs through
    the real engine and scheduler on the cpu device with the model taken out (as host_overhead.py does),
    with the KV capacity of the GPU run, and every step is recorded: each sequence's tokens this step, its
-   context, its KV blocks. Printed: the steps and the work they fix, GEMM FLOPs per phase and the KV bytes
+   context, its KV blocks (on the H100 the step counts of one run exactly, of another within 6 steps: when
+   a step may run ahead of the one in flight depends a little on timing). Printed: the steps and the work they fix, GEMM FLOPs per phase and the KV bytes
    decode attention reads. Every generated token reads its whole context once, so the KV bytes are the
    same under any schedule; so are the GEMM rows (each token passes through the model once).
 2. ``--measure`` (a CUDA GPU): one decoder layer of the model's shape, random weights, runs every
@@ -25,7 +26,6 @@ import os
 import tempfile
 import threading
 import types
-from collections import Counter
 from typing import List, NamedTuple, Tuple
 
 from bench_utils import stub_model
@@ -136,8 +136,8 @@ def _fake_batch(step: Step):
     return ScheduledBatch(seqs, [r.new for r in step.rows])
 
 
-def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_len: int, device_type: str = 'cuda',
-            reps: int = 3) -> List[Tuple[float, float]]:
+def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_len: int, max_batch_size: int,
+            device_type: str = 'cuda', reps: int = 3) -> List[Tuple[float, float]]:
     """Per step: seconds of (its layers and its own part, the block GEMMs of its layers) on the device."""
     import dataclasses
 
@@ -163,7 +163,7 @@ def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_le
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     caches = [(torch.randn(shape, dtype=dtype, device=dev), torch.randn(shape, dtype=dtype, device=dev))]
     runner = types.SimpleNamespace(block_size=block_size, torch_device=dev, kv_caches=caches)
-    most = max(256, max(s.tokens for s in steps))
+    most = max(max_batch_size, max(s.tokens for s in steps))
     x = torch.randn(most, cfg.hidden_size, dtype=dtype, device=dev)
     res = torch.randn_like(x)
     wide = torch.randn(most, cfg.intermediate_size, dtype=dtype, device=dev)
@@ -179,7 +179,7 @@ def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_le
 
     graphs = None
     if device.supports_graphs:  # decode steps replay graphs, padded as the engine pads them
-        graphs = GraphRunner(device, one_layer, caches, 256, -(-session_len // block_size), session_len, dev)
+        graphs = GraphRunner(device, one_layer, caches, max_batch_size, -(-session_len // block_size), session_len, dev)
 
     def timed(fn) -> float:
         fn()
@@ -262,8 +262,8 @@ def main():
         return
     steps = steps[:args.max_steps]
     per_step = measure(steps, cfg, -(-args.kv_tokens // args.block_size), args.block_size,
-                       shape['max_position_embeddings'], args.device)
-    floors = Counter()
+                       shape['max_position_embeddings'], args.max_batch_size, args.device)
+    floors = {}
     for phase, is_decode in (('prefill', False), ('decode', True)):
         got = [r for s, r in zip(steps, per_step) if s.is_decode == is_decode]
         total, gemm = sum(t for t, _ in got), sum(g for _, g in got)
@@ -271,7 +271,7 @@ def main():
         print(f'  floor of the {phase} steps: {total:.2f} s ({1e3 * total / max(1, len(got)):.2f} ms/step), '
               f'of which the block GEMMs {gemm:.2f} s')
     floor = sum(floors.values())
-    if len(steps) == len(per_step) and args.max_steps is None:
+    if args.max_steps is None:
         print(f'floor of the run: {floor:.2f} s of kernels back to back -> at most {generated / floor:,.0f} '
               'output tok/s')
 

@@ -39,7 +39,8 @@ def test_step_times_on_the_cpu_device(tmp_path):
     model = sf.stand_in_model(str(tmp_path / 'stand-in'), 500, 4096)
     steps = sf.record_schedule(model, [[120] * 40, [130] * 9, [140] * 17], [3, 5, 2], max_batch_size=4,
                                num_blocks=20, block_size=16, max_prefill_tokens=64)
-    times = sf.measure(steps, cfg, num_blocks=20, block_size=16, session_len=4096, device_type='cpu', reps=1)
+    times = sf.measure(steps, cfg, num_blocks=20, block_size=16, session_len=4096, max_batch_size=4,
+                       device_type='cpu', reps=1)
     assert len(times) == len(steps)
     assert all(0 < gemm < total for total, gemm in times)
     work = sf.work(steps, cfg)
