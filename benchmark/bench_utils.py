@@ -1,9 +1,11 @@
 """What the benchmarks share: the Llama-3-8B GEMM shapes, the relative error
 every candidate is checked with, timing over a model's worth of weights, and
-an engine with its model taken out (to time or record the host's part)."""
+an engine with its model taken out (to time or record the host's part) with
+a batch of requests run through it."""
 from __future__ import annotations
 
-from typing import Callable, List
+import threading
+from typing import Callable, List, Sequence
 
 import torch
 
@@ -35,3 +37,22 @@ def stub_model(engine, max_rows: int):
     engine.runner._forward = lambda ids, positions, ctx: torch.empty(ids.shape[0], hidden)
     top = torch.zeros(max_rows, 8)
     engine.runner.logits = lambda h: top[:h.shape[0]]
+
+
+def run_requests(engine, prompts: Sequence[List[int]], outs: Sequence[int], stream: bool = False):
+    """Greedy requests of ``outs[i]`` tokens, submitted as Pipeline.infer submits a batch (longest output
+    first; ``stream=False``: one output at the end) and waited for."""
+    from lmdeploy.engine.engine import EngineRequest
+    from lmdeploy.engine.sequence import SamplingParams
+    left, done = [len(prompts)], threading.Event()
+
+    def on_output(out):
+        if out.finished:
+            left[0] -= 1
+            if not left[0]:
+                done.set()
+
+    for i in sorted(range(len(outs)), key=lambda i: -outs[i]):
+        engine.submit(EngineRequest(i + 1, prompts[i], SamplingParams(max_new_tokens=int(outs[i]), greedy=True),
+                                    on_output, stream=stream))
+    done.wait()

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 
 import numpy as np
 
-from bench_utils import stub_model
+from bench_utils import run_requests, stub_model
 
 
 def main():
@@ -37,8 +36,7 @@ def main():
     args = p.parse_args()
 
     from lmdeploy.default_model import default_model_path
-    from lmdeploy.engine.engine import Engine, EngineRequest
-    from lmdeploy.engine.sequence import SamplingParams
+    from lmdeploy.engine.engine import Engine
     from lmdeploy.messages import PytorchEngineConfig
     eng = Engine(args.model or default_model_path(),
                  PytorchEngineConfig(device_type='cpu', max_batch_size=args.max_batch_size, session_len=4096,
@@ -61,21 +59,12 @@ def main():
     rng = np.random.default_rng(args.seed)
     ins = np.clip(rng.lognormal(np.log(args.input_len), args.sigma, args.num_requests), 4, 2000).astype(int)
     outs = np.clip(rng.lognormal(np.log(args.output_len), args.sigma, args.num_requests), 4, 1000).astype(int)
-    left = [args.num_requests]
-    done = threading.Event()
-
-    def on_output(out):
-        if out.finished:
-            left[0] -= 1
-            if not left[0]:
-                done.set()
+    prompts = [None] * args.num_requests
+    for i in np.argsort(-outs):  # drawn in this order since the first version: the same prompts
+        prompts[i] = rng.integers(10, vocab, ins[i]).tolist()
 
     t0 = time.perf_counter()
-    for i in np.argsort(-outs):  # longest first, as Pipeline.infer submits a batch
-        ids = rng.integers(10, vocab, ins[i]).tolist()
-        eng.submit(EngineRequest(int(i) + 1, ids, SamplingParams(max_new_tokens=int(outs[i]), greedy=True),
-                                 on_output, stream=args.stream))  # Pipeline.infer: one output at the end
-    done.wait()
+    run_requests(eng, prompts, outs.tolist(), stream=args.stream)
     elapsed = time.perf_counter() - t0
     eng.close()
     x = eng.stats().extra

@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import threading
 import types
 from typing import List, NamedTuple, Tuple
 
-from bench_utils import stub_model
+from bench_utils import run_requests, stub_model
 from random_model import SHAPES, make_config, make_model
 from throughput import make_workload
 
@@ -71,8 +70,7 @@ def record_schedule(model_dir: str, prompts: List[List[int]], outs: List[int], m
     """Every step the engine runs for these requests, submitted as Pipeline.infer submits a batch, scheduled
     as a graph device schedules them (``refill_slots`` other than the scheduler's own), or with ``mix`` as an
     eager device does (prompts join every step)."""
-    from lmdeploy.engine.engine import Engine, EngineRequest
-    from lmdeploy.engine.sequence import SamplingParams
+    from lmdeploy.engine.engine import Engine
     from lmdeploy.messages import PytorchEngineConfig
     eng = Engine(model_dir, PytorchEngineConfig(device_type='cpu', max_batch_size=max_batch_size,
                                                 num_gpu_blocks=num_blocks, block_size=block_size,
@@ -90,17 +88,7 @@ def record_schedule(model_dir: str, prompts: List[List[int]], outs: List[int], m
         run_step(batch)
 
     eng._run_step = recorded
-    left, done = [len(prompts)], threading.Event()
-
-    def on_output(out):
-        if out.finished:
-            left[0] -= 1
-            if not left[0]:
-                done.set()
-
-    for i in sorted(range(len(outs)), key=lambda i: -outs[i]):  # longest first, as Pipeline.infer
-        eng.submit(EngineRequest(i + 1, prompts[i], SamplingParams(max_new_tokens=outs[i], greedy=True), on_output))
-    done.wait()
+    run_requests(eng, prompts, outs)
     eng.close()
     return steps
 
