@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from bench_utils import rel_err
+from bench_utils import rel_err, us_per_weight
 from lmdeploy.devices.cuda.kernels import activation, norm, pdl
 
 
@@ -41,30 +41,28 @@ def main():
     p.add_argument('--hidden', type=int, default=4096)
     p.add_argument('--intermediate', type=int, default=14336)
     args = p.parse_args()
-    from triton.testing import do_bench_cudagraph
     dt = torch.bfloat16
     for rows in map(int, args.rows.split(',')):
         # several inputs, walked in turn, so that L2 holds none of them (as in a step)
         xs = [torch.randn(rows, 2 * args.intermediate, device='cuda', dtype=dt) for _ in range(4)]
         want = activation.silu_and_mul(xs[0])
         moved = 3 * rows * args.intermediate * 2
-        base = None
         for block, warps in itertools.product((512, 1024, 2048, 4096, 8192), (2, 4, 8, 16)):
             if block // (32 * warps) < 1:
                 continue
             assert torch.equal(silu(xs[0], block, warps), want)
-            us = 1e3 * do_bench_cudagraph(lambda: [silu(x, block, warps) for x in xs]) / len(xs)
-            base = us if (block, warps) == (1024, 4) else base
+            us = us_per_weight(lambda x: silu(x, block, warps), xs)
             print(f'silu_and_mul rows={rows} block={block:5d} warps={warps:2d}: {us:7.1f} us, '
                   f'{moved / us / 1e6:.2f} TB/s' + ('  (in use)' if (block, warps) == (1024, 4) else ''), flush=True)
         hs = [torch.randn(rows, args.hidden, device='cuda', dtype=dt) for _ in range(16)]
+        pairs = list(zip(hs[::2], hs[1::2]))  # (x, residual)
         w = 1 + 0.1 * torch.randn(args.hidden, device='cuda', dtype=dt)
         want = norm.rms_norm(hs[0], w, 1e-5, hs[1])
         moved = 4 * rows * args.hidden * 2
         for warps in (1, 2, 4, 8, 16, 32):
             got = rms(hs[0], hs[1], w, warps)
             assert torch.equal(got[1], want[1]) and rel_err(got[0], want[0]) < 1e-2
-            us = 1e3 * do_bench_cudagraph(lambda: [rms(hs[i], hs[i + 1], w, warps) for i in range(0, 16, 2)]) / 8
+            us = us_per_weight(lambda pair: rms(*pair, w, warps), pairs)
             print(f'rms_norm+residual rows={rows} warps={warps:2d}: {us:7.1f} us, {moved / us / 1e6:.2f} TB/s'
                   + ('  (in use)' if warps == 4 else ''), flush=True)
 
