@@ -109,18 +109,17 @@ def other_gemms(x, w, want, compile_too=True):
     torch.compile's max-autotune templates on the same operands, each
     checked first."""
     from triton.testing import do_bench_cudagraph
-    out = []
-    got = torch.mm(w, x.t()).t().float()
-    ok = rel_err(got, want) < 2e-2
-    out.append(('swapped w @ x^T', 1e3 * do_bench_cudagraph(lambda: torch.mm(w, x.t())))
-               if ok else ('swapped: WRONG RESULT', None))
+
+    def checked(label, fn):
+        if not rel_err(fn().float(), want) < 2e-2:
+            return f'{label}: WRONG RESULT', None
+        return label, 1e3 * do_bench_cudagraph(fn)
+
+    out = [checked('swapped w @ x^T', lambda: torch.mm(w, x.t()).t())]
     previous = torch.backends.cuda.preferred_blas_library()
     try:
         torch.backends.cuda.preferred_blas_library('cublaslt')
-        got = torch.nn.functional.linear(x, w).float()
-        ok = rel_err(got, want) < 2e-2
-        out.append(('cuBLASLt', 1e3 * do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w)))
-                   if ok else ('cuBLASLt: WRONG RESULT', None))
+        out.append(checked('cuBLASLt', lambda: torch.nn.functional.linear(x, w)))
     except Exception as e:  # not available in this build
         out.append((f'cuBLASLt: {type(e).__name__}: {e}', None))
     finally:
@@ -129,10 +128,7 @@ def other_gemms(x, w, want, compile_too=True):
         return out
     try:
         compiled = torch.compile(torch.nn.functional.linear, mode='max-autotune-no-cudagraphs', dynamic=False)
-        got = compiled(x, w).float()
-        ok = rel_err(got, want) < 2e-2
-        out.append(('torch.compile max-autotune', 1e3 * do_bench_cudagraph(lambda: compiled(x, w)))
-                   if ok else ('torch.compile: WRONG RESULT', None))
+        out.append(checked('torch.compile max-autotune', lambda: compiled(x, w)))
     except Exception as e:  # inductor missing or failing here
         out.append((f'torch.compile: {type(e).__name__}: {str(e)[:200]}', None))
     return out
