@@ -64,6 +64,15 @@ def stand_in_model(out: str, vocab_size: int, max_positions: int) -> str:
                       max_position_embeddings=max_positions)
 
 
+def engine_config(shape: str, out: str, **overrides):
+    """lmdeploy's ModelConfig of a random_model.py shape (its config.json written to ``out``, no weights)."""
+    from lmdeploy.engine.model_config import load_model_config
+    config = make_config(shape, **overrides)
+    config.architectures = [type(config).__name__.replace('Config', 'ForCausalLM')]
+    config.save_pretrained(out)
+    return load_model_config(out)
+
+
 def record_schedule(model_dir: str, prompts: List[List[int]], outs: List[int], max_batch_size: int,
                     num_blocks: int, block_size: int, max_prefill_tokens: int, refill_slots: int = 0,
                     mix: bool = False) -> List[Step]:
@@ -225,7 +234,6 @@ def main():
     p.add_argument('--max-steps', type=int, default=None, help='time only the first steps (a check)')
     args = p.parse_args()
 
-    from lmdeploy.engine.model_config import load_model_config
     shape = SHAPES[args.shape]
     wl = types.SimpleNamespace(seed=args.seed, num_requests=args.num_requests, input_len=args.input_len,
                                output_len=args.output_len, input_sigma=args.sigma, output_sigma=args.sigma,
@@ -235,11 +243,7 @@ def main():
         stand_in = stand_in_model(os.path.join(tmp, 'stand-in'), shape['vocab_size'], shape['max_position_embeddings'])
         steps = record_schedule(stand_in, prompts, outs, args.max_batch_size, -(-args.kv_tokens // args.block_size),
                                 args.block_size, args.max_prefill_token_num, args.refill_slots, args.mix)
-        cfg_dir = os.path.join(tmp, 'config')
-        config = make_config(args.shape)
-        config.architectures = [type(config).__name__.replace('Config', 'ForCausalLM')]
-        config.save_pretrained(cfg_dir)
-        cfg = load_model_config(cfg_dir)
+        cfg = engine_config(args.shape, os.path.join(tmp, 'config'))
     generated = sum(outs)
     print(f'{args.num_requests} requests, {sum(map(len, prompts))} prompt and {generated} output tokens, '
           f'{cfg.num_layers} layers of the {args.shape} shape, KV for {args.kv_tokens} tokens')

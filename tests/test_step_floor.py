@@ -30,12 +30,8 @@ def test_recorded_schedule_carries_every_token_once(tmp_path):
 def test_step_times_on_the_cpu_device(tmp_path):
     """The timing path (inputs built as the engine builds them, one layer per step) runs on any device."""
     sf = benchmark_module('step_floor')
-    from lmdeploy.engine.model_config import load_model_config
-    config = sf.make_config('llama-small', num_hidden_layers=2, hidden_size=128, intermediate_size=256,
-                            num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
-    config.architectures = ['LlamaForCausalLM']
-    config.save_pretrained(tmp_path / 'cfg')
-    cfg = load_model_config(str(tmp_path / 'cfg'))
+    cfg = sf.engine_config('llama-small', str(tmp_path / 'cfg'), num_hidden_layers=2, hidden_size=128,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
     model = sf.stand_in_model(str(tmp_path / 'stand-in'), 500, 4096)
     steps = sf.record_schedule(model, [[120] * 40, [130] * 9, [140] * 17], [3, 5, 2], max_batch_size=4,
                                num_blocks=20, block_size=16, max_prefill_tokens=64)
