@@ -55,6 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser):
     g.add_argument('--max-prefill-token-num', type=int, default=d['max_prefill_token_num'],
                    help='most prompt tokens prefilled in one step (default: %(default)s)')
     g.add_argument('--eager-mode', action='store_true', help='disable graph capture (CUDA graphs)')
+    g.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=None,
+                   help='run the engine loop in a process of its own (default: yes for the API server, '
+                   'no for the other commands)')
     return g
 
 
@@ -91,7 +94,8 @@ def build_engine_config(args) -> PytorchEngineConfig:
                                device_type=args.device,
                                eager_mode=bool(args.eager_mode),
                                quant_policy=args.quant_policy,
-                               max_prefill_token_num=args.max_prefill_token_num)
+                               max_prefill_token_num=args.max_prefill_token_num,
+                               engine_process=getattr(args, 'engine_process', None))
 
 
 def parse_chat_template(value: Optional[str]):

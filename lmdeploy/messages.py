@@ -130,6 +130,9 @@ class PytorchEngineConfig:
     # (which carries the decoding sequences too) comes when a thirty-second of the
     # batch is free, or at most every this many decode steps
     prefill_interval: int = 16
+    # run the engine loop in a process of its own (no interpreter lock shared with the caller's threads);
+    # None: the API server does, pipeline() runs it in-process
+    engine_process: Optional[bool] = None
     # accepted for LMDeploy compatibility; no effect here
     num_cpu_blocks: int = 0
     thread_safe: bool = False
@@ -161,6 +164,8 @@ class PytorchEngineConfig:
                name + 'max_prefill_token_num', f'must be >= 1, got {self.max_prefill_token_num!r}')
         _check(self.device_type in ('auto', 'cuda', 'ascend', 'cpu'), name + 'device_type',
                f"must be 'auto', 'cuda', 'ascend' or 'cpu', got {self.device_type!r}")
+        _check(self.engine_process in (None, True, False), name + 'engine_process',
+               f'must be None, True or False, got {self.engine_process!r}')
         _check(self.quant_policy in (0, 4, 8), name + 'quant_policy',
                f'must be 0, 4 or 8, got {self.quant_policy!r}')
 

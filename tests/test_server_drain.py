@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 
 httpx = pytest.importorskip('httpx')
@@ -102,6 +103,9 @@ def test_sigterm_drains_running_stream_then_exits_0(server_proc):
     t.start()
     assert first_chunk.wait(120)
     assert 'error' not in result, result
+    engines = psutil.Process(proc.pid).children()  # the engine runs in a process of its own
+    assert len(engines) == 1
+    engines[0].send_signal(signal.SIGTERM)  # a group-wide SIGTERM reaches it too: it is the server's to stop
     proc.send_signal(signal.SIGTERM)
     # new requests are refused from now on (connection refused, or 503 on a kept-alive one; a connection
     # that reached the backlog just as the listener closed is reset unanswered, also a refusal)
@@ -128,8 +132,38 @@ def test_sigterm_drains_running_stream_then_exits_0(server_proc):
     assert result['done'] and result['reasons'] == ['length'], result
     assert result['usage']['completion_tokens'] == 48
     assert proc.wait(60) == 0
+    psutil.wait_procs(engines, timeout=10)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engines), 'engine left behind'
     reader.join(10)
     log = ''.join(output)
     assert 'draining' in log
     # the prompt was logged, but only its first --max-log-len characters
     assert 'more]' in log and 'UNLOGGED-TAIL' not in log, log[-3000:]
+
+
+def test_a_dead_engine_process_fails_requests_and_health(server_proc):
+    """The engine process dies mid-stream: the stream ends with an error event, /health says 503, new
+    requests get 503 at once (nothing hangs), and the server still exits on SIGTERM."""
+    proc, url, output, reader = server_proc
+    headers = {'Authorization': f'Bearer {KEY}'}
+    engine = psutil.Process(proc.pid).children()[0]
+    body = dict(model=MODEL, prompt='Count to a thousand:', max_tokens=900, ignore_eos=True, stream=True)
+    events = []
+    with httpx.stream('POST', url + '/v1/completions', json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith('data: '):
+                events.append(line[len('data: '):])
+                if len(events) == 2:
+                    engine.kill()
+    assert events[-1] == '[DONE]' or 'error' in events[-1]
+    errors = [json.loads(e)['error'] for e in events if e != '[DONE]' and 'error' in json.loads(e)]
+    assert errors and 'engine process stopped unexpectedly' in errors[0]['message'], events[-3:]
+    health = httpx.get(url + '/health', timeout=10)
+    assert health.status_code == 503 and health.json()['error']['code'] == 'engine_stopped'
+    t0 = time.monotonic()
+    r = httpx.post(url + '/v1/completions', headers=headers, timeout=30, json=dict(model=MODEL, prompt='hi',
+                                                                                  max_tokens=2))
+    assert r.status_code == 503 and time.monotonic() - t0 < 10, r.text
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0

@@ -72,8 +72,10 @@ class _Sampled:
 class Engine:
 
     def __init__(self, model_path: str, config: Optional[PytorchEngineConfig] = None,
-                 model_config: Optional[ModelConfig] = None):
-        """``model_config``: the checkpoint's config.json already read (else read here)."""
+                 model_config: Optional[ModelConfig] = None, on_loop: Optional[Callable[[], None]] = None):
+        """``model_config``: the checkpoint's config.json already read (else read here).
+        ``on_loop``: called on the engine thread after each pass of its loop (a step, or commands handled),
+        e.g. to send the outputs the pass made in one message."""
         self.config = config = config or PytorchEngineConfig()
         if config.quant_policy != 0:
             raise NotImplementedError(f'quant_policy={config.quant_policy} (KV cache int4/int8) is not '
@@ -118,6 +120,7 @@ class Engine:
         # the step whose sampled tokens are not read back yet: the next step is
         # launched first, so the host's bookkeeping overlaps the device's work
         self._inflight: Optional[_Sampled] = None
+        self._on_loop = on_loop
         # The engine thread waits on the device with the GIL released; when the
         # wait ends it must get the GIL back quickly from threads that are
         # detokenizing, not after Python's default 5 ms switch interval.
@@ -218,6 +221,7 @@ class Engine:
                     block = False
                     if cmd == 'stop':
                         self._abort_all()
+                        self._after_pass()
                         return
                     if cmd == 'barrier':
                         barriers.append(arg)
@@ -246,12 +250,20 @@ class Engine:
                 else:
                     stalled = True
                 busy = self._busy()
+            self._after_pass()
             if stalled and busy:  # nothing fits right now: do not spin
                 time.sleep(0.001)
             if not busy:
                 for ev in barriers:
                     ev.set()
                 barriers.clear()
+
+    def _after_pass(self):
+        if self._on_loop is not None:
+            try:
+                self._on_loop()
+            except Exception:
+                logger.exception('the engine loop hook failed')
 
     def _busy(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None

@@ -113,14 +113,22 @@ class Gateway:
     """Owns the engine, the tokenizer and the chat template."""
 
     def __init__(self, model_path: str, backend_config: Optional[PytorchEngineConfig] = None,
-                 chat_template_config: Optional[ChatTemplateConfig] = None, model_name: Optional[str] = None):
+                 chat_template_config: Optional[ChatTemplateConfig] = None, model_name: Optional[str] = None,
+                 engine_process: bool = False):
+        """engine_process: where the engine runs when ``backend_config.engine_process`` is None: in a
+        child process (:class:`~lmdeploy.engine.process.EngineProcess`) or on a thread of this one."""
         from transformers import AutoTokenizer
         self.model_path = model_path
         self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
         # a directory without config.json fails here with a clear message, not in the tokenizer
         model_config = load_model_config(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.engine = Engine(model_path, backend_config, model_config)
+        config = backend_config or PytorchEngineConfig()
+        if config.engine_process if config.engine_process is not None else engine_process:
+            from lmdeploy.engine.process import EngineProcess
+            self.engine = EngineProcess(model_path, config, model_config)
+        else:
+            self.engine = Engine(model_path, config, model_config)
         self.session_len = self.engine.session_len
         self.chat_template = get_chat_template(chat_template_config, self.tokenizer)
         self.eos_token_ids = self._eos_ids()

@@ -570,7 +570,10 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
                 raise FileNotFoundError(f'SSL file {path!r} does not exist')
         ssl_kwargs = dict(ssl_keyfile=keyfile, ssl_certfile=certfile)
     chat_template_config = _chat_template_config(chat_template_config)
-    gateway = Gateway(resolve_model_path(model_path), backend_config, chat_template_config, model_name)
+    # the engine gets a process of its own unless backend_config.engine_process says otherwise: the
+    # server's threads (HTTP, JSON, detokenization) then never hold the interpreter lock its steps need
+    gateway = Gateway(resolve_model_path(model_path), backend_config, chat_template_config, model_name,
+                      engine_process=True)
     try:
         app = create_app(gateway, api_keys=api_keys, model_name=model_name, allow_origins=allow_origins,
                          allow_credentials=allow_credentials, allow_methods=allow_methods,
@@ -613,11 +616,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument('--log-level', default='WARNING')
     p.add_argument('--max-log-len', type=int, default=None)
     p.add_argument('--drain-timeout', type=float, default=DEFAULT_DRAIN_TIMEOUT)
+    p.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=None)
     args = p.parse_args(argv)
     config = PytorchEngineConfig(device_type=args.device, session_len=args.session_len,
                                  max_batch_size=args.max_batch_size,
                                  cache_max_entry_count=args.cache_max_entry_count,
-                                 num_gpu_blocks=args.num_gpu_blocks)
+                                 num_gpu_blocks=args.num_gpu_blocks, engine_process=args.engine_process)
     return serve(args.model_path, server_name=args.server_name, server_port=args.server_port, backend_config=config,
                  chat_template_config=args.chat_template, model_name=args.model_name, api_keys=args.api_keys,
                  log_level=args.log_level, max_log_len=args.max_log_len, drain_timeout=args.drain_timeout)

@@ -1,0 +1,330 @@
+"""Online serving benchmark: streaming requests to an OpenAI-compatible server.
+
+Starts ``lmdeploy serve api_server`` (``--launch MODEL``) or targets a
+running server (``--url``, any OpenAI-compatible one, vLLM's included),
+sends streaming ``/v1/completions`` (or ``/v1/chat/completions``) requests
+from a real HTTP client at a Poisson request rate or a fixed concurrency,
+and prints request throughput, output tokens/s, time to first token (TTFT),
+time per output token after the first (TPOT), inter-token latency (ITL) and
+end-to-end latency at p50/p90/p99, and the failed requests (an error status,
+a cut stream, or fewer tokens than asked for).
+
+Workload (as LMDeploy's and vLLM's serving benchmarks): prompt and output
+lengths lognormal around the given medians, clipped; prompts are text made
+of random vocabulary tokens (re-tokenized to the wanted length), outputs
+exact (``ignore_eos`` with ``max_tokens`` = ``min_tokens``).
+
+    python benchmark/serving.py --launch /tmp/l8b --device cuda --request-rate 20 --num-prompts 800
+    python benchmark/serving.py --url http://127.0.0.1:8000 --tokenizer /tmp/l8b --request-rate 35
+    python benchmark/serving.py --launch default --device cpu --num-prompts 8 --input-len 32 --output-len 16
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import numpy as np
+
+
+@dataclass
+class Request:
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ''
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: List[float] = field(default_factory=list)  # seconds between consecutive chunks with text
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+# ------------------------------------------------------------------ workload
+def lognormal_lengths(rng: np.random.Generator, n: int, median: int, sigma: float, lo: int, hi: int) -> List[int]:
+    if sigma <= 0:
+        return [median] * n
+    return np.clip(np.round(rng.lognormal(np.log(median), sigma, n)), lo, hi).astype(int).tolist()
+
+
+def text_of_length(tokenizer, rng: random.Random, length: int, vocab: List[int]):
+    """(text of random vocabulary tokens that re-tokenizes to about ``length`` tokens, its token count)."""
+    pool = [rng.choice(vocab) for _ in range(2 * length + 8)]
+    n = length
+    for _ in range(4):
+        text = tokenizer.decode(pool[:n])
+        got = len(tokenizer.encode(text, add_special_tokens=False))
+        if got == length:
+            break
+        n = max(1, min(len(pool), n + length - got))
+    return text, got
+
+
+def make_requests(tokenizer, args) -> List[Request]:
+    rng = np.random.default_rng(args.seed)
+    prng = random.Random(args.seed)
+    ins = lognormal_lengths(rng, args.num_prompts, args.input_len, args.input_sigma, 4, args.max_input_len)
+    outs = lognormal_lengths(rng, args.num_prompts, args.output_len, args.output_sigma, 4, args.max_output_len)
+    special = set(tokenizer.all_special_ids)
+    # plain word pieces: tokens that decode to letters only, so text round-trips closely
+    vocab = [i for i in range(min(len(tokenizer), 60000)) if i not in special
+             and tokenizer.decode([i]).strip().isalpha()][:20000]
+    reqs = []
+    for n_in, n_out in zip(ins, outs):
+        text, got = text_of_length(tokenizer, prng, n_in, vocab)
+        reqs.append(Request(text, got, n_out))
+    return reqs
+
+
+# -------------------------------------------------------------------- client
+async def send(session, url: str, model: str, req: Request, chat: bool, api_key: Optional[str]) -> Result:
+    import aiohttp
+    body = dict(model=model, max_tokens=req.output_len, min_tokens=req.output_len, ignore_eos=True,
+                temperature=0.0, stream=True, stream_options={'include_usage': True})
+    if chat:
+        body['messages'] = [{'role': 'user', 'content': req.prompt}]
+        path = '/v1/chat/completions'
+    else:
+        body['prompt'] = req.prompt
+        path = '/v1/completions'
+    headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
+    res = Result(prompt_tokens=req.prompt_len)
+    start = time.perf_counter()
+    last = None
+    chunks, done = 0, False
+    try:
+        async with session.post(url + path, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                res.error = f'HTTP {resp.status}: {(await resp.text())[:200]}'
+                return res
+            buf = b''
+            async for data in resp.content.iter_any():
+                buf += data
+                while b'\n\n' in buf:
+                    event, buf = buf.split(b'\n\n', 1)
+                    line = event.strip()
+                    if not line.startswith(b'data:'):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b'[DONE]':
+                        done = True
+                        continue
+                    obj = json.loads(payload)
+                    if 'error' in obj:
+                        res.error = f"stream error: {obj['error'].get('message', '')[:200]}"
+                        return res
+                    if obj.get('usage'):
+                        res.output_tokens = obj['usage'].get('completion_tokens', 0)
+                        res.prompt_tokens = obj['usage'].get('prompt_tokens', res.prompt_tokens)
+                    for c in obj.get('choices') or []:
+                        text = c.get('text') if not chat else (c.get('delta') or {}).get('content')
+                        if text:
+                            now = time.perf_counter()
+                            if last is None:
+                                res.ttft = now - start
+                            else:
+                                res.itl.append(now - last)
+                            last = now
+                            chunks += 1
+        res.latency = time.perf_counter() - start
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        res.error = f'{type(e).__name__}: {e}'
+        return res
+    if not done:
+        res.error = 'the stream ended without [DONE]'
+    elif res.output_tokens == 0:
+        res.output_tokens = chunks  # a server that sends no usage: one chunk a token
+    if not res.error and res.output_tokens < req.output_len:
+        res.error = f'{res.output_tokens} of {req.output_len} tokens'
+    res.ok = not res.error
+    return res
+
+
+async def run(url: str, model: str, reqs: List[Request], rate: float, concurrency: int, chat: bool,
+              api_key: Optional[str], seed: int, timeout: float):
+    import aiohttp
+    rng = np.random.default_rng(seed + 1)
+    sem = asyncio.Semaphore(concurrency if concurrency > 0 else len(reqs))
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    results: List[Optional[Result]] = [None] * len(reqs)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+
+        async def one(i: int, req: Request):
+            async with sem:
+                results[i] = await send(session, url, model, req, chat, api_key)
+
+        tasks = []
+        start = time.perf_counter()
+        for i, req in enumerate(reqs):
+            tasks.append(asyncio.create_task(one(i, req)))
+            if rate > 0 and i + 1 < len(reqs):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    return results, elapsed
+
+
+# ------------------------------------------------------------------- report
+def percentiles(values: List[float], ps=(50, 90, 99)) -> List[float]:
+    if not values:
+        return [float('nan')] * len(ps)
+    return [float(np.percentile(values, p)) for p in ps]
+
+
+def summarize(results: List[Result], elapsed: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itl]
+    return dict(
+        completed=len(ok), failed=len(results) - len(ok), elapsed_s=elapsed,
+        request_throughput=len(ok) / elapsed, output_throughput=out_tokens / elapsed,
+        total_throughput=(out_tokens + sum(r.prompt_tokens for r in ok)) / elapsed,
+        mean_prompt_tokens=float(np.mean([r.prompt_tokens for r in ok])) if ok else 0.0,
+        ttft_ms=[1e3 * x for x in percentiles([r.ttft for r in ok])],
+        tpot_ms=[1e3 * x for x in percentiles(tpot)],
+        itl_ms=[1e3 * x for x in percentiles(itl)],
+        e2e_ms=[1e3 * x for x in percentiles([r.latency for r in ok])],
+        mean_ttft_ms=1e3 * float(np.mean([r.ttft for r in ok])) if ok else float('nan'),
+        mean_tpot_ms=1e3 * float(np.mean(tpot)) if tpot else float('nan'),
+        errors=sorted({r.error for r in results if not r.ok})[:5])
+
+
+def print_summary(s: dict, title: str):
+    print(f'==== {title} ====')
+    print(f"completed {s['completed']}, failed {s['failed']}, {s['elapsed_s']:.1f} s")
+    print(f"requests/s {s['request_throughput']:.2f}   output tok/s {s['output_throughput']:.0f}   "
+          f"total tok/s {s['total_throughput']:.0f}   mean prompt tokens {s['mean_prompt_tokens']:.0f}")
+    for name in ('ttft', 'tpot', 'itl', 'e2e'):
+        p50, p90, p99 = s[f'{name}_ms']
+        print(f'{name.upper():5s} ms  p50 {p50:9.1f}   p90 {p90:9.1f}   p99 {p99:9.1f}')
+    for e in s['errors']:
+        print('error:', e)
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------ servers
+def wait_healthy(url: str, proc: Optional[subprocess.Popen], timeout: float):
+    import urllib.request
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f'the server exited with code {proc.returncode}')
+        try:
+            with urllib.request.urlopen(url + '/health', timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f'{url} was not healthy after {timeout} s')
+
+
+def launch(args):
+    """(the server process, its URL); port 0 picks a free one."""
+    if args.port == 0:
+        import socket
+        with socket.socket() as sock:
+            sock.bind(('127.0.0.1', 0))
+            args.port = sock.getsockname()[1]
+    cmd = [sys.executable, '-m', 'lmdeploy', 'serve', 'api_server', args.launch, '--server-name', '127.0.0.1',
+           '--server-port', str(args.port), '--device', args.device, '--log-level', 'WARNING'] + args.server_args
+    env = dict(os.environ)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env['PYTHONPATH'] = repo + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')
+    print('launching:', ' '.join(cmd), flush=True)
+    return subprocess.Popen(cmd, env=env), f'http://127.0.0.1:{args.port}'
+
+
+def model_name(url: str, api_key: Optional[str]) -> str:
+    import urllib.request
+    req = urllib.request.Request(url + '/v1/models', headers={'Authorization': f'Bearer {api_key}'} if api_key else {})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.load(r)['data'][0]['id']
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument('--launch', metavar='MODEL', help="start lmdeploy serve api_server MODEL ('default': "
+                       'the embedded model) and stop it at the end')
+    where.add_argument('--url', help='an OpenAI-compatible server already running')
+    p.add_argument('--device', default='auto', help='--device of the launched server')
+    p.add_argument('--port', type=int, default=23333, help='port of the launched server (0: a free one)')
+    p.add_argument('--server-args', nargs=argparse.REMAINDER, default=[],
+                   help='further flags of the launched server (everything after this flag)')
+    p.add_argument('--tokenizer', help='for the prompts (default: the launched model)')
+    p.add_argument('--model', help='the model name to send (default: the first of /v1/models)')
+    p.add_argument('--api-key', default=None)
+    p.add_argument('--chat', action='store_true', help='/v1/chat/completions instead of /v1/completions')
+    p.add_argument('--num-prompts', type=int, default=800)
+    p.add_argument('--request-rate', type=float, nargs='+', default=[20.0],
+                   help='requests/s, Poisson arrivals (several: one run each); 0 = all at once')
+    p.add_argument('--max-concurrency', type=int, default=0, help='most requests in flight (0: no limit)')
+    p.add_argument('--input-len', type=int, default=150, help='median prompt tokens')
+    p.add_argument('--output-len', type=int, default=140, help='median output tokens')
+    p.add_argument('--input-sigma', type=float, default=0.9)
+    p.add_argument('--output-sigma', type=float, default=0.9)
+    p.add_argument('--max-input-len', type=int, default=2000)
+    p.add_argument('--max-output-len', type=int, default=1000)
+    p.add_argument('--warmup', type=int, default=8, help='requests sent (and not counted) before each run')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--timeout', type=float, default=600, help='seconds a request may take')
+    p.add_argument('--start-timeout', type=float, default=900, help='seconds a launched server may take to start')
+    p.add_argument('--json', help='append each run\'s summary to this file (JSON lines)')
+    args = p.parse_args(argv)
+
+    from transformers import AutoTokenizer
+    proc = None
+    url = args.url.rstrip('/') if args.url else None
+    if args.launch:
+        from lmdeploy.default_model import resolve_model_path
+        args.launch = resolve_model_path(None if args.launch == 'default' else args.launch)
+        proc, url = launch(args)
+    try:
+        wait_healthy(url, proc, args.start_timeout)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.launch)
+        model = args.model or model_name(url, args.api_key)
+        reqs = make_requests(tokenizer, args)
+        if args.warmup:
+            warm = [Request(r.prompt, r.prompt_len, 8) for r in reqs[:args.warmup]]
+            asyncio.run(run(url, model, warm, 0, 0, args.chat, args.api_key, args.seed, args.timeout))
+        failed = 0
+        for rate in args.request_rate:
+            results, elapsed = asyncio.run(run(url, model, reqs, rate, args.max_concurrency, args.chat,
+                                               args.api_key, args.seed, args.timeout))
+            s = summarize(results, elapsed)
+            s.update(request_rate=rate, max_concurrency=args.max_concurrency, num_prompts=args.num_prompts,
+                     input_len=args.input_len, output_len=args.output_len, url=url, model=model,
+                     endpoint='chat' if args.chat else 'completions')
+            print_summary(s, f'rate {rate or "inf"} req/s' + (f', concurrency {args.max_concurrency}'
+                                                              if args.max_concurrency else ''))
+            failed += s['failed']
+            if args.json:
+                with open(args.json, 'a') as f:
+                    f.write(json.dumps(s) + '\n')
+        return 1 if failed else 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == '__main__':
+    sys.exit(main())
