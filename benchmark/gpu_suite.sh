@@ -6,15 +6,18 @@
 #
 #   bash benchmark/gpu_suite.sh                 # everything (~10 minutes on an H100)
 #   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm trace refill lt floor
+#                                               #   mixed serve prefill lat8k
 #
 # trace: one throughput run with a 2 s kernel trace from 12 s in (trace.json.gz; read it with
 # benchmark/trace_gaps.py); refill: throughput with each of $REFILL_SLOTS (default 16 64) free slots
 # calling for a prefill step; lt: the decode and prefill GEMMs through each algorithm cuBLASLt suggests;
 # floor: the workload's schedule with each step's kernels timed back to back (KV capacity $KV_TOKENS, the
-# tp run's: 312000 on an H100 80GB).
+# tp run's: 312000 on an H100 80GB); mixed: host and device time of steps with prompt rows (replayed in
+# pieces vs eager); serve: the online workload through the API server at $RATES (default 20 35 50) req/s;
+# prefill: 300 prompts of 3,000 tokens at once; lat8k: batch 1 with an 8,000-token prompt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 LOG_DIR=${LOG_DIR:-gpu-logs}
 MODEL=${MODEL:-/tmp/l8b}
 mkdir -p "$LOG_DIR"
@@ -47,7 +50,16 @@ for step in $steps; do
     lt) python3 benchmark/cublaslt_algos.py --m 256,4800 2>&1 | tee "$LOG_DIR/cublaslt.log" | tail -45 ;;
     floor) python3 benchmark/step_floor.py --measure --kv-tokens ${KV_TOKENS:-312000} 2>&1 | grep -v Writing |
              tee "$LOG_DIR/floor.log" | tail -8 ;;
-    *) echo "unknown step $step (tests check tp lat gemm trace refill lt floor)"; exit 2 ;;
+    mixed) model; python3 benchmark/mixed_step.py --model "$MODEL" 2>&1 | grep -v Warning |
+             tee "$LOG_DIR/mixed_step.log" | tail -20 ;;
+    serve) model; python3 benchmark/serving.py --launch "$MODEL" --device cuda --num-prompts 800 \
+             --request-rate ${RATES:-20 35 50} --json "$LOG_DIR/serving.jsonl" 2>&1 | grep -v Warning |
+             tee "$LOG_DIR/serving.log" | tail -40 ;;
+    prefill) model; python3 benchmark/throughput.py --model "$MODEL" --device cuda --num-requests 300 --input-len 3000 --max-input-len 4000 \
+               --output-len 64 --max-batch-size 256 2>&1 | grep -v Warning | tee "$LOG_DIR/prefill.log" | tail -6 ;;
+    lat8k) model; python3 benchmark/latency.py --model "$MODEL" --device cuda --input-len 8000 --output-len 16 2>&1 |
+             tee "$LOG_DIR/latency-8k.log" | tail -3 ;;
+    *) echo "unknown step $step (tests check tp lat gemm trace refill lt floor mixed serve prefill lat8k)"; exit 2 ;;
   esac
 done
 echo "=== done $(date +%T); logs in $LOG_DIR"

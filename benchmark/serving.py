@@ -79,9 +79,9 @@ def make_requests(tokenizer, args) -> List[Request]:
     ins = lognormal_lengths(rng, args.num_prompts, args.input_len, args.input_sigma, 4, args.max_input_len)
     outs = lognormal_lengths(rng, args.num_prompts, args.output_len, args.output_sigma, 4, args.max_output_len)
     special = set(tokenizer.all_special_ids)
-    # plain word pieces: tokens that decode to letters only, so text round-trips closely
+    # plain word pieces (letters and digits), so text round-trips closely
     vocab = [i for i in range(min(len(tokenizer), 60000)) if i not in special
-             and tokenizer.decode([i]).strip().isalpha()][:20000]
+             and tokenizer.decode([i]).strip().isalnum()][:20000]
     reqs = []
     for n_in, n_out in zip(ins, outs):
         text, got = text_of_length(tokenizer, prng, n_in, vocab)

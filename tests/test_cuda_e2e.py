@@ -52,11 +52,21 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize('eager', [False, True])
-def test_bf16_greedy_and_logits_match_transformers(model_dir, eager):
+@pytest.mark.parametrize('eager,stagger', [(False, False), (True, False), (False, True)])
+def test_bf16_greedy_and_logits_match_transformers(model_dir, eager, stagger, monkeypatch):
+    """stagger: each prompt arrives once the one before has its first tokens, so its prefill shares a step
+    with decoding rows: such steps replay in pieces (engine/piecewise.py) unless eager."""
     from engine_utils import submit
 
     from lmdeploy.engine.engine import Engine
+    from lmdeploy.engine.piecewise import PiecewiseRunner
+    mixed = []
+    call = PiecewiseRunner.__call__
+
+    def spy(self, input_ids, positions, ctx):
+        mixed.append(ctx.num_decode)
+        return call(self, input_ids, positions, ctx)
+    monkeypatch.setattr(PiecewiseRunner, '__call__', spy)
     from lmdeploy.engine.sequence import SamplingParams
     from lmdeploy.messages import PytorchEngineConfig
     rng = random.Random(0)
@@ -65,7 +75,11 @@ def test_bf16_greedy_and_logits_match_transformers(model_dir, eager):
     engine = Engine(model_dir, PytorchEngineConfig(device_type='cuda', dtype='bfloat16', eager_mode=eager,
                                                    session_len=2048, cache_max_entry_count=0.2, block_size=64))
     try:
-        cols = [submit(engine, p, SamplingParams(max_new_tokens=NEW, output_logits='generation')) for p in prompts]
+        cols = []
+        for p in prompts:
+            cols.append(submit(engine, p, SamplingParams(max_new_tokens=NEW, output_logits='generation')))
+            while stagger and len(cols[-1].token_ids) < 2:
+                cols[-1].done.wait(0.001)
         rows = []
         for (want, want_logits, truth), col in zip(ref, cols):
             col.wait()
@@ -89,5 +103,8 @@ def test_bf16_greedy_and_logits_match_transformers(model_dir, eager):
             assert ours <= 1.25 * theirs + 1e-3, rows
         engine.wait_idle()
         engine.check_invariants()
+        if not eager:  # every step with prompt rows replayed in pieces; staggered ones carried decode rows
+            assert len(mixed) == engine.stats().extra['prefill_steps'] > 0
+            assert any(mixed) == stagger, mixed
     finally:
         engine.close()

@@ -18,7 +18,7 @@ Paged KV cache: ``k_cache`` and ``v_cache`` of one layer are
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -80,6 +80,17 @@ class DeviceOps:
         recorded work and rewrites ``outputs`` in place; graphs recorded with
         the same ``pool`` share their memory (pass None for the first)."""
         raise NotImplementedError(f'device {self.name!r} has no graph capture')
+
+    # recording a step as a chain of graphs, with live work between them (steps with prompt rows)
+    supports_graph_pieces: bool = False
+
+    def capture_pieces(self, fn: Callable[[Callable[[], None]], Any],
+                       pool: Any = None) -> Tuple[List[Callable[[], None]], Any, Any]:
+        """Warm up, then record ``fn(cut)`` as consecutive graphs: each call of
+        ``cut()`` ends the graph being recorded and starts the next (the
+        caller runs its own work between their replays). Returns (replays in
+        order, fn's outputs, pool), as :meth:`capture_graph` does."""
+        raise NotImplementedError(f'device {self.name!r} cannot record graphs in pieces')
 
     default_max_batch_size: int = 256
 

@@ -11,6 +11,7 @@ from lmdeploy.devices.interface import DeviceOps
 from .graph_runner import GraphRunner
 from .model_config import ModelConfig
 from .nn import StepContext
+from .piecewise import PiecewiseRunner
 from .scheduler import ScheduledBatch
 from .transfer import int64_tensor, tensor_on, to_device
 
@@ -23,7 +24,10 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype,
-                 num_blocks: int, block_size: int, max_batch_size: int, eager: bool, session_len: int):
+                 num_blocks: int, block_size: int, max_batch_size: int, eager: bool, session_len: int,
+                 max_piece_tokens: int = 0):
+        """max_piece_tokens: steps with prompt rows of up to this many tokens replay their dense parts
+        from graphs recorded in pieces (devices that can record them); 0: none."""
         self.model = model
         self.cfg = cfg
         self.device = device
@@ -42,6 +46,11 @@ class ModelRunner:
                                         -(-session_len // block_size), session_len, self.torch_device)
             with torch.inference_mode():
                 self._forward.capture_all()
+        self.pieces: Optional[PiecewiseRunner] = None
+        if device.supports_graph_pieces and not eager and max_piece_tokens > 0:
+            self.pieces = PiecewiseRunner(device, model, self.kv_caches, max_piece_tokens, self.torch_device, dtype)
+            with torch.inference_mode():
+                self.pieces.capture_all()
 
     def _eager_forward(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
@@ -120,6 +129,8 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states [T, hidden] of every token of the batch."""
         input_ids, positions, ctx = self.build_inputs(batch, prev_tokens)
+        if not ctx.is_decode and self.pieces is not None and self.pieces.fits(input_ids.shape[0]):
+            return self.pieces(input_ids, positions, ctx)
         return self._forward(input_ids, positions, ctx)
 
     def rows(self, hidden: torch.Tensor, rows: List[int]) -> torch.Tensor:

@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Dict, Optional
+from typing import Callable, Dict, Optional
 
 from .sequence import EngineOutput
 

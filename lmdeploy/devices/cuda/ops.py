@@ -16,6 +16,7 @@ class CudaOps(DeviceOps):
     name = 'cuda'
     torch_device_type = 'cuda'
     supports_graphs = True
+    supports_graph_pieces = True
     profile_memory = True
     # the reference's plain-torch sampling ops already run well on a GPU
     _torch = CpuOps()
@@ -81,6 +82,32 @@ class CudaOps(DeviceOps):
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
         return graph.replay, out, graph.pool()
+
+    def capture_pieces(self, fn, pool=None):
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):  # warm-up, as capture_graph
+            fn(lambda: None)
+        current.wait_stream(side)
+        torch.cuda.synchronize()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        graphs = []
+
+        def begin():
+            graphs.append(torch.cuda.CUDAGraph())
+            graphs[-1].capture_begin(pool=pool)
+
+        def cut():
+            graphs[-1].capture_end()
+            begin()
+
+        with torch.cuda.stream(side):
+            begin()
+            out = fn(cut)
+            graphs[-1].capture_end()
+        current.wait_stream(side)
+        return [g.replay for g in graphs], out, pool
 
     # -------------------------------------------------------------- dense ops
     def embedding(self, ids, weight):

@@ -23,6 +23,12 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] before RoPE; cos/sin [T, D] -> [T, H*D]."""
+        if ctx.pieces is not None:  # being recorded in pieces: attention runs live between them
+            return ctx.pieces.attention(self, q, k, v, cos, sin)
+        return self.attend(q, k, v, cos, sin, ctx)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               ctx: StepContext) -> torch.Tensor:
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         q, k = ops.rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_decode:

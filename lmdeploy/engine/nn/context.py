@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -29,3 +29,6 @@ class StepContext:
     # the decode rows (all of a decode step's, or the first num_decode), longest context first: devices may
     # balance attention work with it
     decode_order: Optional[torch.Tensor] = None
+    # set while a step is recorded in pieces (engine/piecewise.py): attention layers hand q/k/v to it instead
+    # of attending, and it cuts the recording there
+    pieces: Any = None
