@@ -34,7 +34,7 @@ def stub_model(engine, max_rows: int):
     """Take the model out of a cpu engine: a step's forward returns an empty hidden state and its logits a
     few columns (a greedy pick over them costs nothing), so what runs is the host's part alone."""
     hidden = engine.model_config.hidden_size
-    engine.runner._forward = lambda ids, positions, ctx: torch.empty(ids.shape[0], hidden)
+    engine.runner._eager_forward = lambda ids, positions, ctx: torch.empty(ids.shape[0], hidden)
     top = torch.zeros(max_rows, 8)
     engine.runner.logits = lambda h: top[:h.shape[0]]
 

@@ -53,7 +53,7 @@ for step in $steps; do
     mixed) model; python3 benchmark/mixed_step.py --model "$MODEL" 2>&1 | grep -v Warning |
              tee "$LOG_DIR/mixed_step.log" | tail -20 ;;
     serve) model; python3 benchmark/serving.py --launch "$MODEL" --device cuda --num-prompts 800 \
-             --request-rate ${RATES:-20 35 50} --json "$LOG_DIR/serving.jsonl" 2>&1 | grep -v Warning |
+             --request-rate ${RATES:-20 35 50} --json "$LOG_DIR/serving.jsonl" --save-requests 2>&1 | grep -v Warning |
              tee "$LOG_DIR/serving.log" | tail -40 ;;
     prefill) model; python3 benchmark/throughput.py --model "$MODEL" --device cuda --num-requests 300 --input-len 3000 --max-input-len 4000 \
                --output-len 64 --max-batch-size 256 2>&1 | grep -v Warning | tee "$LOG_DIR/prefill.log" | tail -6 ;;

@@ -58,7 +58,10 @@ def main():
 
     runner = eng.runner
     runner.build_inputs = timed('build_inputs', runner.build_inputs)
-    runner._forward = timed('forward', runner._forward)
+    runner._eager_forward = timed('forward', runner._eager_forward)
+    if runner.graphs is not None:  # replayed steps
+        runner.graphs._decode = timed('forward', runner.graphs._decode)
+        runner.graphs._mixed = timed('forward', runner.graphs._mixed)
     runner.logits = timed('logits', runner.logits)
     engine_mod.sample_tokens = timed('sample', engine_mod.sample_tokens)
     eng._step = timed('step', eng._step)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -46,6 +47,7 @@ class Request:
 class Result:
     ok: bool = False
     error: str = ''
+    start: float = 0.0  # seconds after the run's first request
     ttft: float = 0.0
     latency: float = 0.0
     itl: List[float] = field(default_factory=list)  # seconds between consecutive chunks with text
@@ -164,7 +166,9 @@ async def run(url: str, model: str, reqs: List[Request], rate: float, concurrenc
 
         async def one(i: int, req: Request):
             async with sem:
+                t = time.perf_counter() - start
                 results[i] = await send(session, url, model, req, chat, api_key)
+                results[i].start = t
 
         tasks = []
         start = time.perf_counter()
@@ -285,6 +289,7 @@ def main(argv=None) -> int:
     p.add_argument('--timeout', type=float, default=600, help='seconds a request may take')
     p.add_argument('--start-timeout', type=float, default=900, help='seconds a launched server may take to start')
     p.add_argument('--json', help='append each run\'s summary to this file (JSON lines)')
+    p.add_argument('--save-requests', action='store_true', help='with --json: each request\'s lengths and times too')
     args = p.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -299,6 +304,8 @@ def main(argv=None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.launch)
         model = args.model or model_name(url, args.api_key)
         reqs = make_requests(tokenizer, args)
+        gc.collect()  # no full collection of the prompts and the tokenizer mid-run (it would show as latency)
+        gc.freeze()
         if args.warmup:
             warm = [Request(r.prompt, r.prompt_len, 8) for r in reqs[:args.warmup]]
             asyncio.run(run(url, model, warm, 0, 0, args.chat, args.api_key, args.seed, args.timeout))
@@ -307,6 +314,10 @@ def main(argv=None) -> int:
             results, elapsed = asyncio.run(run(url, model, reqs, rate, args.max_concurrency, args.chat,
                                                args.api_key, args.seed, args.timeout))
             s = summarize(results, elapsed)
+            if args.save_requests:
+                s['requests'] = [dict(start=r.start, prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
+                                      ttft_ms=1e3 * r.ttft, e2e_ms=1e3 * r.latency, max_itl_ms=1e3 * max(r.itl, default=0.0),
+                                      error=r.error) for r in results]
             s.update(request_rate=rate, max_concurrency=args.max_concurrency, num_prompts=args.num_prompts,
                      input_len=args.input_len, output_len=args.output_len, url=url, model=model,
                      endpoint='chat' if args.chat else 'completions')

@@ -202,7 +202,7 @@ def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_le
             if graphs is not None and step.is_decode:
                 graphs(ids, positions, ctx)  # records the padded size's graph on first use
                 rows = next(n for n in graphs.sizes if n >= rows)
-                t_layer = timed(graphs.graphs[rows][0])
+                t_layer = timed(graphs.graphs[('decode', rows)][0])
             else:
                 t_layer = timed(lambda: one_layer(ids, positions, ctx))
             t_gemm = timed(lambda: [ops.linear(a[:rows], w) for a, w in gemms])

@@ -42,26 +42,37 @@ class Tape(TorchDispatchMode):
                     old.copy_(fresh)
 
 
-class RecordingCpu(CpuOps):
-    """The cpu device with graphs in pieces recorded as tapes. Whole graphs
-    (decode steps) re-run their function instead: the reference's decode
-    attention sizes tensors by the context lengths' values, which no
-    recording can replay (the cuda kernels' shapes are static)."""
+class ReplayingCpu(CpuOps):
+    """The cpu device with whole-step graphs: a capture runs the function and
+    keeps its output tensor; a replay runs the function again on the same
+    static buffers and writes the result into that tensor, which is what a
+    replay promises. (Not a tape: the reference's attention sizes tensors by
+    the context lengths' values, which no recording could replay; the cuda
+    kernels' shapes are static.)"""
     supports_graphs = True
+
+    def __init__(self):
+        super().__init__()
+        self.captured, self.replays = [], 0
+
+    def capture_graph(self, fn, pool=None):
+        out = fn()
+        self.captured.append(out.shape[0])
+
+        def replay():
+            self.replays += 1
+            out.copy_(fn())
+        return replay, out, pool
+
+
+class PieceRecordingCpu(CpuOps):
+    """The cpu device as a device that records steps in pieces only (no
+    whole-step graphs), each piece a tape."""
     supports_graph_pieces = True
 
     def __init__(self):
         super().__init__()
-        self.graph_replays = 0
         self.piece_replays = 0
-
-    def capture_graph(self, fn, pool=None):
-        out = fn()
-
-        def replay():
-            self.graph_replays += 1
-            out.copy_(fn())
-        return replay, out, pool
 
     def capture_pieces(self, fn, pool=None):
         fn(lambda: None)

@@ -55,18 +55,18 @@ def rel(a, b):
 @pytest.mark.parametrize('eager,stagger', [(False, False), (True, False), (False, True)])
 def test_bf16_greedy_and_logits_match_transformers(model_dir, eager, stagger, monkeypatch):
     """stagger: each prompt arrives once the one before has its first tokens, so its prefill shares a step
-    with decoding rows: such steps replay in pieces (engine/piecewise.py) unless eager."""
+    with decoding rows: such steps replay a recording of their padded token count unless eager."""
     from engine_utils import submit
 
     from lmdeploy.engine.engine import Engine
-    from lmdeploy.engine.piecewise import PiecewiseRunner
+    from lmdeploy.engine.graph_runner import GraphRunner
     mixed = []
-    call = PiecewiseRunner.__call__
+    call = GraphRunner._mixed
 
     def spy(self, input_ids, positions, ctx):
         mixed.append(ctx.num_decode)
         return call(self, input_ids, positions, ctx)
-    monkeypatch.setattr(PiecewiseRunner, '__call__', spy)
+    monkeypatch.setattr(GraphRunner, '_mixed', spy)
     from lmdeploy.engine.sequence import SamplingParams
     from lmdeploy.messages import PytorchEngineConfig
     rng = random.Random(0)
@@ -103,8 +103,9 @@ def test_bf16_greedy_and_logits_match_transformers(model_dir, eager, stagger, mo
             assert ours <= 1.25 * theirs + 1e-3, rows
         engine.wait_idle()
         engine.check_invariants()
-        if not eager:  # every step with prompt rows replayed in pieces; staggered ones carried decode rows
+        if not eager:  # every step with prompt rows replayed a recording; staggered ones carried decode rows
             assert len(mixed) == engine.stats().extra['prefill_steps'] > 0
-            assert any(mixed) == stagger, mixed
+            if stagger:  # (a one-token prompt is a one-token row too, so only counts tell)
+                assert max(mixed) >= 3, mixed
     finally:
         engine.close()

@@ -1,45 +1,29 @@
 """The graph runner's bookkeeping, on a CPU-only machine.
 
-A device that replays recorded decode steps gets them padded to a captured
-batch size, with inputs copied into static buffers and padding rows that
-must write nothing. Here a cpu device stands in for one: its "graph" re-runs
-the recorded function on the same static buffers and rewrites the same
-output tensor, which is what a replay promises. Tokens must equal
-transformers' step by step, whatever the padding.
+A device that replays recorded steps gets decode steps padded to a
+captured batch size, and steps with prompt rows padded to a captured token
+count (the decode batch padded with empty rows, the prompt sequences with
+empty ones), with inputs copied into static buffers and padding that must
+write nothing. A cpu device stands in for one (tests/graph_emulation.py):
+its "graph" re-runs the recorded function on the same static buffers and
+rewrites the same output tensor, which is what a replay promises. Tokens
+must equal transformers' step by step, whatever the padding.
 """
 import random
 
 import pytest
 from engine_utils import assert_engine_clean, submit
+from graph_emulation import ReplayingCpu
 from helpers import hf_greedy
 
 import lmdeploy.engine.engine as engine_module
 from lmdeploy.devices import ops
-from lmdeploy.devices.cpu import CpuOps
 from lmdeploy.engine.engine import Engine
-from lmdeploy.engine.graph_runner import capture_sizes
+import lmdeploy.engine.graph_runner as graph_runner
+from lmdeploy.engine.graph_runner import GraphRunner, capture_sizes
+from lmdeploy.engine.piecewise import piece_sizes
 from lmdeploy.engine.sequence import SamplingParams
 from lmdeploy.messages import PytorchEngineConfig
-
-
-class ReplayingCpu(CpuOps):
-    """The cpu device with "graphs": a capture records the function and its
-    output tensor; a replay runs the function again and writes the result
-    into that tensor."""
-    supports_graphs = True
-
-    def __init__(self):
-        super().__init__()
-        self.captured, self.replays = [], 0
-
-    def capture_graph(self, fn, pool=None):
-        out = fn()
-        self.captured.append(out.shape[0])
-
-        def replay():
-            self.replays += 1
-            out.copy_(fn())
-        return replay, out, pool
 
 
 @pytest.fixture
@@ -49,15 +33,20 @@ def replaying(monkeypatch):
     return device
 
 
+def _config(**kw):
+    return PytorchEngineConfig(device_type='cpu', block_size=4, session_len=128, max_batch_size=8,
+                               max_prefill_token_num=32, **kw)
+
+
 @pytest.mark.parametrize('num_prompts,num_blocks', [(3, 0), (5, 0), (14, 36)])
 def test_padded_replays_give_transformers_tokens(tiny_model_factory, replaying, num_prompts, num_blocks):
     """(14 prompts in a batch of 8 and a small cache: finished sequences' blocks
     go to new ones while a padding row may still hold an old slot.)"""
     model = tiny_model_factory('llama')
-    eng = Engine(model, PytorchEngineConfig(device_type='cpu', block_size=4, session_len=128, max_batch_size=8,
-                                            num_gpu_blocks=num_blocks))
+    eng = Engine(model, _config(num_gpu_blocks=num_blocks))
     try:
-        assert sorted(replaying.captured) == capture_sizes(8) == [1, 2, 4, 8]
+        assert sorted(replaying.captured) == sorted(capture_sizes(8) + piece_sizes(40))
+        assert capture_sizes(8) == [1, 2, 4, 8] and piece_sizes(40) == [16, 32, 40]
         rng = random.Random()
         prompts = [[rng.randrange(20, 49152) for _ in range(rng.randint(3, 17))] for _ in range(num_prompts)]
         limits = [rng.randint(4, 12) for _ in prompts]
@@ -72,20 +61,66 @@ def test_padded_replays_give_transformers_tokens(tiny_model_factory, replaying, 
     assert replaying.replays >= max(limits) - 2
 
 
+@pytest.mark.parametrize('name', ['llama', 'qwen3'])
+def test_mixed_steps_replayed_whole_give_transformers_tokens(tiny_model_factory, replaying, monkeypatch, name):
+    """Prompts arrive while others decode: their steps (one-token rows and prompt chunks, chunked at 32
+    tokens) replay a recording of a padded token count; a step with more prompt sequences than a
+    recording holds (2 here) runs eagerly. Either way the tokens are transformers'."""
+    model = tiny_model_factory(name)
+    seen = {'mixed': [], 'eager': []}  # (tokens, one-token rows) of each step with prompt rows
+    mixed = GraphRunner._mixed
+    monkeypatch.setattr(graph_runner, 'mixed_prompt_slots', lambda n: 2)
+
+    def spy(self, input_ids, positions, ctx):
+        seen['mixed'].append((input_ids.shape[0], ctx.num_decode))
+        return mixed(self, input_ids, positions, ctx)
+    monkeypatch.setattr(GraphRunner, '_mixed', spy)
+    eng = Engine(model, _config())
+    forward = eng.runner._eager_forward
+
+    def eager_spy(input_ids, positions, ctx):  # (recordings call the forward they were made with)
+        if not ctx.is_decode:
+            seen['eager'].append((input_ids.shape[0], ctx.num_decode))
+        return forward(input_ids, positions, ctx)
+    eng.runner._eager_forward = eager_spy
+    try:
+        rng = random.Random()
+        prompts = [[rng.randrange(20, 1000) for _ in range(rng.randint(2, 40))] for _ in range(10)]
+        # ... and a burst of short prompts, more than a recording's prompt slots
+        prompts += [[rng.randrange(20, 1000) for _ in range(rng.randint(2, 6))] for _ in range(5)]
+        limits = [rng.randint(3, 10) for _ in prompts]
+        cols = []
+        for p, n in zip(prompts[:10], limits):
+            cols.append(submit(eng, p, SamplingParams(max_new_tokens=n)))
+            cols[0].done.wait(0.05)  # staggered arrivals
+        with eng._lock:  # the burst reaches the engine in one pass of its loop
+            cols += [submit(eng, p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[10:], limits[10:])]
+        got = [c.wait().token_ids for c in cols]
+        assert_engine_clean(eng)
+    finally:
+        eng.close()
+    ref = hf_greedy(model, prompts, max(limits))
+    assert got == [r[:n] for r, n in zip(ref, limits)]
+    assert any(nd > 0 for _, nd in seen['mixed']), seen  # decode rows rode along with prompt rows
+    assert {t for t, _ in seen['mixed']} - {16, 32, 40}, seen  # steps were padded to a recording
+    assert seen['eager'], seen  # the burst
+
+
 def test_replayed_and_eager_decode_rows_give_attention_the_same_index_types(tiny_model_factory, replaying,
                                                                            monkeypatch):
-    """A prefill step's decode rows run eagerly through the decode-attention
-    kernel the graphs were captured with; an index tensor of another type
-    (the longest-first order was int32 in the graphs, int64 in eager steps)
-    makes Triton compile that kernel again, mid-run."""
+    """Decode rows reach the decode-attention kernel from recorded steps
+    (decode and mixed) and from eager ones (eager mode, or a step that fits
+    no recording); an index tensor of another type (the longest-first order
+    was int32 in the graphs, int64 in eager steps) makes Triton compile that
+    kernel again, mid-run."""
     seen = {'replay': set(), 'eager': set()}
     in_graph = [False]
     attend = ops.paged_decode_attention
 
-    def spy(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None):
+    def spy(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
         seen['replay' if in_graph[0] else 'eager'].add(
             (block_tables.dtype, kv_seqlens.dtype, order.dtype if order is not None else None))
-        return attend(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order)
+        return attend(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order, out)
 
     def in_graphs(fn):
         def run(*a):
@@ -99,14 +134,14 @@ def test_replayed_and_eager_decode_rows_give_attention_the_same_index_types(tiny
     monkeypatch.setattr(ops, 'paged_decode_attention', spy)
     capture = replaying.capture_graph
     replaying.capture_graph = lambda fn, pool=None: capture(in_graphs(fn), pool)
-    eng = Engine(tiny_model_factory('llama'), PytorchEngineConfig(device_type='cpu', block_size=4, session_len=128,
-                                                                  max_batch_size=2))
-    try:
-        cols = [submit(eng, p, SamplingParams(max_new_tokens=n)) for p, n in (([30, 31, 32], 9), ([40] * 7, 3),
-                                                                            ([50] * 5, 4))]
-        [c.wait() for c in cols]
-        assert_engine_clean(eng)
-    finally:
-        eng.close()
-    assert seen['eager'] and seen['replay'], seen  # a prefill step carried decode rows
+    for eager in (False, True):
+        eng = Engine(tiny_model_factory('llama'), _config(eager_mode=eager))
+        try:
+            cols = [submit(eng, p, SamplingParams(max_new_tokens=n)) for p, n in (([30, 31, 32], 9), ([40] * 7, 3),
+                                                                                ([50] * 5, 4))]
+            [c.wait() for c in cols]
+            assert_engine_clean(eng)
+        finally:
+            eng.close()
+    assert seen['eager'] and seen['replay'], seen
     assert seen['eager'] == seen['replay']

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from engine_utils import assert_engine_clean, submit
-from graph_emulation import RecordingCpu, Tape
+from graph_emulation import PieceRecordingCpu, Tape
 from helpers import hf_greedy
 
 import lmdeploy.engine.engine as engine_module
@@ -35,13 +35,14 @@ def test_piece_sizes():
     sizes = piece_sizes(2048)
     assert sizes[:3] == [16, 32, 48] and sizes[-1] == 2048 and sizes == sorted(set(sizes))
     assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]) if b <= 512)  # little padding where steps are small
+    assert all(b - a <= 64 for a, b in zip(sizes, sizes[1:])) and len(sizes) == 64
     assert piece_sizes(72) == [16, 32, 48, 64, 72]
     assert piece_sizes(10) == [10]
 
 
 @pytest.fixture
 def recording(monkeypatch):
-    device = RecordingCpu()
+    device = PieceRecordingCpu()
     monkeypatch.setattr(engine_module, 'get_device', lambda device_type='auto': device)
     return device
 

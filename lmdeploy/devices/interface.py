@@ -160,7 +160,7 @@ class DeviceOps:
     def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, q_start_loc: torch.Tensor, q_seqlens: torch.Tensor,
                                 kv_seqlens: torch.Tensor, scale: float, max_q_len: int,
-                                max_kv_len: int) -> torch.Tensor:
+                                max_kv_len: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal attention of new tokens over the whole paged context.
 
         q [T, H, D] packs B sequences: sequence b owns rows
@@ -173,19 +173,26 @@ class DeviceOps:
         ``h // (H // Hkv)``. block_tables [B, max_blocks] (int32, padded).
         Softmax in float32. Returns [T, H, D] in q's dtype; rows of q that no
         sequence owns (a step's decode rows, attended separately) are left
-        unspecified.
+        unspecified. ``out`` ([T, H, D], optional): written in place of a new
+        tensor (only the owned rows; the others keep what they hold) and
+        returned. A sequence with ``q_seqlens[b] == 0`` owns no row (padding
+        of a recorded step: ``max_q_len`` and the batch then only bound the
+        work).
         """
         raise NotImplementedError
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, kv_seqlens: torch.Tensor, scale: float,
-                               max_kv_len: int, order: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               max_kv_len: int, order: Optional[torch.Tensor] = None,
+                               out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One new token per sequence: q [B, H, D] attends to all
         ``kv_seqlens[b]`` cached tokens. Same meaning as the prefill op with
         every q_seqlen equal to 1. ``order`` (optional, [B] integers) is a
         permutation of the rows, longest context first: a device may visit
         the rows in that order to balance its work; results do not depend
-        on it."""
+        on it. A row with ``kv_seqlens[b] == 0`` (padding) gets zeros.
+        ``out`` ([B, H, D], optional): written in place of a new tensor and
+        returned."""
         raise NotImplementedError
 
     # -------------------------------------------------------------- sampling

@@ -56,13 +56,14 @@ def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
-                            max_q_len, max_kv_len):
+                            max_q_len, max_kv_len, out=None):
     return _ops(q).paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens,
-                                           scale, max_q_len, max_kv_len)
+                                           scale, max_q_len, max_kv_len, out)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None):
-    return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order)
+def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
+    return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order,
+                                          out)
 
 
 def apply_repetition_penalty(logits, token_ids, penalty):

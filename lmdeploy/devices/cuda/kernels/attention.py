@@ -81,12 +81,12 @@ def prefill_tiles(block_d: int):
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
-                            max_kv_len, tiles=None):
+                            max_kv_len, tiles=None, out=None):
     """``tiles``: (block_m, block_n, warps, stages) instead of prefill_tiles' (for sweeps)."""
     t, h, d = q.shape
     hkv = k_cache.shape[2]
-    out = torch.empty_like(q)
-    if t == 0:
+    out = torch.empty_like(q) if out is None else out
+    if t == 0 or q_seqlens.shape[0] == 0:
         return out
     block_d = triton.next_power_of_2(d)
     block_m, block_n, warps, stages = tiles or prefill_tiles(block_d)
@@ -213,11 +213,11 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: i
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms: int = 132,
-                           order=None):
+                           order=None, out=None):
     bsz, h, d = q.shape
     hkv = k_cache.shape[2]
     group = h // hkv
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if bsz == 0:
         return out
     splits = num_decode_splits(bsz, hkv, max_kv_len, num_sms)
