@@ -20,8 +20,7 @@ import lmdeploy.engine.engine as engine_module
 from lmdeploy.devices import ops
 from lmdeploy.engine.engine import Engine
 import lmdeploy.engine.graph_runner as graph_runner
-from lmdeploy.engine.graph_runner import GraphRunner, capture_sizes
-from lmdeploy.engine.piecewise import piece_sizes
+from lmdeploy.engine.graph_runner import GraphRunner, capture_sizes, token_buckets
 from lmdeploy.engine.sequence import SamplingParams
 from lmdeploy.messages import PytorchEngineConfig
 
@@ -31,6 +30,15 @@ def replaying(monkeypatch):
     device = ReplayingCpu()
     monkeypatch.setattr(engine_module, 'get_device', lambda device_type='auto': device)
     return device
+
+
+def test_token_buckets():
+    sizes = token_buckets(2048)
+    assert sizes[:3] == [16, 32, 48] and sizes[-1] == 2048 and sizes == sorted(set(sizes))
+    assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]) if b <= 512)  # little padding where steps are small
+    assert all(b - a <= 64 for a, b in zip(sizes, sizes[1:])) and len(sizes) == 64
+    assert token_buckets(72) == [16, 32, 48, 64, 72]
+    assert token_buckets(10) == [10]
 
 
 def _config(**kw):
@@ -45,8 +53,8 @@ def test_padded_replays_give_transformers_tokens(tiny_model_factory, replaying, 
     model = tiny_model_factory('llama')
     eng = Engine(model, _config(num_gpu_blocks=num_blocks))
     try:
-        assert sorted(replaying.captured) == sorted(capture_sizes(8) + piece_sizes(40))
-        assert capture_sizes(8) == [1, 2, 4, 8] and piece_sizes(40) == [16, 32, 40]
+        assert sorted(replaying.captured) == sorted(capture_sizes(8) + token_buckets(40))
+        assert capture_sizes(8) == [1, 2, 4, 8] and token_buckets(40) == [16, 32, 40]
         rng = random.Random()
         prompts = [[rng.randrange(20, 49152) for _ in range(rng.randint(3, 17))] for _ in range(num_prompts)]
         limits = [rng.randint(4, 12) for _ in prompts]

@@ -12,7 +12,7 @@ from helpers import hf_greedy
 
 import lmdeploy.engine.engine as engine_module
 from lmdeploy.engine.engine import Engine
-from lmdeploy.engine.piecewise import PiecewiseRunner, piece_sizes
+from lmdeploy.engine.piecewise import PiecewiseRunner
 from lmdeploy.engine.sequence import SamplingParams
 from lmdeploy.messages import PytorchEngineConfig
 
@@ -29,15 +29,6 @@ def test_the_emulation_replays_recorded_work_on_new_inputs():
     ref = torch.nn.functional.linear(x, w).relu()
     assert torch.equal(y, ref) and torch.equal(buf[:3], ref[:3]) and torch.equal(z, ref[:, 1:].reshape(-1))
     assert torch.equal(buf[3:], torch.zeros(2, 4))  # only what was recorded is written
-
-
-def test_piece_sizes():
-    sizes = piece_sizes(2048)
-    assert sizes[:3] == [16, 32, 48] and sizes[-1] == 2048 and sizes == sorted(set(sizes))
-    assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]) if b <= 512)  # little padding where steps are small
-    assert all(b - a <= 64 for a, b in zip(sizes, sizes[1:])) and len(sizes) == 64
-    assert piece_sizes(72) == [16, 32, 48, 64, 72]
-    assert piece_sizes(10) == [10]
 
 
 @pytest.fixture

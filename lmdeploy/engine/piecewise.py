@@ -28,15 +28,8 @@ import torch
 
 from lmdeploy.devices.interface import DeviceOps
 
+from .graph_runner import token_buckets
 from .nn import StepContext
-
-
-def piece_sizes(max_tokens: int) -> List[int]:
-    """Token-count buckets: every 16 up to 512, every 32 to 1024, every 64
-    beyond. A padding row costs as much GEMM work as a real one (on an H100,
-    a 1,200-token step padded to 1,280 took 1.9 ms longer than unpadded)."""
-    sizes = list(range(16, 513, 16)) + list(range(544, 1025, 32)) + list(range(1088, max_tokens + 64, 64))
-    return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 
 class _Recording:
@@ -58,7 +51,7 @@ class PiecewiseRunner:
         self.device = device
         self.model = model
         self.kv_caches = kv_caches
-        self.sizes = piece_sizes(max_tokens)
+        self.sizes = token_buckets(max_tokens)
         self.dtype = dtype
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=torch_device)

@@ -72,6 +72,9 @@ class EngineProcess:
         mine, theirs = socket.socketpair()
         env = dict(os.environ)
         env.setdefault('PYTHONUNBUFFERED', '1')
+        # the child imports this very lmdeploy, wherever the parent found it (a path added at run time too)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env['PYTHONPATH'] = os.pathsep.join([root] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
         code = 'import sys; from lmdeploy.engine.process import child_main; sys.exit(child_main(int(sys.argv[1])))'
         self._proc = subprocess.Popen([sys.executable, '-c', code, str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                       env=env)
@@ -314,11 +317,19 @@ def child_main(fd: int) -> int:
             pickle.dumps(e)
         except Exception:
             e = EngineProcessError(f'{type(e).__name__}: {e}')
-        send(('fatal', e))
+        try:
+            send(('fatal', e))
+        except OSError:
+            pass  # the parent is gone
         return 1
-    send(('ready', dict(model_config=engine.model_config, session_len=engine.session_len,
-                        num_blocks=engine.num_blocks, block_size=engine.block_size,
-                        max_batch_size=engine.max_batch_size, dtype=engine.dtype, device_name=engine.device.name)))
+    try:
+        send(('ready', dict(model_config=engine.model_config, session_len=engine.session_len,
+                            num_blocks=engine.num_blocks, block_size=engine.block_size,
+                            max_batch_size=engine.max_batch_size, dtype=engine.dtype,
+                            device_name=engine.device.name)))
+    except OSError:  # the parent went away while the model loaded
+        engine.close()
+        return 0
     _relay(conn, engine, outbox, send)
     engine.close()
     flush()

@@ -18,7 +18,9 @@ malformed bodies (not JSON, wrong types, missing fields), 503 engine not
 ready or server shutting down.
 
 The :class:`~lmdeploy.frontend.gateway.Gateway` runs on the server's event
-loop (it is async; the engine runs on its own thread). A client that goes
+loop (it is async); the engine runs in a process of its own
+(:mod:`lmdeploy.engine.process`; ``PytorchEngineConfig(engine_process=False)``
+keeps it on a thread of this one). A client that goes
 away cancels its requests; SIGTERM / SIGINT drain: no new requests, running
 ones finish (up to ``drain_timeout``), then :func:`serve` returns 0.
 
@@ -530,7 +532,9 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
         embedded SmolLM2-135M-Instruct.
     backend: 'pytorch'; 'turbomind' is accepted and mapped onto it (a notice
         is logged).
-    backend_config: PytorchEngineConfig (a TurbomindEngineConfig is mapped).
+    backend_config: PytorchEngineConfig (a TurbomindEngineConfig is mapped);
+        its ``engine_process`` None (default) runs the engine in a process of
+        its own.
     chat_template_config: a ChatTemplateConfig, a builtin template name, or a
         JSON file / string with ChatTemplateConfig fields; None: the model's own.
     api_keys: accepted keys for ``Authorization: Bearer KEY`` on /v1/* and
