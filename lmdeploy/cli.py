@@ -46,6 +46,7 @@ def _list(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from lmdeploy import check_env, cli_chat, cli_serve
+    from lmdeploy.devices.registry import device_choices
     from lmdeploy.version import __version__
     parser = argparse.ArgumentParser(prog='lmdeploy', description='Serve large language models fast.')
     parser.add_argument('--version', action='version', version=__version__)
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser('generate', help='generate answers to prompts (chat template applied)')
     gen.add_argument('prompt', nargs='*', help='prompts (default: a sample question)')
     gen.add_argument('--model', default=None, help='local HF model directory (default: embedded SmolLM2-135M)')
-    gen.add_argument('--device', default='auto', choices=['auto', 'cuda', 'ascend', 'cpu'])
+    gen.add_argument('--device', default='auto', choices=device_choices())
     gen.add_argument('--dtype', default='auto', choices=['auto', 'float16', 'bfloat16', 'float32'])
     gen.add_argument('--max-new-tokens', type=int, default=128)
     gen.add_argument('--temperature', type=float, default=0.0, help='0 decodes greedily')

@@ -11,9 +11,9 @@ import os
 import sys
 from typing import Any, Dict, Optional
 
+from .devices.registry import device_choices
 from .messages import GenerationConfig, PytorchEngineConfig
 
-DEVICES = ('auto', 'cuda', 'ascend', 'cpu')
 BACKENDS = ('pytorch', 'turbomind')
 DTYPES = ('auto', 'float16', 'bfloat16', 'float32')
 LOG_LEVELS = ('CRITICAL', 'FATAL', 'ERROR', 'WARN', 'WARNING', 'INFO', 'DEBUG', 'NOTSET')
@@ -35,8 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser):
     g.add_argument('--backend', default='pytorch', choices=BACKENDS,
                    help="inference engine; 'turbomind' is accepted and mapped onto the pytorch engine "
                    '(default: %(default)s)')
-    g.add_argument('--device', default=d['device_type'], choices=DEVICES,
-                   help="device to run on; 'auto' picks cuda, then ascend, then cpu (default: %(default)s)")
+    g.add_argument('--device', default=d['device_type'], choices=device_choices(),
+                   help="device to run on; 'auto' picks the best available (cuda, then ascend, then cpu, among the "
+                   'built-in ones) (default: %(default)s)')
     g.add_argument('--dtype', default=d['dtype'], choices=DTYPES,
                    help="weights / activations dtype; 'auto' lets the device choose (default: %(default)s)")
     g.add_argument('--tp', type=int, default=d['tp'], help='tensor parallel size (default: %(default)s)')

@@ -99,7 +99,8 @@ class GenerationConfig:
         return (not self.do_sample) or self.top_k == 1 or self.temperature == 0.0
 
 
-DeviceType = Literal['auto', 'cuda', 'ascend', 'cpu']
+# 'auto', a built-in device ('cpu', 'cuda', 'ascend') or one an installed package registers (devices/registry.py)
+DeviceType = str
 
 
 @dataclass
@@ -162,8 +163,10 @@ class PytorchEngineConfig:
                f'must be >= 0, got {self.num_gpu_blocks!r}')
         _check(isinstance(self.max_prefill_token_num, int) and self.max_prefill_token_num >= 1,
                name + 'max_prefill_token_num', f'must be >= 1, got {self.max_prefill_token_num!r}')
-        _check(self.device_type in ('auto', 'cuda', 'ascend', 'cpu'), name + 'device_type',
-               f"must be 'auto', 'cuda', 'ascend' or 'cpu', got {self.device_type!r}")
+        from lmdeploy.devices.registry import device_choices  # no torch: just the names
+        choices = device_choices()
+        _check(self.device_type in choices, name + 'device_type',
+               f'must be one of {choices}, got {self.device_type!r}')
         _check(self.engine_process in (None, True, False), name + 'engine_process',
                f'must be None, True or False, got {self.engine_process!r}')
         _check(self.quant_policy in (0, 4, 8), name + 'quant_policy',

@@ -178,7 +178,7 @@ def test_check_env():
 def test_check_env_self_test_catches_a_wrong_op():
     import torch
 
-    from lmdeploy.check_env import run_self_tests
+    from lmdeploy.devices.conformance import run_self_tests
     from lmdeploy.devices.cpu import CpuOps
 
     class Broken(CpuOps):

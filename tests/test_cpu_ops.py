@@ -1,6 +1,6 @@
 """The cpu device's ops against independent formulas written in the test.
 
-Every reference below is written differently from ``lmdeploy/devices/cpu/ops.py``
+Every reference below is written differently from ``lmdeploy/devices/reference.py``
 (python loops, float64, complex numbers, dense per-sequence K/V) and follows
 the docstrings of :mod:`lmdeploy.devices.interface`.
 """

@@ -347,7 +347,7 @@ def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):
     attended by the decode kernel in longest-first order; prompt rows by the
     prefill kernel, one of them a chunk after a cached prefix) gives the cpu
     reference's result for the whole batch attended as one prefill."""
-    from lmdeploy.devices import ops as dispatch
+    from lmdeploy import devices as dispatch
     from lmdeploy.devices.cuda.ops import CudaOps
     from lmdeploy.engine.nn import PagedAttention, StepContext
     h, hkv, d, bs = 8, 2, 32, 16
@@ -374,10 +374,10 @@ def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):
                           num_decode=num_decode, decode_order=order)
         return layer(q.to(**as_ref), k.to(**as_ref), v.to(**as_ref), cos.to(on), sin.to(on), ctx)
 
-    monkeypatch.setitem(dispatch._by_torch_type, 'cpu', get_device('cpu'))
+    monkeypatch.setitem(dispatch._serving, 'cpu', get_device('cpu'))
     ref = run('cpu', 0)  # every sequence through the reference prefill op
     if not HAS_CUDA:  # the cuda device's kernels, interpreted, for tensors on the CPU
-        monkeypatch.setitem(dispatch._by_torch_type, 'cpu', CudaOps(num_sms=132))
+        monkeypatch.setitem(dispatch._serving, 'cpu', CudaOps(num_sms=132))
     out = run(DEV, 3, torch.tensor([2, 0, 1], device=DEV))
     assert rel_err(out, ref) < tol(dtype) * 2
 

@@ -1,67 +1,101 @@
-"""Device registry: one implementation of :class:`DeviceOps` per device kind.
+"""Devices: one implementation of :class:`DeviceOps` per device kind.
 
-Device packages are imported lazily, by name, only here. The engine asks for
-a device by its ``device_type`` and calls ops through :mod:`.ops`, which
-dispatches on the tensors' device.
+Which devices exist comes from :mod:`.registry` (built-in ones and entry
+points). Device modules are imported lazily, by name, only here. The
+engine asks for a device by its ``device_type``; models call ops through
+:mod:`.ops`, which dispatches on the tensors' torch device type to the
+device serving it (the last one asked for by :func:`get_device`, else the
+built-in device of that type). Importing this package is cheap: no torch
+until a device is loaded.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Dict
 
-from .interface import DeviceOps
+from .registry import BUILTIN, ENTRY_POINT_GROUP, device_choices, device_names, refresh, registered
 
-# device_type -> "module:Class"
-_DEVICES = {
-    'cpu': 'lmdeploy.devices.cpu:CpuOps',
-    'cuda': 'lmdeploy.devices.cuda:CudaOps',
-    'ascend': 'lmdeploy.devices.ascend:AscendOps',
-}
-# torch's device.type -> our device_type
-TORCH_TO_DEVICE = {'cpu': 'cpu', 'cuda': 'cuda', 'npu': 'ascend'}
-_AUTO_ORDER = ('cuda', 'ascend', 'cpu')
-_instances: Dict[str, DeviceOps] = {}
+_instances: Dict[str, object] = {}
+_serving: Dict[str, object] = {}  # torch device type -> the device instance its tensors dispatch to
 
 
-def _load_class(device_type: str):
-    if device_type not in _DEVICES:
-        raise ValueError(f'unknown device_type {device_type!r}; choose one of '
-                         f"{['auto', *_DEVICES]}")
-    module, cls = _DEVICES[device_type].split(':')
+def load_class(device_type: str):
+    """The DeviceOps subclass registered as ``device_type``."""
+    devices = registered()
+    if device_type not in devices:
+        raise ValueError(f'unknown device_type {device_type!r}; choose one of {device_choices()}')
+    module, cls = devices[device_type].split(':')
     try:
         return getattr(importlib.import_module(module), cls)
     except ModuleNotFoundError as e:
         if e.name and e.name.startswith('lmdeploy.devices.'):
-            raise NotImplementedError(f"device_type {device_type!r} is not implemented in this build") from e
+            raise NotImplementedError(f'device_type {device_type!r} is not implemented in this build') from e
         raise
 
 
 def is_available(device_type: str) -> bool:
     try:
-        return _load_class(device_type).is_available()
+        return bool(load_class(device_type).is_available())
     except (NotImplementedError, ImportError):
         return False
 
 
 def resolve_device_type(device_type: str = 'auto') -> str:
-    """'auto' picks the first available of cuda, ascend, cpu."""
+    """'auto' picks the available device of highest ``auto_priority`` (cuda, then ascend, then cpu among the
+    built-in ones; a registered device declares its own)."""
     if device_type != 'auto':
         return device_type
-    for name in _AUTO_ORDER:
-        if is_available(name):
-            return name
+    ranked = []
+    for i, name in enumerate(registered()):
+        try:
+            cls = load_class(name)
+        except (NotImplementedError, ImportError):
+            continue
+        ranked.append((-getattr(cls, 'auto_priority', 0), i, name, cls))
+    for _, _, name, cls in sorted(ranked, key=lambda r: r[:2]):
+        try:
+            if cls.is_available():
+                return name
+        except Exception:
+            continue
     return 'cpu'
 
 
-def get_device(device_type: str = 'auto') -> DeviceOps:
-    """The (cached) ops object of a device kind; raises if unusable here."""
+def get_device(device_type: str = 'auto'):
+    """The (cached) ops object of a device kind; raises if unusable here. It
+    becomes the device that tensors of its torch device type dispatch to."""
     device_type = resolve_device_type(device_type)
     if device_type not in _instances:
-        cls = _load_class(device_type)
+        cls = load_class(device_type)
         if not cls.is_available():
-            raise RuntimeError(f"device_type {device_type!r} is not available on this machine")
+            raise RuntimeError(f'device_type {device_type!r} is not available on this machine')
         _instances[device_type] = cls()
-    return _instances[device_type]
+    device = _instances[device_type]
+    _serving[device.torch_device_type] = device
+    return device
 
 
-__all__ = ['DeviceOps', 'get_device', 'resolve_device_type', 'is_available', 'TORCH_TO_DEVICE']
+def serving(torch_device_type: str):
+    """The device that ops on tensors of this torch device type go to."""
+    device = _serving.get(torch_device_type)
+    if device is None:
+        for name in registered():
+            try:
+                cls = load_class(name)
+            except (NotImplementedError, ImportError):
+                continue
+            if cls.torch_device_type == torch_device_type and name in BUILTIN:
+                return get_device(name)
+        raise RuntimeError(f'no lmdeploy device serves torch device type {torch_device_type!r}')
+    return device
+
+
+def __getattr__(name):  # DeviceOps without importing torch at package import
+    if name == 'DeviceOps':
+        from .interface import DeviceOps
+        return DeviceOps
+    raise AttributeError(name)
+
+
+__all__ = ['DeviceOps', 'get_device', 'resolve_device_type', 'is_available', 'load_class', 'serving',
+           'device_names', 'device_choices', 'registered', 'refresh', 'ENTRY_POINT_GROUP']

@@ -26,8 +26,9 @@ import torch
 class DeviceOps:
     """Ops and services of one device kind. Subclasses override every op."""
 
-    name: str = 'abstract'
-    torch_device_type: str = 'cpu'
+    name: str = 'abstract'  # its device_type (the registry's key)
+    torch_device_type: str = 'cpu'  # torch's name for the device its tensors live on
+    auto_priority: int = 0  # device_type='auto' picks the available device that ranks highest
 
     # ---------------------------------------------------------------- services
     @classmethod

@@ -5,22 +5,14 @@ its first tensor lives on. See the interface for what each op means.
 """
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 
-from . import TORCH_TO_DEVICE, get_device
+from . import serving
 from .interface import DeviceOps
-
-_by_torch_type: Dict[str, DeviceOps] = {}
 
 
 def _ops(t: torch.Tensor) -> DeviceOps:
-    kind = t.device.type
-    ops = _by_torch_type.get(kind)
-    if ops is None:
-        ops = _by_torch_type[kind] = get_device(TORCH_TO_DEVICE[kind])
-    return ops
+    return serving(t.device.type)
 
 
 def embedding(ids, weight):

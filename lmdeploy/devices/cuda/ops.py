@@ -8,18 +8,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..cpu import CpuOps
 from ..interface import DeviceOps
+from ..reference import ReferenceOps
 
 
 class CudaOps(DeviceOps):
     name = 'cuda'
     torch_device_type = 'cuda'
+    auto_priority = 30
     supports_graphs = True
     supports_graph_pieces = True
     profile_memory = True
     # the reference's plain-torch sampling ops already run well on a GPU
-    _torch = CpuOps()
+    _torch = ReferenceOps()
 
     def __init__(self, num_sms: Optional[int] = None):
         """``num_sms``: the GPU's multiprocessor count (default: asked of the current GPU; tests that run the

@@ -611,11 +611,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     """``python -m lmdeploy.serve.openai.api_server MODEL [flags]`` (the common
     flags; ``lmdeploy serve api_server`` has them all)."""
     import argparse
+
+    from lmdeploy.devices.registry import device_choices
     p = argparse.ArgumentParser(prog='python -m lmdeploy.serve.openai.api_server')
     p.add_argument('model_path', nargs='?', default=None)
     p.add_argument('--server-name', default='0.0.0.0')
     p.add_argument('--server-port', type=int, default=23333)
-    p.add_argument('--device', default='auto', choices=['auto', 'cuda', 'ascend', 'cpu'])
+    p.add_argument('--device', default='auto', choices=device_choices())
     p.add_argument('--session-len', type=int, default=None)
     p.add_argument('--max-batch-size', type=int, default=None)
     p.add_argument('--cache-max-entry-count', type=float, default=0.8)

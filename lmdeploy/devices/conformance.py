@@ -1,0 +1,246 @@
+"""The conformance suite: every device's ops against an independent float64 computation.
+
+One suite for every device, built-in or registered: the tests run it on
+each device available in the process (tests/test_conformance.py,
+parametrized by device and check), and ``lmdeploy check_env`` runs it on
+each available device. Each op gets small random inputs; the expected
+result is computed in float64 on the CPU from the documented meaning of
+the op (not by calling the reference ops), so the reference is checked too.
+"""
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Callable, List, Tuple
+
+
+@dataclass
+class TestResult:
+    device: str
+    op: str
+    passed: bool
+    detail: str
+
+
+def _tolerance(dtype) -> Tuple[float, float]:
+    import torch
+    return {torch.float32: (2e-3, 2e-3), torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}[dtype]
+
+
+def _compare(name: str, got, ref, dtype) -> Tuple[bool, str]:
+    import torch
+    got = got.detach().to('cpu', torch.float64)
+    if got.shape != ref.shape:
+        return False, f'shape {tuple(got.shape)} != expected {tuple(ref.shape)}'
+    if not torch.isfinite(got).all():
+        return False, 'non-finite values'
+    atol, rtol = _tolerance(dtype)
+    err = (got - ref).abs()
+    bound = atol + rtol * ref.abs()
+    ratio = float((err / bound).max())  # <= 1 passes
+    return ratio <= 1.0, (f'max abs err {float(err.max()):.1e}, {100 * ratio:.0f}% of tolerance '
+                          f'(atol {atol:g}, rtol {rtol:g})')
+
+
+def _test_dtype(ops):
+    import torch
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        try:
+            if ops.supports_dtype(dt):
+                return dt
+        except Exception:
+            continue
+    return torch.float16
+
+
+def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
+    """(op name, callable -> (passed, detail)) for one device."""
+    import torch
+    g = torch.Generator().manual_seed(1234)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    def on_dev(t, dt=None):
+        return t.to(dtype if dt is None else dt).to(dev)
+
+    def q64(t):  # the exact values the device sees, in float64
+        return t.to(dtype).to(torch.float64)
+
+    def _all_ok(*checks):
+        """(ok, detail) of several comparisons: the first failure's detail, else the first one's."""
+        bad = [c for c in checks if not c[0]]
+        return (False, bad[0][1]) if bad else (True, checks[0][1])
+
+    def rms_norm():
+        eps = 1e-6
+        x, res, w = q64(randn(5, 64, scale=2)), q64(randn(5, 64)), q64(randn(64) + 1)
+        out, h_out = ops.rms_norm(on_dev(x), on_dev(w), eps, on_dev(res))
+        h = x + res
+        ref = w * h / torch.sqrt((h * h).mean(-1, keepdim=True) + eps)
+        ok2, d2 = _compare('rms_norm residual', h_out, h, dtype)
+        return _all_ok(_compare('rms_norm', out, ref, dtype), (ok2, f'residual: {d2}'))
+
+    def silu_and_mul():
+        x = q64(randn(7, 2 * 48))
+        out = ops.silu_and_mul(on_dev(x))
+        gate, up = x[:, :48], x[:, 48:]
+        return _compare('silu_and_mul', out, gate / (1 + torch.exp(-gate)) * up, dtype)
+
+    def _rotary_setup(T=6, H=4, Hkv=2, D=16):
+        """q, k, cos, sin of positions 0..T-1, and the reference rotation."""
+        q, k = q64(randn(T, H, D)), q64(randn(T, Hkv, D))
+        pos = torch.arange(T, dtype=torch.float64)[:, None]
+        inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+        ang = torch.cat([pos * inv, pos * inv], dim=-1)
+        cos, sin = on_dev(torch.cos(ang), torch.float32), on_dev(torch.sin(ang), torch.float32)
+
+        def ref(x):  # complex rotation of (x[i], x[i + D/2]) pairs
+            z = torch.complex(x[..., :D // 2], x[..., D // 2:]) * torch.exp(1j * (pos * inv))[:, None, :]
+            return torch.cat([z.real, z.imag], dim=-1)
+
+        return q, k, cos, sin, ref
+
+    def apply_rotary():
+        q, k, cos, sin, ref = _rotary_setup()
+        qo, ko = ops.apply_rotary(on_dev(q), on_dev(k), cos, sin)
+        return _all_ok(_compare('q', qo, ref(q), dtype), _compare('k', ko, ref(k), dtype))
+
+    def rotary_fill_kv():
+        T, Hkv, D, S = 6, 2, 16, 4
+        q, k, cos, sin, ref = _rotary_setup(T, Hkv=Hkv, D=D)
+        v = q64(randn(T, Hkv, D))
+        k_cache = torch.zeros(4, S, Hkv, D, dtype=dtype, device=dev)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.randperm(4 * S, generator=g)[:T]
+        qo, ko = ops.rotary_fill_kv(on_dev(q), on_dev(k), on_dev(v), cos, sin, k_cache, v_cache,
+                                    slots.to(dev))
+        kc, vc = k_cache.flatten(0, 1)[slots.to(dev)], v_cache.flatten(0, 1)[slots.to(dev)]
+        return _all_ok(_compare('q', qo, ref(q), dtype), _compare('k', ko, ref(k), dtype),
+                       _compare('k cache', kc, ref(k), dtype), _compare('v cache', vc, v, dtype))
+
+    def argmax():
+        x = randn(4, 3000, scale=3).float()
+        x[1, 17] = x[1, 2900] = x[1].max() + 1  # a tie: the first index wins
+        x[2] = float('-inf')
+        got = ops.argmax(x.to(dev)).cpu().tolist()
+        want = [int(x[0].argmax()), 17, 0, int(x[3].argmax())]
+        return got == want, f'indices {got}' + ('' if got == want else f' != expected {want}')
+
+    def _paged_setup(kv_lens, H=4, Hkv=2, D=32, S=4, num_blocks=16):
+        """Random per-sequence K/V written through fill_kv_cache into shuffled blocks."""
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        max_blocks = max((n + S - 1) // S for n in kv_lens)
+        tables = torch.zeros(len(kv_lens), max_blocks, dtype=torch.int32)
+        ks, vs, slots = [], [], []
+        for b, n in enumerate(kv_lens):
+            nb = (n + S - 1) // S
+            blocks = [perm.pop() for _ in range(nb)]
+            tables[b, :nb] = torch.tensor(blocks, dtype=torch.int32)
+            ks.append(q64(randn(n, Hkv, D)))
+            vs.append(q64(randn(n, Hkv, D)))
+            slots += [blocks[j // S] * S + j % S for j in range(n)]
+        k_cache = torch.zeros(num_blocks, S, Hkv, D, dtype=dtype, device=dev)
+        v_cache = torch.zeros_like(k_cache)
+        ops.fill_kv_cache(on_dev(torch.cat(ks)), on_dev(torch.cat(vs)), k_cache, v_cache,
+                          torch.tensor(slots, dtype=torch.int64, device=dev))
+        return ks, vs, k_cache, v_cache, tables.to(dev)
+
+    def _attend_ref(q, k, v, scale, n_visible):
+        """q [H, D] of one position, k/v [L, Hkv, D]: softmax over the first n_visible keys."""
+        H, Hkv = q.shape[0], k.shape[1]
+        out = torch.empty_like(q)
+        for h in range(H):
+            kh, vh = k[:n_visible, h // (H // Hkv)], v[:n_visible, h // (H // Hkv)]
+            s = (kh @ q[h]) * scale
+            p = torch.exp(s - s.max())
+            out[h] = (p / p.sum()) @ vh
+        return out
+
+    def paged_decode_attention():
+        kv_lens = [5, 11, 1]
+        H, D = 4, 32
+        ks, vs, k_cache, v_cache, tables = _paged_setup(kv_lens, H=H, D=D)
+        q = q64(randn(len(kv_lens), H, D))
+        scale = 1 / math.sqrt(D)
+        lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
+        ref = torch.stack([_attend_ref(q[b], ks[b], vs[b], scale, n) for b, n in enumerate(kv_lens)])
+        longest_first = torch.tensor([1, 0, 2], device=dev)  # a work-order hint: same results
+        return _all_ok(*(_compare('paged_decode_attention', ops.paged_decode_attention(
+            on_dev(q), k_cache, v_cache, tables, lens, scale, max(kv_lens), order), ref, dtype)
+                         for order in (None, longest_first)))
+
+    def paged_prefill_attention():
+        kv_lens, q_lens = [9, 4], [3, 4]  # the first continues a cached prefix (chunked prefill)
+        H, D = 4, 32
+        ks, vs, k_cache, v_cache, tables = _paged_setup(kv_lens, H=H, D=D)
+        q = q64(randn(sum(q_lens), H, D))
+        starts = [0, q_lens[0]]
+        scale = 1 / math.sqrt(D)
+        i32 = dict(dtype=torch.int32, device=dev)
+        out = ops.paged_prefill_attention(on_dev(q), k_cache, v_cache, tables, torch.tensor(starts, **i32),
+                                          torch.tensor(q_lens, **i32), torch.tensor(kv_lens, **i32), scale,
+                                          max(q_lens), max(kv_lens))
+        ref = torch.empty_like(q)
+        for b, (st, ql, kl) in enumerate(zip(starts, q_lens, kv_lens)):
+            for i in range(ql):
+                ref[st + i] = _attend_ref(q[st + i], ks[b], vs[b], scale, kl - ql + i + 1)
+        return _compare('paged_prefill_attention', out, ref, dtype)
+
+    def sample():
+        from lmdeploy.devices import rng
+        logits = randn(3, 50, scale=3).float()
+        seeds = torch.tensor([1, 2, 3], dtype=torch.int64)
+        offsets = torch.tensor([0, 5, 17], dtype=torch.int64)
+        got = ops.sample(logits.to(dev), seeds.to(dev), offsets.to(dev)).cpu().tolist()
+        # exponential race in float64 with the shared counter-based uniforms
+        p = torch.softmax(logits.double(), -1)
+        u = rng.uniform(seeds, offsets, 50).double()
+        want = (p / -torch.log(u)).argmax(-1).tolist()
+        return got == want, f'tokens {got}' + ('' if got == want else f' != expected {want}')
+
+    return [('rms_norm', rms_norm), ('silu_and_mul', silu_and_mul), ('apply_rotary', apply_rotary),
+            ('rotary_fill_kv', rotary_fill_kv), ('argmax', argmax), ('paged_decode_attention', paged_decode_attention),
+            ('paged_prefill_attention', paged_prefill_attention), ('sample', sample)]
+
+
+def check_names() -> List[str]:
+    import torch
+
+    from lmdeploy.devices.reference import ReferenceOps
+    return [name for name, _ in checks(ReferenceOps(), torch.device('cpu'), torch.float32)]
+
+
+def test_dtype(ops):
+    """The dtype a device is checked in: float32 where it runs it, else bf16, else fp16."""
+    return _test_dtype(ops)
+
+
+def run_self_tests(device_type: str, ops=None, only=None) -> List[TestResult]:
+    """Run the suite on one lmdeploy device type (or on ``ops``, a DeviceOps
+    object, when given); ``only``: the names of the checks to run."""
+    import torch
+
+    from lmdeploy.devices import get_device
+    try:
+        ops = ops if ops is not None else get_device(device_type)
+        dev = ops.torch_device()
+        dtype = _test_dtype(ops)
+    except Exception as e:
+        return [TestResult(device_type, 'setup', False, f'{type(e).__name__}: {e}')]
+    results = []
+    with torch.inference_mode():
+        for name, fn in checks(ops, dev, dtype):
+            if only is not None and name not in only:
+                continue
+            try:
+                ok, detail = fn()
+                ops.synchronize()
+            except Exception as e:
+                ok, detail = False, f'{type(e).__name__}: {e}'
+                if os.environ.get('LMDEPLOY_CHECK_ENV_TRACEBACK'):
+                    traceback.print_exc()
+            results.append(TestResult(device_type, name, ok, f'{detail} [{str(dtype).replace("torch.", "")}]'))
+    return results

@@ -1,0 +1,153 @@
+"""The reference: every op in plain torch, the executable definition of what it means.
+
+Written for clarity first, on any torch device. The cpu device is this
+reference with the cpu's services; other devices are tested against it
+(devices/conformance.py) and may reuse pieces of it (the cuda device's
+sampling ops are these).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import rng
+from .interface import DeviceOps
+
+
+class ReferenceOps(DeviceOps):
+    """Every op of :class:`DeviceOps`, in plain torch; no services."""
+
+    # -------------------------------------------------------------- dense ops
+    def embedding(self, ids, weight):
+        return F.embedding(ids, weight)
+
+    def linear(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype), (x if residual is not None else None)
+
+    def apply_rotary(self, q, k, cos, sin):
+
+        def rotate(x):
+            c = cos[:, None, :].to(x.dtype)
+            s = sin[:, None, :].to(x.dtype)
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * c + torch.cat((-x2, x1), dim=-1) * s
+
+        return rotate(q), rotate(k)
+
+    def silu_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    # ------------------------------------------------------------- attention
+    def fill_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
+        num_blocks, block_size, hkv, d = k_cache.shape
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_cache.view(num_blocks * block_size, hkv, d)[slots] = k[keep].to(k_cache.dtype)
+        v_cache.view(num_blocks * block_size, hkv, d)[slots] = v[keep].to(v_cache.dtype)
+
+    @staticmethod
+    def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """The first ``length`` tokens of one sequence: [length, Hkv, D]."""
+        block_size = cache.shape[1]
+        n = (length + block_size - 1) // block_size
+        return cache[block_table[:n].long()].flatten(0, 1)[:length]
+
+    @staticmethod
+    def _attend(q, k, v, scale, allowed):
+        """q [B, H, Q, D], k/v [B, Hkv, L, D], allowed [B, 1, Q, L] bool.
+        Math in float32; GQA by sharing each KV head across its query group."""
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale,
+                                              enable_gqa=True).to(q.dtype)
+
+    def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
+                                max_q_len, max_kv_len, out=None):
+        out = torch.empty_like(q) if out is None else out
+        for b, (start, qlen, kvlen) in enumerate(zip(q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist())):
+            if qlen == 0:
+                continue
+            k = self._gather_context(k_cache, block_tables[b], kvlen).transpose(0, 1)[None]
+            v = self._gather_context(v_cache, block_tables[b], kvlen).transpose(0, 1)[None]
+            # query row i sits at position kvlen - qlen + i and sees positions <= it
+            q_pos = torch.arange(kvlen - qlen, kvlen, device=q.device)
+            allowed = torch.arange(kvlen, device=q.device)[None, :] <= q_pos[:, None]
+            o = self._attend(q[start:start + qlen].transpose(0, 1)[None], k, v, scale, allowed[None, None])
+            out[start:start + qlen] = o[0].transpose(0, 1)
+        return out
+
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None,
+                               out=None):
+        """Batched over sequences: gather every block in the tables, mask the
+        tail. All rows at once, so ``order`` changes nothing here."""
+        block_size = k_cache.shape[1]
+        n = (max_kv_len + block_size - 1) // block_size
+        tables = block_tables[:, :n].long()
+        k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
+        v = v_cache[tables].flatten(1, 2)
+        valid = torch.arange(k.shape[1], device=q.device)[None, :] < kv_seqlens[:, None]  # [B, L]
+        # never let unwritten cache memory (possibly NaN) reach the output
+        zero = torch.zeros((), dtype=v.dtype, device=v.device)
+        k = torch.where(valid[:, :, None, None], k, zero)
+        v = torch.where(valid[:, :, None, None], v, zero)
+        o = self._attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, valid[:, None, None, :])[:, :, 0]
+        o = torch.where((kv_seqlens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+        return o if out is None else out.copy_(o)
+
+    # -------------------------------------------------------------- sampling
+    def apply_repetition_penalty(self, logits, token_ids, penalty):
+        bsz, vocab = logits.shape
+        # column 0 collects the -1 padding and is dropped
+        seen = torch.zeros(bsz, vocab + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, token_ids + 1, True)
+        seen = seen[:, 1:]
+        p = penalty[:, None].to(logits.dtype)
+        penalised = torch.where(logits > 0, logits / p, logits * p)
+        logits.copy_(torch.where(seen, penalised, logits))
+        return logits
+
+    def apply_temperature(self, logits, temperature):
+        return logits / temperature.reshape(-1, 1).to(logits.dtype)
+
+    def top_k_top_p_min_p(self, logits, top_k, top_p, min_p, max_top_k=None):
+        logits = logits.clone()
+        neg_inf = float('-inf')
+        vocab = logits.shape[-1]
+        # top-k: keep values >= the k-th largest (the largest k of all rows found without sorting the vocabulary)
+        if top_k is not None:
+            k = top_k.to(torch.int64).clamp(min=0, max=vocab)
+            widest = min(vocab, max(1, max_top_k if max_top_k is not None else int(k.max())))
+            largest = logits.topk(widest, dim=-1).values  # descending
+            kth = largest.gather(1, (k - 1).clamp(min=0, max=widest - 1)[:, None])
+            logits.masked_fill_((k > 0)[:, None] & (logits < kth), neg_inf)
+        # top-p: drop a token once the mass of the tokens before it reaches top_p
+        if top_p is not None:
+            probs = logits.float().softmax(dim=-1)
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # exclusive prefix sum (cumsum - probs rounds, missing exact boundaries)
+            cum = sorted_probs.cumsum(dim=-1)
+            mass_before = torch.cat((torch.zeros_like(cum[:, :1]), cum[:, :-1]), dim=-1)
+            drop_sorted = mass_before >= top_p[:, None].float()
+            drop_sorted[:, 0] = False
+            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+            logits.masked_fill_((top_p < 1.0)[:, None] & drop, neg_inf)
+        # min-p: relative to the most likely survivor
+        if min_p is not None:
+            probs = logits.float().softmax(dim=-1)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None].float()
+            logits.masked_fill_((min_p > 0.0)[:, None] & (probs < threshold), neg_inf)
+        return logits
+
+    def sample(self, logits, seeds, offsets):
+        probs = logits.float().softmax(dim=-1)
+        race = -torch.log(rng.uniform(seeds, offsets, logits.shape[-1]))
+        return (probs / race).argmax(dim=-1)
