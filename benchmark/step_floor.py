@@ -141,6 +141,7 @@ def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_le
     import torch
 
     from lmdeploy.devices import get_device, ops
+    from lmdeploy.devices.cache import KVCache
     from lmdeploy.engine.graph_runner import GraphRunner
     from lmdeploy.engine.model_runner import ModelRunner
     from lmdeploy.engine.models import get_model_class
@@ -158,7 +159,7 @@ def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_le
                 p.normal_(0, 1.0 if 'embed' in name else p.shape[-1]**-0.5)
     layer, body = model.model.layers[0], model.model
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.randn(shape, dtype=dtype, device=dev), torch.randn(shape, dtype=dtype, device=dev))]
+    caches = [KVCache(torch.randn(shape, dtype=dtype, device=dev), torch.randn(shape, dtype=dtype, device=dev))]
     runner = types.SimpleNamespace(block_size=block_size, torch_device=dev, kv_caches=caches)
     most = max(max_batch_size, max(s.tokens for s in steps))
     x = torch.randn(most, cfg.hidden_size, dtype=dtype, device=dev)

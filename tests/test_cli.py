@@ -190,8 +190,8 @@ def test_check_env_self_test_catches_a_wrong_op():
         def argmax(self, x):  # ties go to the last index instead of the first
             return x.shape[-1] - 1 - x.flip(-1).argmax(dim=-1)
 
-        def rotary_fill_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-            return super().rotary_fill_kv(q, k, v.flip(0), cos, sin, k_cache, v_cache, slot_mapping)  # rows swapped
+        def rotary_fill_kv(self, q, k, v, cos, sin, cache, slot_mapping):
+            return super().rotary_fill_kv(q, k, v.flip(0), cos, sin, cache, slot_mapping)  # rows swapped
 
     results = {r.op: r.passed for r in run_self_tests('cpu', Broken())}
     assert results['silu_and_mul'] is False and results['argmax'] is False and results['rotary_fill_kv'] is False

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lmdeploy.devices import get_device, rng
+from lmdeploy.devices.cache import KVCache
 
 
 @pytest.fixture(scope='module', autouse=True)
@@ -157,7 +158,7 @@ def test_fill_kv_cache(ops):
     slots = torch.randperm(n * s, generator=g)[:t]
     k = torch.randn(t, hkv, d, generator=g)
     v = torch.randn(t, hkv, d, generator=g)
-    ops.fill_kv_cache(k, v, k_cache, v_cache, slots)
+    ops.fill_kv_cache(k, v, KVCache(k_cache, v_cache), slots)
     written = set()
     for i, slot in enumerate(slots.tolist()):
         assert torch.equal(k_cache[slot // s, slot % s], k[i])
@@ -176,7 +177,7 @@ def test_fill_kv_cache_int32_slots_and_cast(ops):
     k = torch.randn(3, 1, 4, generator=g)
     v = torch.randn(3, 1, 4, generator=g)
     slots = torch.tensor([13, 2, 7], dtype=torch.int32)
-    ops.fill_kv_cache(k, v, k_cache, v_cache, slots)
+    ops.fill_kv_cache(k, v, KVCache(k_cache, v_cache), slots)
     for i, slot in enumerate(slots.tolist()):
         assert torch.equal(k_cache[slot // 4, slot % 4], k[i].bfloat16())
         assert torch.equal(v_cache[slot // 4, slot % 4], v[i].bfloat16())
@@ -190,7 +191,7 @@ def test_rotary_fill_kv_is_rotary_then_fill(ops):
     cos, sin = emb.cos(), emb.sin()
     slots = torch.tensor([3, -1, 9, 0, 14])
     caches = [torch.full((4, 4, hkv, d), float('nan')) for _ in range(2)]
-    oq, ok = ops.rotary_fill_kv(q, k, v, cos, sin, *caches, slots)
+    oq, ok = ops.rotary_fill_kv(q, k, v, cos, sin, KVCache(*caches), slots)
     rq, rk = ops.apply_rotary(q, k, cos, sin)
     assert torch.equal(oq, rq) and torch.equal(ok, rk)
     flat_k, flat_v = (c.view(16, hkv, d) for c in caches)
@@ -260,7 +261,7 @@ def test_paged_prefill_attention(ops, block_size, hkv, d):
     for n in q_lens[:-1]:
         starts.append(starts[-1] + n)
     scale = d ** -0.5
-    out = ops.paged_prefill_attention(q, cache.k_cache, cache.v_cache, cache.block_tables,
+    out = ops.paged_prefill_attention(q, KVCache(cache.k_cache, cache.v_cache), cache.block_tables,
                                       torch.tensor(starts), torch.tensor(q_lens), torch.tensor(kv_lens), scale,
                                       max(q_lens), max(kv_lens))
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -277,7 +278,7 @@ def test_paged_prefill_attention_bf16(ops):
     seqs = [(5, 5), (3, 11)]
     cache = _Paged([b for _, b in seqs], hkv, d, bs, seed=7, dtype=torch.bfloat16)
     q = torch.randn(8, h, d, generator=_gen(8)).bfloat16()
-    out = ops.paged_prefill_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, torch.tensor([0, 5]),
+    out = ops.paged_prefill_attention(q, KVCache(cache.k_cache, cache.v_cache), cache.block_tables, torch.tensor([0, 5]),
                                       torch.tensor([5, 3]), torch.tensor([5, 11]), d ** -0.5, 5, 11)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     starts = [0, 5]
@@ -299,10 +300,10 @@ def test_prefill_after_fill_kv_cache(ops):
     blocks = [6, 1, 3]
     table = torch.tensor([blocks + [0, 0]], dtype=torch.int32)
     slots = torch.tensor([blocks[j // bs] * bs + j % bs for j in range(prefix + new)])
-    ops.fill_kv_cache(k_all[:prefix], v_all[:prefix], k_cache, v_cache, slots[:prefix])
-    ops.fill_kv_cache(k_all[prefix:], v_all[prefix:], k_cache, v_cache, slots[prefix:])
+    ops.fill_kv_cache(k_all[:prefix], v_all[:prefix], KVCache(k_cache, v_cache), slots[:prefix])
+    ops.fill_kv_cache(k_all[prefix:], v_all[prefix:], KVCache(k_cache, v_cache), slots[prefix:])
     q = torch.randn(new, h, d, generator=g)
-    out = ops.paged_prefill_attention(q, k_cache, v_cache, table, torch.tensor([0]), torch.tensor([new]),
+    out = ops.paged_prefill_attention(q, KVCache(k_cache, v_cache), table, torch.tensor([0]), torch.tensor([new]),
                                       torch.tensor([prefix + new]), 0.2, new, prefix + new)
     for i in range(new):
         ref = _naive_attention(q[i], k_all, v_all, prefix + i, 0.2)
@@ -321,7 +322,7 @@ def test_paged_decode_attention(ops, block_size, hkv, d):
     q = torch.randn(len(DECODE_LENS), h, d, generator=_gen(block_size * hkv + d))
     scale = d ** -0.5
     kv_lens = torch.tensor(DECODE_LENS)
-    out = ops.paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, kv_lens, scale,
+    out = ops.paged_decode_attention(q, KVCache(cache.k_cache, cache.v_cache), cache.block_tables, kv_lens, scale,
                                      max(DECODE_LENS))
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
@@ -331,7 +332,7 @@ def test_paged_decode_attention(ops, block_size, hkv, d):
 
     # the prefill op with every q_seqlen equal to 1 means the same thing
     ones = torch.ones(len(DECODE_LENS), dtype=torch.int64)
-    pre = ops.paged_prefill_attention(q, cache.k_cache, cache.v_cache, cache.block_tables,
+    pre = ops.paged_prefill_attention(q, KVCache(cache.k_cache, cache.v_cache), cache.block_tables,
                                       torch.arange(len(DECODE_LENS)), ones, kv_lens, scale, 1, max(DECODE_LENS))
     torch.testing.assert_close(pre, out, atol=1e-6, rtol=1e-6)
 

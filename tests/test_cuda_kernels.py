@@ -17,6 +17,7 @@ import triton  # noqa: E402,F401  (a test dependency: these tests must not skip 
 from helpers import benchmark_module  # noqa: E402
 
 from lmdeploy.devices import get_device  # noqa: E402
+from lmdeploy.devices.cache import KVCache  # noqa: E402
 from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary  # noqa: E402
 
 DEV = 'cuda' if HAS_CUDA else 'cpu'
@@ -175,7 +176,7 @@ def test_rotary_fill_kv(dtype, h, hkv, d):
     ref_caches = [c.cpu().float() for c in caches]
     oq, ok = kv_cache.rotary_fill_kv(q, k, v, cos, sin, *caches, slots)
     rq, rk = REF.rotary_fill_kv(q.cpu().float(), k.cpu().float(), v.cpu().float(), cos.cpu(), sin.cpu(),
-                                *ref_caches, slots.cpu())
+                                KVCache(*ref_caches), slots.cpu())
     assert oq.shape == q.shape and ok.shape == k.shape and oq.dtype == dtype
     assert rel_err(oq, rq) < tol(dtype) * 2 and rel_err(ok, rk) < tol(dtype) * 2
     for out, ref in zip(caches, ref_caches):
@@ -206,7 +207,7 @@ def test_paged_prefill_attention(dtype, h, hkv, d, bs):
             max(q_lens), max(kv_lens))
     out = attention.paged_prefill_attention(q, k_cache, v_cache, *args)
     cpu = [a.cpu() if torch.is_tensor(a) else a for a in args]
-    ref = REF.paged_prefill_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), *cpu)
+    ref = REF.paged_prefill_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()), *cpu)
     assert rel_err(out, ref) < tol(dtype) * 2
 
 
@@ -219,7 +220,7 @@ def test_paged_decode_attention(dtype, h, hkv, d, bs):
     k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, d, bs, dtype)
     q = torch.randn(len(kv_lens), h, d, dtype=dtype, device=DEV)
     lens = torch.tensor(kv_lens, device=DEV)
-    ref = REF.paged_decode_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(),
+    ref = REF.paged_decode_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()),
                                      tables.cpu(), lens.cpu(), d**-0.5, max(kv_lens))
     longest_first = torch.tensor(sorted(range(len(kv_lens)), key=lambda i: -kv_lens[i]), device=DEV)
     for num_sms in (1, 132):  # one split, and several
@@ -241,7 +242,7 @@ def test_paged_decode_attention_large_batch():
     k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, 64, 16, dtype)
     q = torch.randn(n, 4 * hkv, 64, dtype=dtype, device=DEV)
     lens = torch.tensor(kv_lens, device=DEV)
-    ref = REF.paged_decode_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), tables.cpu(),
+    ref = REF.paged_decode_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()), tables.cpu(),
                                      lens.cpu(), 0.125, max(kv_lens))
     for order in (None, torch.randperm(n, device=DEV).to(torch.int32)):  # any permutation gives the same result
         out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, max(kv_lens), order=order)
@@ -323,7 +324,7 @@ def test_decode_attention_compiles_once_for_any_slice_count():
         k_cache, v_cache, tables, _ = make_paged(kv_lens, 2, 64, 16, torch.float16)
         q = torch.randn(20, 8, 64, dtype=torch.float16, device=DEV)
         lens = torch.tensor(kv_lens, device=DEV)
-        ref = REF.paged_decode_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(),
+        ref = REF.paged_decode_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()),
                                          tables.cpu(), lens.cpu(), 0.125, longest)
         out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, longest, 132,
                                                torch.argsort(lens, descending=True))
@@ -370,7 +371,7 @@ def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):
         ctx = StepContext(is_decode=False, q_start_loc=starts.to(on), q_seqlens=torch.tensor(q_lens, device=on),
                           kv_seqlens=torch.tensor(kv_lens, device=on), block_tables=tables.to(on),
                           slot_mapping=slots.to(on), rope_lens=torch.ones(t, dtype=torch.int64, device=on),
-                          max_q_len=max(q_lens), max_kv_len=max(kv_lens), kv_caches=[(kc, vc)],
+                          max_q_len=max(q_lens), max_kv_len=max(kv_lens), kv_caches=[KVCache(kc, vc)],
                           num_decode=num_decode, decode_order=order)
         return layer(q.to(**as_ref), k.to(**as_ref), v.to(**as_ref), cos.to(on), sin.to(on), ctx)
 

@@ -125,10 +125,10 @@ def test_replayed_and_eager_decode_rows_give_attention_the_same_index_types(tiny
     in_graph = [False]
     attend = ops.paged_decode_attention
 
-    def spy(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
+    def spy(q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
         seen['replay' if in_graph[0] else 'eager'].add(
             (block_tables.dtype, kv_seqlens.dtype, order.dtype if order is not None else None))
-        return attend(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order, out)
+        return attend(q, cache, block_tables, kv_seqlens, scale, max_kv_len, order, out)
 
     def in_graphs(fn):
         def run(*a):

@@ -108,16 +108,17 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         qo, ko = ops.apply_rotary(on_dev(q), on_dev(k), cos, sin)
         return _all_ok(_compare('q', qo, ref(q), dtype), _compare('k', ko, ref(k), dtype))
 
+    def cache_of(num_blocks, S, Hkv, D, policy=0):
+        return ops.kv_cache_spec(Hkv, D, S, dtype, policy).allocate(num_blocks, dev)
+
     def rotary_fill_kv():
         T, Hkv, D, S = 6, 2, 16, 4
         q, k, cos, sin, ref = _rotary_setup(T, Hkv=Hkv, D=D)
         v = q64(randn(T, Hkv, D))
-        k_cache = torch.zeros(4, S, Hkv, D, dtype=dtype, device=dev)
-        v_cache = torch.zeros_like(k_cache)
+        cache = cache_of(4, S, Hkv, D)
         slots = torch.randperm(4 * S, generator=g)[:T]
-        qo, ko = ops.rotary_fill_kv(on_dev(q), on_dev(k), on_dev(v), cos, sin, k_cache, v_cache,
-                                    slots.to(dev))
-        kc, vc = k_cache.flatten(0, 1)[slots.to(dev)], v_cache.flatten(0, 1)[slots.to(dev)]
+        qo, ko = ops.rotary_fill_kv(on_dev(q), on_dev(k), on_dev(v), cos, sin, cache, slots.to(dev))
+        kc, vc = cache.k.flatten(0, 1)[slots.to(dev)], cache.v.flatten(0, 1)[slots.to(dev)]
         return _all_ok(_compare('q', qo, ref(q), dtype), _compare('k', ko, ref(k), dtype),
                        _compare('k cache', kc, ref(k), dtype), _compare('v cache', vc, v, dtype))
 
@@ -129,8 +130,11 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         want = [int(x[0].argmax()), 17, 0, int(x[3].argmax())]
         return got == want, f'indices {got}' + ('' if got == want else f' != expected {want}')
 
-    def _paged_setup(kv_lens, H=4, Hkv=2, D=32, S=4, num_blocks=16):
-        """Random per-sequence K/V written through fill_kv_cache into shuffled blocks."""
+    def _paged_setup(kv_lens, H=4, Hkv=2, D=32, S=4, num_blocks=16, policy=0):
+        """Random per-sequence K/V written through fill_kv_cache into shuffled blocks; returns the K/V
+        attention must see (after the cache's quantize-then-dequantize, devices/cache.py), the cache, the
+        tables."""
+        from .cache import dequantize, quantize
         perm = torch.randperm(num_blocks, generator=g).tolist()
         max_blocks = max((n + S - 1) // S for n in kv_lens)
         tables = torch.zeros(len(kv_lens), max_blocks, dtype=torch.int32)
@@ -142,11 +146,12 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
             ks.append(q64(randn(n, Hkv, D)))
             vs.append(q64(randn(n, Hkv, D)))
             slots += [blocks[j // S] * S + j % S for j in range(n)]
-        k_cache = torch.zeros(num_blocks, S, Hkv, D, dtype=dtype, device=dev)
-        v_cache = torch.zeros_like(k_cache)
-        ops.fill_kv_cache(on_dev(torch.cat(ks)), on_dev(torch.cat(vs)), k_cache, v_cache,
+        cache = cache_of(num_blocks, S, Hkv, D, policy)
+        ops.fill_kv_cache(on_dev(torch.cat(ks)), on_dev(torch.cat(vs)), cache,
                           torch.tensor(slots, dtype=torch.int64, device=dev))
-        return ks, vs, k_cache, v_cache, tables.to(dev)
+        if policy:
+            ks, vs = ([dequantize(*quantize(x.to(dtype), policy)).double() for x in xs] for xs in (ks, vs))
+        return ks, vs, cache, tables.to(dev)
 
     def _attend_ref(q, k, v, scale, n_visible):
         """q [H, D] of one position, k/v [L, Hkv, D]: softmax over the first n_visible keys."""
@@ -159,28 +164,28 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
             out[h] = (p / p.sum()) @ vh
         return out
 
-    def paged_decode_attention():
+    def paged_decode_attention(policy=0):
         kv_lens = [5, 11, 1]
         H, D = 4, 32
-        ks, vs, k_cache, v_cache, tables = _paged_setup(kv_lens, H=H, D=D)
+        ks, vs, cache, tables = _paged_setup(kv_lens, H=H, D=D, policy=policy)
         q = q64(randn(len(kv_lens), H, D))
         scale = 1 / math.sqrt(D)
         lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
         ref = torch.stack([_attend_ref(q[b], ks[b], vs[b], scale, n) for b, n in enumerate(kv_lens)])
         longest_first = torch.tensor([1, 0, 2], device=dev)  # a work-order hint: same results
         return _all_ok(*(_compare('paged_decode_attention', ops.paged_decode_attention(
-            on_dev(q), k_cache, v_cache, tables, lens, scale, max(kv_lens), order), ref, dtype)
+            on_dev(q), cache, tables, lens, scale, max(kv_lens), order), ref, dtype)
                          for order in (None, longest_first)))
 
-    def paged_prefill_attention():
+    def paged_prefill_attention(policy=0):
         kv_lens, q_lens = [9, 4], [3, 4]  # the first continues a cached prefix (chunked prefill)
         H, D = 4, 32
-        ks, vs, k_cache, v_cache, tables = _paged_setup(kv_lens, H=H, D=D)
+        ks, vs, cache, tables = _paged_setup(kv_lens, H=H, D=D, policy=policy)
         q = q64(randn(sum(q_lens), H, D))
         starts = [0, q_lens[0]]
         scale = 1 / math.sqrt(D)
         i32 = dict(dtype=torch.int32, device=dev)
-        out = ops.paged_prefill_attention(on_dev(q), k_cache, v_cache, tables, torch.tensor(starts, **i32),
+        out = ops.paged_prefill_attention(on_dev(q), cache, tables, torch.tensor(starts, **i32),
                                           torch.tensor(q_lens, **i32), torch.tensor(kv_lens, **i32), scale,
                                           max(q_lens), max(kv_lens))
         ref = torch.empty_like(q)
@@ -201,16 +206,23 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         want = (p / -torch.log(u)).argmax(-1).tolist()
         return got == want, f'tokens {got}' + ('' if got == want else f' != expected {want}')
 
-    return [('rms_norm', rms_norm), ('silu_and_mul', silu_and_mul), ('apply_rotary', apply_rotary),
-            ('rotary_fill_kv', rotary_fill_kv), ('argmax', argmax), ('paged_decode_attention', paged_decode_attention),
-            ('paged_prefill_attention', paged_prefill_attention), ('sample', sample)]
+    found = [('rms_norm', rms_norm), ('silu_and_mul', silu_and_mul), ('apply_rotary', apply_rotary),
+             ('rotary_fill_kv', rotary_fill_kv), ('argmax', argmax), ('paged_decode_attention', paged_decode_attention),
+             ('paged_prefill_attention', paged_prefill_attention), ('sample', sample)]
+    attention = [('paged_decode_attention', paged_decode_attention),
+                 ('paged_prefill_attention', paged_prefill_attention)]
+    for policy in (8, 4):  # the quantized caches this device implements (devices/cache.py)
+        if policy in ops.quant_policies:
+            found += [(f'{name}[int{policy}]', lambda fn=fn, p=policy: fn(p)) for name, fn in attention]
+    return found
 
 
-def check_names() -> List[str]:
-    import torch
+def check_names(ops=None) -> List[str]:
+    """The checks a device (default: the reference, which has them all) goes through."""
 
     from lmdeploy.devices.reference import ReferenceOps
-    return [name for name, _ in checks(ReferenceOps(), torch.device('cpu'), torch.float32)]
+    ops = ops if ops is not None else ReferenceOps()
+    return [name for name, _ in checks(ops, ops.torch_device(), test_dtype(ops))]
 
 
 def test_dtype(ops):

@@ -1,8 +1,8 @@
 """The one list of ops the engine and the models use.
 
-A device implements :class:`DeviceOps`. The ``cpu`` device is the executable
-specification: its plain-torch code defines what every op means, and other
-devices are tested against it.
+A device implements :class:`DeviceOps`. The reference (devices/reference.py,
+the ``cpu`` device) is the executable specification: its plain-torch code
+defines what every op means, and other devices are tested against it.
 
 Shapes use these names:
     T  number of tokens in the step (all sequences packed, no padding)
@@ -10,10 +10,12 @@ Shapes use these names:
     H / Hkv  query / key-value heads, D head dim, V vocab size
     N  number of KV blocks, S block size (tokens per block)
 
-Paged KV cache: ``k_cache`` and ``v_cache`` of one layer are
-``[N, S, Hkv, D]``. Token ``j`` of a sequence lives in block
-``block_tables[b, j // S]`` at offset ``j % S``; its "slot" is
-``block * S + offset``.
+Paged KV cache: one :class:`~.cache.KVCache` per layer, laid out as the
+device's :meth:`DeviceOps.kv_cache_spec` says (devices/cache.py: blocks of
+``S`` tokens; token ``j`` of a sequence lives in block
+``block_tables[b, j // S]`` at offset ``j % S``, its "slot" being
+``block * S + offset``; quantized caches keep a scale and a zero per token
+and KV head).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import time
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+
+from .cache import KVCache, KVCacheSpec, standard_spec
 
 
 class DeviceOps:
@@ -95,6 +99,22 @@ class DeviceOps:
 
     default_max_batch_size: int = 256
 
+    # KV cache quantizations this device's cache and attention ops implement (devices/cache.py)
+    quant_policies: Tuple[int, ...] = (0, )
+
+    def kv_cache_spec(self, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                      quant_policy: int = 0) -> KVCacheSpec:
+        """How one layer's cache is laid out here. A policy the device lacks is
+        refused (ValueError, at the engine's start-up)."""
+        if quant_policy not in self.quant_policies:
+            raise ValueError(f'device {self.name!r} does not implement quant_policy={quant_policy} (KV cache '
+                             f'{"int4" if quant_policy == 4 else "int8" if quant_policy == 8 else "?"}); it has '
+                             f'{list(self.quant_policies)}')
+        return standard_spec(num_kv_heads, head_dim, block_size, dtype, quant_policy)
+
+    # the device's memory is the host's RAM (the cpu): the KV cache is capped by cpu_kv_cache_cap_gb
+    memory_is_host_ram: bool = False
+
     # whether the KV budget must be measured after a profiling forward pass
     # (devices whose allocator keeps activation memory reserved)
     profile_memory: bool = False
@@ -142,24 +162,22 @@ class DeviceOps:
         return self.silu_and_mul(self.linear(x, weight, bias))
 
     # ------------------------------------------------------------- attention
-    def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-        """Write k/v [T, Hkv, D] into the caches at flat slots [T] (in place).
+    def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
+        """Write k/v [T, Hkv, D] into the cache at flat slots [T] (in place),
+        quantized as ``cache.quant_policy`` says (devices/cache.py).
         Tokens whose slot is negative are skipped (padding)."""
         raise NotImplementedError
 
     def rotary_fill_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                       cache: KVCache, slot_mapping: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """apply_rotary, then fill_kv_cache with the rotated k and v; returns
         the rotated (q, k). What an attention layer does before it attends;
         a device may do it in one pass over the step's q, k and v."""
         q, k = self.apply_rotary(q, k, cos, sin)
-        self.fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        self.fill_kv_cache(k, v, cache, slot_mapping)
         return q, k
 
-    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, q_start_loc: torch.Tensor, q_seqlens: torch.Tensor,
+    def paged_prefill_attention(self, q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, q_start_loc: torch.Tensor, q_seqlens: torch.Tensor,
                                 kv_seqlens: torch.Tensor, scale: float, max_q_len: int,
                                 max_kv_len: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal attention of new tokens over the whole paged context.
@@ -170,7 +188,8 @@ class DeviceOps:
         ones, written by :meth:`fill_kv_cache`); the new tokens are its last
         ``q_seqlens[b]``, so query row i sits at position
         ``kv_seqlens[b] - q_seqlens[b] + i`` and sees context positions up to
-        and including that one. GQA: query head h reads KV head
+        and including that one. A quantized cache's K and V are dequantized
+        (devices/cache.py) as they are read. GQA: query head h reads KV head
         ``h // (H // Hkv)``. block_tables [B, max_blocks] (int32, padded).
         Softmax in float32. Returns [T, H, D] in q's dtype; rows of q that no
         sequence owns (a step's decode rows, attended separately) are left
@@ -182,8 +201,8 @@ class DeviceOps:
         """
         raise NotImplementedError
 
-    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, kv_seqlens: torch.Tensor, scale: float,
+    def paged_decode_attention(self, q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor,
+                               kv_seqlens: torch.Tensor, scale: float,
                                max_kv_len: int, order: Optional[torch.Tensor] = None,
                                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One new token per sequence: q [B, H, D] attends to all

@@ -39,23 +39,22 @@ def linear_silu_and_mul(x, weight, bias=None):
     return _ops(x).linear_silu_and_mul(x, weight, bias)
 
 
-def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    return _ops(k).fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+def fill_kv_cache(k, v, cache, slot_mapping):
+    return _ops(k).fill_kv_cache(k, v, cache, slot_mapping)
 
 
-def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-    return _ops(q).rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+def rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping):
+    return _ops(q).rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping)
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
-                            max_q_len, max_kv_len, out=None):
-    return _ops(q).paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens,
-                                           scale, max_q_len, max_kv_len, out)
+def paged_prefill_attention(q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len, max_kv_len,
+                            out=None):
+    return _ops(q).paged_prefill_attention(q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
+                                           max_q_len, max_kv_len, out)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
-    return _ops(q).paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order,
-                                          out)
+def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
+    return _ops(q).paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len, order, out)
 
 
 def apply_repetition_penalty(logits, token_ids, penalty):

@@ -13,11 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from . import rng
+from .cache import KVCache, dequantize, pack_int4, quantize, unpack_int4
 from .interface import DeviceOps
 
 
 class ReferenceOps(DeviceOps):
     """Every op of :class:`DeviceOps`, in plain torch; no services."""
+    quant_policies = (0, 4, 8)
 
     # -------------------------------------------------------------- dense ops
     def embedding(self, ids, weight):
@@ -49,19 +51,32 @@ class ReferenceOps(DeviceOps):
         return F.silu(gate) * up
 
     # ------------------------------------------------------------- attention
-    def fill_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
-        num_blocks, block_size, hkv, d = k_cache.shape
+    def fill_kv_cache(self, k, v, cache: KVCache, slot_mapping):
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
-        k_cache.view(num_blocks * block_size, hkv, d)[slots] = k[keep].to(k_cache.dtype)
-        v_cache.view(num_blocks * block_size, hkv, d)[slots] = v[keep].to(v_cache.dtype)
+        for x, data, scale_zero in ((k, cache.k, cache.k_scale_zero), (v, cache.v, cache.v_scale_zero)):
+            rows = x[keep]
+            flat = data.view(-1, *data.shape[2:])  # [N * S, Hkv, ...]: one row per slot
+            if cache.quant_policy == 0:
+                flat[slots] = rows.to(data.dtype)
+                continue
+            codes, sz = quantize(rows, cache.quant_policy)
+            flat[slots] = codes if cache.quant_policy == 8 else pack_int4(codes)
+            scale_zero.view(-1, *scale_zero.shape[2:])[slots] = sz
 
     @staticmethod
-    def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-        """The first ``length`` tokens of one sequence: [length, Hkv, D]."""
-        block_size = cache.shape[1]
-        n = (length + block_size - 1) // block_size
-        return cache[block_table[:n].long()].flatten(0, 1)[:length]
+    def _read(cache: KVCache, which: str, blocks: torch.Tensor) -> torch.Tensor:
+        """K or V of the given blocks ([..., S, Hkv, D] for blocks [...]): as stored, or dequantized (float32)."""
+        data = getattr(cache, which)[blocks]
+        if cache.quant_policy == 0:
+            return data
+        codes = data if cache.quant_policy == 8 else unpack_int4(data)
+        return dequantize(codes, getattr(cache, f'{which}_scale_zero')[blocks])
+
+    def _gather_context(self, cache: KVCache, which: str, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """The first ``length`` tokens' K or V of one sequence: [length, Hkv, D]."""
+        n = (length + cache.block_size - 1) // cache.block_size
+        return self._read(cache, which, block_table[:n].long()).flatten(0, 1)[:length]
 
     @staticmethod
     def _attend(q, k, v, scale, allowed):
@@ -70,14 +85,14 @@ class ReferenceOps(DeviceOps):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale,
                                               enable_gqa=True).to(q.dtype)
 
-    def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
-                                max_q_len, max_kv_len, out=None):
+    def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
+                                max_kv_len, out=None):
         out = torch.empty_like(q) if out is None else out
         for b, (start, qlen, kvlen) in enumerate(zip(q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist())):
             if qlen == 0:
                 continue
-            k = self._gather_context(k_cache, block_tables[b], kvlen).transpose(0, 1)[None]
-            v = self._gather_context(v_cache, block_tables[b], kvlen).transpose(0, 1)[None]
+            k = self._gather_context(cache, 'k', block_tables[b], kvlen).transpose(0, 1)[None]
+            v = self._gather_context(cache, 'v', block_tables[b], kvlen).transpose(0, 1)[None]
             # query row i sits at position kvlen - qlen + i and sees positions <= it
             q_pos = torch.arange(kvlen - qlen, kvlen, device=q.device)
             allowed = torch.arange(kvlen, device=q.device)[None, :] <= q_pos[:, None]
@@ -85,15 +100,13 @@ class ReferenceOps(DeviceOps):
             out[start:start + qlen] = o[0].transpose(0, 1)
         return out
 
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None,
-                               out=None):
+    def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
         """Batched over sequences: gather every block in the tables, mask the
         tail. All rows at once, so ``order`` changes nothing here."""
-        block_size = k_cache.shape[1]
-        n = (max_kv_len + block_size - 1) // block_size
+        n = (max_kv_len + cache.block_size - 1) // cache.block_size
         tables = block_tables[:, :n].long()
-        k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
-        v = v_cache[tables].flatten(1, 2)
+        k = self._read(cache, 'k', tables).flatten(1, 2)  # [B, L, Hkv, D]
+        v = self._read(cache, 'v', tables).flatten(1, 2)
         valid = torch.arange(k.shape[1], device=q.device)[None, :] < kv_seqlens[:, None]  # [B, L]
         # never let unwritten cache memory (possibly NaN) reach the output
         zero = torch.zeros((), dtype=v.dtype, device=v.device)

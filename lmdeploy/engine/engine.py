@@ -24,7 +24,7 @@ from lmdeploy.messages import PytorchEngineConfig
 
 from .block_manager import BlockManager
 from .model_config import DTYPES, ModelConfig, load_model_config
-from .model_runner import ModelRunner, kv_bytes_per_block, profile_peak_memory
+from .model_runner import ModelRunner, kv_cache_spec, profile_peak_memory
 from .sampler import needs_host_history, sample_tokens, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import EngineOutput, SamplingParams, SeqStatus, Sequence
@@ -60,6 +60,7 @@ class EngineStats:
     num_prefix_hit_tokens: int
     num_generated_tokens: int
     extra: Dict = field(default_factory=dict)
+    quant_policy: int = 0  # of the KV cache
 
 
 @dataclass
@@ -79,9 +80,6 @@ class Engine:
         ``on_loop``: called on the engine thread after each pass of its loop (a step, or commands handled),
         e.g. to send the outputs the pass made in one message."""
         self.config = config = config or PytorchEngineConfig()
-        if config.quant_policy != 0:
-            raise NotImplementedError(f'quant_policy={config.quant_policy} (KV cache int4/int8) is not '
-                                      'implemented yet; use quant_policy=0')
         if config.tp != 1:
             raise NotImplementedError(f'tp={config.tp}: tensor parallelism is not implemented yet; use tp=1')
         self.model_path = model_path
@@ -92,12 +90,18 @@ class Engine:
         self.block_size = config.block_size
         self.session_len = self._session_len()
         self.max_batch_size = config.max_batch_size or self.device.default_max_batch_size
+        # the device lays out the cache (and refuses a quantization it lacks, here at start-up)
+        self.quant_policy = config.quant_policy
+        self.kv_spec = kv_cache_spec(self.device, self.model_config, self.block_size, self.dtype, self.quant_policy)
         if self.device.profile_memory:
             # a prefill step also carries a token for each decoding sequence
             profile_peak_memory(self.model, self.model_config, self.device, self.dtype,
                                 min(config.max_prefill_token_num, self.session_len) + self.max_batch_size,
-                                self.block_size, self.max_batch_size)
+                                self.block_size, self.max_batch_size, self.quant_policy)
         self.num_blocks = self._num_blocks()
+        logger.info('KV cache: %d blocks of %d tokens = %d tokens (quant_policy %d, %.1f MiB per block over %d layers)',
+                    self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.quant_policy,
+                    self._bytes_per_block() / (1 << 20), self.model_config.num_layers)
         prefix = config.enable_prefix_caching
         if prefix and self.model_config.rope.type == 'dynamic':
             logger.warning('prefix caching is off: dynamic NTK rotary makes cached keys depend on length')
@@ -108,7 +112,7 @@ class Engine:
         max_mixed_tokens = min(MAX_MIXED_TOKENS, config.max_prefill_token_num + self.max_batch_size)
         self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, self.num_blocks,
                                   self.block_size, self.max_batch_size, config.eager_mode, self.session_len,
-                                  max_mixed_tokens)
+                                  max_mixed_tokens, self.quant_policy)
         self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
                                    self._finish_too_long, mix_prefill_decode=not self.runner.uses_graphs,
                                    prefill_interval=config.prefill_interval)
@@ -149,14 +153,17 @@ class Engine:
             raise ValueError(f'dtype {dtype} is not supported on device {self.device.name!r}')
         return dtype
 
+    def _bytes_per_block(self) -> int:
+        """A block of every layer's cache."""
+        return self.kv_spec.bytes_per_block * self.model_config.num_layers
+
     def _num_blocks(self) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
         if self.config.num_gpu_blocks > 0:
             return self.config.num_gpu_blocks
         budget = self.device.memory_available() * self.config.cache_max_entry_count
-        if self.device.name == 'cpu':
+        if self.device.memory_is_host_ram:
             budget = min(budget, self.config.cpu_kv_cache_cap_gb * (1 << 30))
-        num = int(budget // per_block)
+        num = int(budget // self._bytes_per_block())
         if num < 1:
             raise RuntimeError('not enough free memory for a single KV block; lower block_size or free memory')
         return num
@@ -191,7 +198,7 @@ class Engine:
                                num_waiting=len(s.waiting), num_idle_sessions=len(s.idle),
                                num_preemptions=s.num_preemptions,
                                num_prefix_hit_tokens=self.block_manager.num_prefix_hits,
-                               num_generated_tokens=self._num_generated,
+                               num_generated_tokens=self._num_generated, quant_policy=self.quant_policy,
                                extra={f'{p}_{k}': v for p, vals in self._step_stats.items()
                                       for k, v in zip(('steps', 'seqs', 'tokens', 'seconds', 'device_seconds'), vals)})
 

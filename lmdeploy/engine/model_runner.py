@@ -1,11 +1,12 @@
 """Packs a scheduled batch into tensors, runs the model, owns the KV cache."""
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
 from lmdeploy.devices import ops
+from lmdeploy.devices.cache import KVCache, KVCacheSpec
 from lmdeploy.devices.interface import DeviceOps
 
 from .graph_runner import GraphRunner
@@ -16,27 +17,25 @@ from .scheduler import ScheduledBatch
 from .transfer import int64_tensor, tensor_on, to_device
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+def kv_cache_spec(device: DeviceOps, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                  quant_policy: int = 0) -> KVCacheSpec:
+    """One layer's cache as the device lays it out (every layer's is alike)."""
+    return device.kv_cache_spec(cfg.num_kv_heads, cfg.head_dim, block_size, dtype, quant_policy)
 
 
 class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype,
                  num_blocks: int, block_size: int, max_batch_size: int, eager: bool, session_len: int,
-                 max_mixed_tokens: int = 0):
+                 max_mixed_tokens: int = 0, quant_policy: int = 0):
         """max_mixed_tokens: steps with prompt rows of up to this many tokens are recorded too (0: none)."""
         self.model = model
         self.cfg = cfg
         self.device = device
         self.torch_device = device.torch_device()
         self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches: List[Tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.empty(shape, dtype=dtype, device=self.torch_device),
-             torch.empty(shape, dtype=dtype, device=self.torch_device)) for _ in range(cfg.num_layers)
-        ]
+        spec = kv_cache_spec(device, cfg, block_size, dtype, quant_policy)
+        self.kv_caches: List[KVCache] = [spec.allocate(num_blocks, self.torch_device) for _ in range(cfg.num_layers)]
         # recorded steps where the device can record them: whole decode and mixed steps (graph_runner.py), or
         # mixed steps in pieces with attention live between them (piecewise.py) on devices that record only
         # those
@@ -151,15 +150,14 @@ class ModelRunner:
 
 @torch.inference_mode()
 def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype,
-                        num_tokens: int, block_size: int, max_batch_size: int):
+                        num_tokens: int, block_size: int, max_batch_size: int, quant_policy: int = 0):
     """Run the largest step the engine will run (one prefill of
     ``num_tokens`` plus logits for a full batch) so that the allocator has
     reserved its activation memory before the KV cache takes the rest."""
     dev = device.torch_device()
     num_blocks = -(-num_tokens // block_size)
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.empty(shape, dtype=dtype, device=dev), torch.empty(shape, dtype=dtype, device=dev))
-              for _ in range(cfg.num_layers)]
+    spec = kv_cache_spec(device, cfg, block_size, dtype, quant_policy)
+    caches = [spec.allocate(num_blocks, dev) for _ in range(cfg.num_layers)]
     positions = torch.arange(num_tokens, device=dev)
     ids = torch.arange(num_tokens, device=dev) % cfg.vocab_size
     lens = torch.tensor([num_tokens], device=dev)

@@ -326,6 +326,7 @@ def child_main(fd: int) -> int:
         send(('ready', dict(model_config=engine.model_config, session_len=engine.session_len,
                             num_blocks=engine.num_blocks, block_size=engine.block_size,
                             max_batch_size=engine.max_batch_size, dtype=engine.dtype,
+                            quant_policy=engine.quant_policy,
                             device_name=engine.device.name)))
     except OSError:  # the parent went away while the model loaded
         engine.close()

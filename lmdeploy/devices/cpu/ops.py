@@ -11,6 +11,7 @@ class CpuOps(ReferenceOps):
     torch_device_type = 'cpu'
     auto_priority = 0  # the fallback
     default_max_batch_size = 64
+    memory_is_host_ram = True
 
     @classmethod
     def is_available(cls) -> bool:

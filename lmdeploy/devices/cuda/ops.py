@@ -134,20 +134,19 @@ class CudaOps(DeviceOps):
         return self._k_act.silu_and_mul(x)
 
     # ------------------------------------------------------------- attention
-    def fill_kv_cache(self, k, v, k_cache, v_cache, slot_mapping):
-        self._k_kv.fill_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    def fill_kv_cache(self, k, v, cache, slot_mapping):
+        self._k_kv.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping)
 
-    def rotary_fill_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-        return self._k_kv.rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    def rotary_fill_kv(self, q, k, v, cos, sin, cache, slot_mapping):
+        return self._k_kv.rotary_fill_kv(q, k, v, cos, sin, cache.k, cache.v, slot_mapping)
 
-    def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale,
-                                max_q_len, max_kv_len, out=None):
-        return self._k_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens,
+    def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
+                                max_kv_len, out=None):
+        return self._k_attention.paged_prefill_attention(q, cache.k, cache.v, block_tables, q_start_loc, q_seqlens,
                                                          kv_seqlens, scale, max_q_len, max_kv_len, out=out)
 
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, order=None,
-                               out=None):
-        return self._k_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
+    def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
+        return self._k_attention.paged_decode_attention(q, cache.k, cache.v, block_tables, kv_seqlens, scale,
                                                         max_kv_len, self._num_sms, order, out=out)
 
     # -------------------------------------------------------------- sampling

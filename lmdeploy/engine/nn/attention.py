@@ -29,11 +29,11 @@ class PagedAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                ctx: StepContext) -> torch.Tensor:
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        q, k = ops.rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping)
+        cache = ctx.kv_caches[self.layer_idx]
+        q, k = ops.rotary_fill_kv(q, k, v, cos, sin, cache, ctx.slot_mapping)
         if ctx.is_decode:
-            out = ops.paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.kv_seqlens, self.scale,
-                                             ctx.max_kv_len, ctx.decode_order)
+            out = ops.paged_decode_attention(q, cache, ctx.block_tables, ctx.kv_seqlens, self.scale, ctx.max_kv_len,
+                                             ctx.decode_order)
         else:
             # the leading one-token rows as a decode batch, then the prompt rows (q_start_loc holds their rows in
             # q) over them: in a recorded step the decode batch is padded past the real one-token rows, and its
@@ -41,9 +41,9 @@ class PagedAttention(nn.Module):
             nd = ctx.num_decode
             out = torch.empty_like(q)
             if nd:
-                ops.paged_decode_attention(q[:nd], k_cache, v_cache, ctx.block_tables[:nd], ctx.kv_seqlens[:nd],
-                                           self.scale, ctx.max_kv_len, ctx.decode_order, out=out[:nd])
-            ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables[nd:], ctx.q_start_loc[nd:],
+                ops.paged_decode_attention(q[:nd], cache, ctx.block_tables[:nd], ctx.kv_seqlens[:nd], self.scale,
+                                           ctx.max_kv_len, ctx.decode_order, out=out[:nd])
+            ops.paged_prefill_attention(q, cache, ctx.block_tables[nd:], ctx.q_start_loc[nd:],
                                         ctx.q_seqlens[nd:], ctx.kv_seqlens[nd:], self.scale, ctx.max_q_len,
                                         ctx.max_kv_len, out=out)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

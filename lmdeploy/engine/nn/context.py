@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch
 
@@ -23,7 +23,7 @@ class StepContext:
     rope_lens: torch.Tensor  # [T] int64: length each token's sequence is rotated for (dynamic NTK)
     max_q_len: int
     max_kv_len: int
-    kv_caches: List[Tuple[torch.Tensor, torch.Tensor]]
+    kv_caches: List[Any]  # one KVCache per layer (lmdeploy.devices.cache), as the device laid it out
     # a prefill step's first num_decode sequences have one new token each: attention runs them as a decode batch
     num_decode: int = 0
     # the decode rows (all of a decode step's, or the first num_decode), longest context first: devices may

@@ -591,7 +591,9 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
                                 timeout_graceful_shutdown=drain_timeout, **ssl_kwargs)
         server = _make_server_class()(config, on_exit=lambda: setattr(state, 'draining', True))
         scheme = 'https' if ssl else 'http'
-        logger.warning('serving %s on %s://%s:%d', state.model_name, scheme, server_name, server_port)
+        engine = gateway.engine
+        logger.warning('serving %s on %s://%s:%d (KV cache: %d tokens, quant_policy %d)', state.model_name, scheme,
+                       server_name, server_port, engine.num_blocks * engine.block_size, engine.quant_policy)
         # everything alive now (the app, the tokenizer, imported modules) lives as long as the server: keep it
         # out of the collector's full passes, which otherwise stall every stream for a few hundred ms now and
         # then under load (H100, 35 req/s: TTFT p99 355 ms, all of it from such stalls)

@@ -75,6 +75,9 @@ class _EngineCollector:
         yield gauge('lmdeploy_num_idle_sessions', 'Interactive sessions holding a KV cache between turns.',
                     s.num_idle_sessions)
         yield gauge('lmdeploy_kv_cache_blocks_total', 'KV cache blocks.', s.num_blocks)
+        yield gauge('lmdeploy_kv_cache_capacity_tokens', 'Tokens the KV cache holds.', s.num_blocks * s.block_size)
+        yield gauge('lmdeploy_kv_cache_quant_policy', 'KV cache quantization: 0 none, 8 int8, 4 int4.',
+                    s.quant_policy)
         yield gauge('lmdeploy_kv_cache_blocks_free', 'Free KV cache blocks.', s.num_free_blocks)
         yield gauge('lmdeploy_kv_cache_blocks_used', 'KV cache blocks owned by sequences.', used)
         yield gauge('lmdeploy_kv_cache_usage_ratio', 'Used / total KV cache blocks.',

@@ -1,0 +1,139 @@
+"""One layer's paged KV cache, laid out by its device, and what quantizing it means.
+
+The engine never shapes a cache: it asks the device for a
+:class:`KVCacheSpec` (``DeviceOps.kv_cache_spec``), sizes the cache from
+``bytes_per_block``, and hands each layer's :class:`KVCache` to the cache
+and attention ops.
+
+Token ``j`` of a sequence lives in block ``block_tables[b, j // S]`` at
+offset ``j % S``; its "slot" is ``block * S + offset``. The standard layout
+(the reference's, and the cuda device's): per block ``[S, Hkv, D]`` of K and
+of V in the model's dtype (``quant_policy`` 0), or
+
+* ``quant_policy`` 8: K and V as uint8 ``[S, Hkv, D]``,
+* ``quant_policy`` 4: K and V as uint8 ``[S, Hkv, D / 2]``, the byte at ``j``
+  holding element ``j`` in its low four bits and ``j + D / 2`` in its high
+  four,
+
+each with ``[S, Hkv, 2]`` float16 (scale, zero) of every token's K (and V)
+per KV head: asymmetric, online (computed when the token is written),
+``x ~ q * scale + zero`` with ``q`` in ``[0, 2**bits - 1]``
+(:func:`quantize` and :func:`dequantize` are the definition).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+
+QUANT_POLICIES = (0, 4, 8)
+SCALE_DTYPE = torch.float16  # of (scale, zero): 11 significant bits, so rounding them costs less than a step
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """How one layer's cache is laid out: per-block shapes and dtypes of its named tensors."""
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype  # the model's K/V dtype (what attention reads them as)
+    quant_policy: int
+    tensors: Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]  # (name, shape of one block, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for _, shape, dt in self.tensors)
+
+    def allocate(self, num_blocks: int, device) -> 'KVCache':
+        made = {name: torch.empty((num_blocks, *shape), dtype=dt, device=device) for name, shape, dt in self.tensors}
+        return KVCache(made.pop('k'), made.pop('v'), self.quant_policy, made.pop('k_scale_zero', None),
+                       made.pop('v_scale_zero', None), self.dtype)
+
+
+def standard_spec(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                  quant_policy: int = 0) -> KVCacheSpec:
+    """The layout this module's docstring describes."""
+    if quant_policy not in QUANT_POLICIES:
+        raise ValueError(f'quant_policy must be one of {QUANT_POLICIES}, got {quant_policy!r}')
+    block = (block_size, num_kv_heads)
+    if quant_policy == 0:
+        tensors = (('k', (*block, head_dim), dtype), ('v', (*block, head_dim), dtype))
+    else:
+        if quant_policy == 4 and head_dim % 2:
+            raise ValueError(f'quant_policy=4 packs two values per byte: head_dim {head_dim} must be even')
+        width = head_dim if quant_policy == 8 else head_dim // 2
+        tensors = (('k', (*block, width), torch.uint8), ('v', (*block, width), torch.uint8),
+                   ('k_scale_zero', (*block, 2), SCALE_DTYPE), ('v_scale_zero', (*block, 2), SCALE_DTYPE))
+    return KVCacheSpec(num_kv_heads, head_dim, block_size, dtype, quant_policy, tensors)
+
+
+@dataclass
+class KVCache:
+    """One layer's paged cache: ``k`` and ``v`` ``[N, S, Hkv, ...]`` and, when
+    quantized, their per-token, per-head (scale, zero) ``[N, S, Hkv, 2]``."""
+    k: torch.Tensor
+    v: torch.Tensor
+    quant_policy: int = 0
+    k_scale_zero: Optional[torch.Tensor] = None
+    v_scale_zero: Optional[torch.Tensor] = None
+    dtype: Optional[torch.dtype] = None  # the K/V dtype attention reads (default: k's)
+
+    def __post_init__(self):
+        if self.dtype is None:
+            self.dtype = self.k.dtype
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3] * (2 if self.quant_policy == 4 else 1)
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        named = dict(k=self.k, v=self.v, k_scale_zero=self.k_scale_zero, v_scale_zero=self.v_scale_zero)
+        return {k: t for k, t in named.items() if t is not None}
+
+
+# ------------------------------------------------------------- the definition
+def quantize(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes [..., D] (uint8, unpacked), scale_zero [..., 2] float16).
+
+    Per row: zero = min, scale = (max - min) / (2**bits - 1), both rounded
+    to float16 first; codes = round((x - zero) / scale) clamped to
+    [0, 2**bits - 1] (computed in float32; a constant row gets scale 1 and
+    codes 0)."""
+    levels = (1 << bits) - 1
+    xf = x.float()
+    lo, hi = xf.amin(-1), xf.amax(-1)
+    zero = lo.to(SCALE_DTYPE)
+    scale = ((hi - lo) / levels).to(SCALE_DTYPE)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((xf - zero.float()[..., None]) / scale.float()[..., None]).clamp(0, levels)
+    return codes.to(torch.uint8), torch.stack([scale, zero], dim=-1)
+
+
+def dequantize(codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """codes [..., D] (unpacked), scale_zero [..., 2] -> float32 [..., D]."""
+    sz = scale_zero.float()
+    return codes.float() * sz[..., 0:1] + sz[..., 1:2]
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., D] codes in [0, 15] -> [..., D / 2] bytes: element j low, j + D/2 high."""
+    half = codes.shape[-1] // 2
+    return (codes[..., :half] | (codes[..., half:] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    return torch.cat([packed & 0xF, packed >> 4], dim=-1)
