@@ -33,6 +33,9 @@ def kernel_specs(cap: int):
     skinny = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_K=256, PDL=pdl)
     stages = dict(num_warps=4, num_stages=linear.pipeline_stages(smem))
     decode = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, PDL=pdl)
+
+    def kv_ptrs(quant):  # an unquantized cache passes its own tensors where the scales would be
+        return ({'kc_ptr': 'u8', 'vc_ptr': 'u8', 'ksz_ptr': 'fp16', 'vsz_ptr': 'fp16'} if quant else {})
     return [
         (norm._rms_norm_kernel, {}, {'eps': 'fp32'}, dict(HAS_RES=True, BLOCK=4096, PDL=pdl), dict(num_warps=4)),
         (linear._skinny_kernel, {}, {}, dict(skinny, BLOCK_N=64), stages),
@@ -40,18 +43,22 @@ def kernel_specs(cap: int):
         (activation._silu_and_mul_kernel, {}, {}, dict(BLOCK=1024, PDL=pdl), dict(num_warps=4)),
         (rotary._rotary_kernel, {'cos_ptr': 'fp32', 'sin_ptr': 'fp32'}, {}, dict(HALF=64, BLOCK_H=16, BLOCK_D=64,
                                                                                PDL=pdl), dict(num_warps=2)),
-        (kv_cache._fill_kv_kernel, {'slot_ptr': 'i64'}, {}, dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, PDL=pdl),
-         dict(num_warps=2)),
-        (kv_cache._rotary_fill_kv_kernel, {'cos_ptr': 'fp32', 'sin_ptr': 'fp32', 'slot_ptr': 'i64'}, {},
-         dict(HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_HALF=64, BLOCK_D=128, PDL=pdl), dict(num_warps=2)),
-        (attention._prefill_kernel, {'tables_ptr': 'i32', 'q_start_ptr': 'i64', 'q_lens_ptr': 'i64',
-                                     'kv_lens_ptr': 'i64'}, {'scale_log2': 'fp32'},
-         dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128),
-         dict(num_warps=4, num_stages=2)),
+    ] + [  # the cache's writers and readers for each KV policy (uint8 codes, float16 scales when quantized)
+        spec for quant in (0, 8, 4) for spec in (
+            (kv_cache._fill_kv_kernel, dict(kv_ptrs(quant), slot_ptr='i64'), {},
+             dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, QUANT=quant, PDL=pdl), dict(num_warps=2)),
+            (kv_cache._rotary_fill_kv_kernel, dict(kv_ptrs(quant), cos_ptr='fp32', sin_ptr='fp32', slot_ptr='i64'),
+             {}, dict(HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_HALF=64, QUANT=quant, PDL=pdl), dict(num_warps=2)),
+            (attention._prefill_kernel, dict(kv_ptrs(quant), tables_ptr='i32', q_start_ptr='i64', q_lens_ptr='i64',
+                                             kv_lens_ptr='i64'), {'scale_log2': 'fp32'},
+             dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, QUANT=quant),
+             dict(num_warps=4, num_stages=2)))
     ] + [  # the small-batch tiles (no order below 16 sequences) and the large-batch ones
-        (attention._decode_kernel, {'part_ptr': 'fp32', 'tables_ptr': 'i32', 'kv_lens_ptr': 'i64', 'order_ptr': 'i64'},
-         {'scale_log2': 'fp32'}, dict(decode, ORDERED=ordered, BLOCK_N=block_n),
+        (attention._decode_kernel, dict(kv_ptrs(quant), part_ptr='fp32', tables_ptr='i32', kv_lens_ptr='i64',
+                                        order_ptr='i64'),
+         {'scale_log2': 'fp32'}, dict(decode, ORDERED=ordered, BLOCK_N=block_n, QUANT=quant),
          dict(num_warps=4, num_stages=stages))
+        for quant in (0, 8, 4)
         for ordered, (block_n, stages) in ((False, attention.decode_tiles(smem, 1)),
                                            (True, attention.decode_tiles(smem, 256)))
     ] + [
@@ -73,7 +80,7 @@ def compile_all(cap: int) -> dict:
     specs, act = kernel_specs(cap)
     results = {}
     for fn, ptrs, scalars, constexprs, options in specs:
-        label = fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items() if k in ('ORDERED', 'BLOCK_N'))
+        label = fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items() if k in ('ORDERED', 'BLOCK_N', 'QUANT'))
         sig, aligned = {}, {}
         for i, param in enumerate(fn.params):
             name = param.name
@@ -106,7 +113,7 @@ def test_kernels_compile_and_fit_shared_memory(cap):
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == 13
+    assert len(results) == 23
     for name, shared in results.items():
         assert isinstance(shared, int), f'{name} does not compile for sm{cap}: {shared}'
         limit = shared_memory_of(cap)

@@ -17,7 +17,7 @@ import triton  # noqa: E402,F401  (a test dependency: these tests must not skip 
 from helpers import benchmark_module  # noqa: E402
 
 from lmdeploy.devices import get_device  # noqa: E402
-from lmdeploy.devices.cache import KVCache  # noqa: E402
+from lmdeploy.devices.cache import KVCache, unpack_int4  # noqa: E402
 from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary  # noqa: E402
 
 DEV = 'cuda' if HAS_CUDA else 'cpu'
@@ -411,3 +411,90 @@ def test_cublaslt_heuristic_result_has_the_headers_layout():
     assert (h.algo.offset, h.workspace_size.offset, h.state.offset, h.waves.offset, h.reserved.offset) == \
         (0, 64, 72, 76, 80)
     assert ctypes.sizeof(lt.Algo) == 64 and ctypes.sizeof(h) == 96
+
+
+# ------------------------------------------------------------ quantized KV cache
+def quant_cache(lengths, hkv, d, block_size, dtype, policy):
+    """A quantized cache (the standard layout) filled by the reference, with shuffled blocks: the
+    attention kernels must read exactly what the reference's attention reads."""
+    nblocks = [-(-n // block_size) for n in lengths]
+    total = sum(nblocks) + 2
+    spec = REF.kv_cache_spec(hkv, d, block_size, dtype, policy)
+    ref = spec.allocate(total, 'cpu')
+    perm = torch.randperm(total).tolist()
+    tables = torch.zeros((len(lengths), max(nblocks)), dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        blocks = [perm.pop() for _ in range(nblocks[b])]
+        tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots = torch.tensor([blocks[j // block_size] * block_size + j % block_size for j in range(n)])
+        k = (torch.randn(n, hkv, d) * torch.rand(n, hkv, 1) * 4).to(dtype)  # rows of different ranges
+        REF.fill_kv_cache(k, torch.randn(n, hkv, d).to(dtype), ref, slots)
+    dev = KVCache(ref.k.to(DEV), ref.v.to(DEV), policy, ref.k_scale_zero.to(DEV), ref.v_scale_zero.to(DEV), dtype)
+    return ref, dev, tables
+
+
+@pytest.mark.parametrize('policy', [8, 4])
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('h,hkv,d,bs', CONFIGS)
+def test_quantized_decode_and_prefill_attention(policy, dtype, h, hkv, d, bs):
+    """Dequantized in the kernels' registers, a quantized cache gives the reference's attention over the
+    same cache (GQA 1/4/8, head_dim 64/128, block size 16/64, odd lengths over many blocks)."""
+    kv_lens = [4000, 1, 517, 2049, 64, 333] if FULL else [1, 70, 43, 17]
+    if FULL:
+        h, hkv = h * 4, hkv * 4
+    ref_cache, cache, tables = quant_cache(kv_lens, hkv, d, bs, dtype, policy)
+    lens = torch.tensor(kv_lens)
+    q = torch.randn(len(kv_lens), h, d, dtype=dtype, device=DEV)
+    ref = REF.paged_decode_attention(q.cpu().float(), ref_cache, tables, lens, d**-0.5, max(kv_lens))
+    for num_sms in (1, 132):
+        out = attention.paged_decode_attention(q, cache.k, cache.v, tables.to(DEV), lens.to(DEV), d**-0.5,
+                                               max(kv_lens), num_sms=num_sms, k_scale_zero=cache.k_scale_zero,
+                                               v_scale_zero=cache.v_scale_zero)
+        assert rel_err(out, ref) < tol(dtype) * 3
+    # prefill: the last q_len tokens of each sequence attend causally over the cache
+    q_lens = [1, 13, 43, 5]
+    qp = torch.randn(sum(q_lens), h, d, dtype=dtype, device=DEV)
+    q_start = torch.tensor([0] + q_lens[:-1]).cumsum(0)
+    args = (tables, q_start, torch.tensor(q_lens), lens, d**-0.5, max(q_lens), max(kv_lens))
+    ref = REF.paged_prefill_attention(qp.cpu().float(), ref_cache, *args)
+    out = attention.paged_prefill_attention(qp, cache.k, cache.v, *(a.to(DEV) if torch.is_tensor(a) else a
+                                                                    for a in args),
+                                            k_scale_zero=cache.k_scale_zero, v_scale_zero=cache.v_scale_zero)
+    assert rel_err(out, ref) < tol(dtype) * 3
+
+
+@pytest.mark.parametrize('policy', [8, 4])
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('fused', [False, True])
+def test_quantizing_fill_kernels_write_the_reference_codes(policy, dtype, fused):
+    """The fill kernels (alone, and fused with rotary) quantize as the reference does: the same codes
+    (a rounding tie may land one code off), the same float16 scales and zeros; negative slots write
+    nothing."""
+    t, h, hkv, d, bs, nblocks = 9, 4, 2, 64, 4, 6
+    q = torch.randn(t, h, d, dtype=dtype, device=DEV)
+    k = (torch.randn(t, hkv, d) * torch.rand(t, hkv, 1) * 5).to(dtype).to(DEV)
+    v = torch.randn(t, hkv, d, dtype=dtype, device=DEV)
+    slots = torch.tensor([3, -1, 9, 0, 14, 22, 5, -1, 17], device=DEV)
+    spec = REF.kv_cache_spec(hkv, d, bs, dtype, policy)
+    ref, got = spec.allocate(nblocks, 'cpu'), spec.allocate(nblocks, DEV)
+    for c in (ref, got):
+        for x in c.tensors().values():
+            x.zero_()
+    if fused:
+        angles = torch.rand(t, d // 2, device=DEV) * 6.3
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        oq, ok = kv_cache.rotary_fill_kv(q, k, v, cos, sin, got.k, got.v, slots, got.k_scale_zero, got.v_scale_zero)
+        rq, rk = REF.rotary_fill_kv(q.cpu(), k.cpu(), v.cpu(), cos.cpu(), sin.cpu(), ref, slots.cpu())
+        assert rel_err(ok, rk) < tol(dtype) * 2
+    else:
+        kv_cache.fill_kv_cache(k, v, got.k, got.v, slots, got.k_scale_zero, got.v_scale_zero)
+        REF.fill_kv_cache(k.cpu(), v.cpu(), ref, slots.cpu())
+    for name in ('k', 'v'):
+        a, b = getattr(got, name).cpu(), getattr(ref, name)
+        if policy == 4:
+            a, b = unpack_int4(a), unpack_int4(b)
+        assert (a.int() - b.int()).abs().max() <= 1 and (a != b).float().mean() < 0.02
+        assert torch.equal(getattr(got, f'{name}_scale_zero').cpu(), getattr(ref, f'{name}_scale_zero'))
+    written = set(slots[slots >= 0].tolist())
+    untouched = [s for s in range(nblocks * bs) if s not in written]
+    assert (got.k.cpu().flatten(0, 1)[untouched] == 0).all() and (got.v_scale_zero.cpu().flatten(0, 1)[untouched] == 0).all()

@@ -16,6 +16,7 @@ class CudaOps(DeviceOps):
     name = 'cuda'
     torch_device_type = 'cuda'
     auto_priority = 30
+    quant_policies = (0, 4, 8)  # KV int8 / int4: quantized in the fill kernels, dequantized in attention
     supports_graphs = True
     supports_graph_pieces = True
     profile_memory = True
@@ -135,19 +136,24 @@ class CudaOps(DeviceOps):
 
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache, slot_mapping):
-        self._k_kv.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping)
+        self._k_kv.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale_zero, cache.v_scale_zero)
 
     def rotary_fill_kv(self, q, k, v, cos, sin, cache, slot_mapping):
-        return self._k_kv.rotary_fill_kv(q, k, v, cos, sin, cache.k, cache.v, slot_mapping)
+        return self._k_kv.rotary_fill_kv(q, k, v, cos, sin, cache.k, cache.v, slot_mapping, cache.k_scale_zero,
+                                         cache.v_scale_zero)
 
     def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
                                 max_kv_len, out=None):
         return self._k_attention.paged_prefill_attention(q, cache.k, cache.v, block_tables, q_start_loc, q_seqlens,
-                                                         kv_seqlens, scale, max_q_len, max_kv_len, out=out)
+                                                         kv_seqlens, scale, max_q_len, max_kv_len, out=out,
+                                                         k_scale_zero=cache.k_scale_zero,
+                                                         v_scale_zero=cache.v_scale_zero)
 
     def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
         return self._k_attention.paged_decode_attention(q, cache.k, cache.v, block_tables, kv_seqlens, scale,
-                                                        max_kv_len, self._num_sms, order, out=out)
+                                                        max_kv_len, self._num_sms, order, out=out,
+                                                        k_scale_zero=cache.k_scale_zero,
+                                                        v_scale_zero=cache.v_scale_zero)
 
     # -------------------------------------------------------------- sampling
     def apply_repetition_penalty(self, logits, token_ids, penalty):

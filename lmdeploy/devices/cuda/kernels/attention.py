@@ -2,7 +2,8 @@
 
 Both read K/V through the block tables, token by token, so any block size
 works and the context may hold earlier blocks (prefix cache, chunked
-prefill). Softmax is online, in float32, with exp2.
+prefill). Softmax is online, in float32, with exp2. A quantized cache
+(``QUANT`` 8 or 4) is dequantized in registers as its tiles are loaded.
 """
 from typing import Tuple
 
@@ -18,31 +19,58 @@ MAX_DECODE_SPLITS = 64  # batch 1 on an H100 cuts a long context into 64 slices 
 
 
 @triton.jit
-def _attend_tile(q, kc_ptr, vc_ptr, table, offs_n, n_valid, allowed, kvh, offs_d, d_mask, m_i, l_i, acc,
-                 scale_log2, stride_cn, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
+def _load_kv(c_ptr, sz_ptr, page, in_block, kvh, offs_d, kv_mask, n_valid, stride_cn, stride_cs, stride_ch, stride_zn,
+             stride_zs, stride_zh, HALF: tl.constexpr, QUANT: tl.constexpr, dtype: tl.constexpr):
+    """A tile of K or V [tokens, D] in ``dtype``, dequantized in registers from a quantized cache
+    (lmdeploy/devices/cache.py: codes * scale + zero per token; int4: element d in byte d % HALF, low four
+    bits below HALF, high four from it)."""
+    off = page * stride_cn + in_block * stride_cs + kvh * stride_ch
+    if QUANT == 0:
+        x = tl.load(c_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        if QUANT == 8:
+            codes = tl.load(c_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0).to(tl.float32)
+        else:
+            byte = tl.load(c_ptr + off[:, None] + (offs_d % HALF)[None, :], mask=kv_mask, other=0)
+            codes = tl.where((offs_d < HALF)[None, :], byte & 0xF, byte >> 4).to(tl.float32)
+        zoff = page * stride_zn + in_block * stride_zs + kvh * stride_zh
+        scale = tl.load(sz_ptr + zoff, mask=n_valid, other=0.0).to(tl.float32)
+        zero = tl.load(sz_ptr + zoff + 1, mask=n_valid, other=0.0).to(tl.float32)
+        x = tl.where(kv_mask, codes * scale[:, None] + zero[:, None], 0.0).to(dtype)
+    return x
+
+
+@triton.jit
+def _attend_tile(q, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid, allowed, kvh, offs_d, d_mask, m_i, l_i,
+                 acc, scale_log2, stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
+                 BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr):
     """Fold one tile of context tokens into the online softmax: gather K/V
-    through the block table, score, rescale the running max/sum/output."""
+    through the block table (dequantizing a quantized cache), score, rescale
+    the running max/sum/output."""
     page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-    kv_off = page * stride_cn + (offs_n % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+    in_block = offs_n % BLOCK_SIZE
     kv_mask = n_valid[:, None] & d_mask[None, :]
-    k = tl.load(kc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = _load_kv(kc_ptr, ksz_ptr, page, in_block, kvh, offs_d, kv_mask, n_valid, stride_cn, stride_cs, stride_ch,
+                 stride_zn, stride_zs, stride_zh, HALF, QUANT, q.dtype)
     s = tl.dot(q, tl.trans(k)) * scale_log2
     s = tl.where(allowed, s, float('-inf'))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(vc_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = _load_kv(vc_ptr, vsz_ptr, page, in_block, kvh, offs_d, kv_mask, n_valid, stride_cn, stride_cs, stride_ch,
+                 stride_zn, stride_zs, stride_zh, HALF, QUANT, q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
 @triton.jit(**no_respecialising(ints=['stride_bt'], pointers=['tables_ptr', 'q_start_ptr', 'q_lens_ptr',
                                                               'kv_lens_ptr']))
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, tables_ptr, q_start_ptr, q_lens_ptr, kv_lens_ptr, scale_log2,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt,
-                    num_heads, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr, q_start_ptr, q_lens_ptr, kv_lens_ptr,
+                    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cs, stride_ch, stride_zn,
+                    stride_zs, stride_zh, stride_bt, num_heads, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    QUANT: tl.constexpr):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -68,8 +96,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, tables_ptr, q_start_ptr, q_l
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_end
             allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-            m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, table, offs_n, n_valid, allowed, kvh, offs_d, d_mask,
-                                         m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch, BLOCK_SIZE)
+            m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid, allowed, kvh,
+                                         offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch,
+                                         stride_zn, stride_zs, stride_zh, BLOCK_SIZE, HEAD_DIM // 2, QUANT)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
@@ -80,8 +109,18 @@ def prefill_tiles(block_d: int):
     return (64 if block_d <= 128 else 32), (64 if block_d <= 64 else 32), 4, 2
 
 
+def _scales(k_cache, v_cache, d, k_scale_zero, v_scale_zero):
+    """(quant policy, K scale/zero, V scale/zero, their strides): the cache tensors themselves stand in for
+    the scales of an unquantized cache (a pointer of another type would be another compiled variant)."""
+    from .kv_cache import quant_of
+    quant = quant_of(k_cache, d, k_scale_zero)
+    if not quant:
+        return 0, k_cache, v_cache, (0, 0, 0)
+    return quant, k_scale_zero, v_scale_zero, k_scale_zero.stride()[:3]
+
+
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
-                            max_kv_len, tiles=None, out=None):
+                            max_kv_len, tiles=None, out=None, k_scale_zero=None, v_scale_zero=None):
     """``tiles``: (block_m, block_n, warps, stages) instead of prefill_tiles' (for sweeps)."""
     t, h, d = q.shape
     hkv = k_cache.shape[2]
@@ -91,11 +130,12 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
     block_d = triton.next_power_of_2(d)
     block_m, block_n, warps, stages = tiles or prefill_tiles(block_d)
     grid = (triton.cdiv(max_q_len, block_m), q_seqlens.shape[0], h)
-    _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
+    quant, ksz, vsz, zstrides = _scales(k_cache, v_cache, d, k_scale_zero, v_scale_zero)
+    _prefill_kernel[grid](q, k_cache, v_cache, ksz, vsz, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
                           scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-                          k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), h, GROUP=h // hkv,
+                          k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0), h, GROUP=h // hkv,
                           BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                          BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+                          BLOCK_D=block_d, QUANT=quant, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -104,11 +144,12 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
 # slice counts no captured graph compiled; a cold-cache H100 run lost ~4 s, most likely to such compiles).
 @triton.jit(**no_respecialising(ints=['stride_bt', 'stride_pb', 'stride_ph', 'stride_ps', 'num_splits'],
                                 pointers=['tables_ptr', 'kv_lens_ptr', 'order_ptr']))
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, order_ptr, scale_log2,
-                   stride_qb, stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_bt, stride_pb,
-                   stride_ph, stride_ps, num_splits, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr):
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, order_ptr,
+                   scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_zn,
+                   stride_zs, stride_zh, stride_bt, stride_pb, stride_ph, stride_ps, num_splits,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ORDERED: tl.constexpr,
+                   QUANT: tl.constexpr, PDL: tl.constexpr):
     """One program: the GROUP query heads sharing KV head ``kvh`` of
     sequence ``b``, over one slice of the context. Programs start in launch
     order, so with ``order`` the longest sequences' programs (all their
@@ -140,8 +181,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, part_ptr, out_ptr, tables_ptr, kv_lens
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
-        m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, table, offs_n, n_valid, n_valid[None, :], kvh, offs_d,
-                                     d_mask, m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch, BLOCK_SIZE)
+        m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid, n_valid[None, :],
+                                     kvh, offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch,
+                                     stride_zn, stride_zs, stride_zh, BLOCK_SIZE, HEAD_DIM // 2, QUANT)
     if num_splits == 1:
         out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -213,7 +255,7 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: i
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms: int = 132,
-                           order=None, out=None):
+                           order=None, out=None, k_scale_zero=None, v_scale_zero=None):
     bsz, h, d = q.shape
     hkv = k_cache.shape[2]
     group = h // hkv
@@ -231,15 +273,16 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
     # 115); below that the order's extra dependent load at each program's start costs more than it balances.
     if bsz < 16:
         order = None
-    _decode_kernel[(bsz * hkv * splits, )](q, k_cache, v_cache, part, out, block_tables, kv_seqlens,
+    quant, ksz, vsz, zstrides = _scales(k_cache, v_cache, d, k_scale_zero, v_scale_zero)
+    _decode_kernel[(bsz * hkv * splits, )](q, k_cache, v_cache, ksz, vsz, part, out, block_tables, kv_seqlens,
                                            kv_seqlens if order is None else order, scale * _LOG2E, q.stride(0),
                                            q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-                                           k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                                           k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0),
                                            part.stride(0), part.stride(1), part.stride(2),
                                            splits, NUM_KV_HEADS=hkv, GROUP=group,
                                            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1],
                                            HEAD_DIM=d, BLOCK_N=block_n, BLOCK_D=block_d, ORDERED=order is not None,
-                                           num_warps=4, num_stages=stages, PDL=pdl.ON, **pdl.LAUNCH)
+                                           QUANT=quant, num_warps=4, num_stages=stages, PDL=pdl.ON, **pdl.LAUNCH)
     if splits > 1:
         _decode_reduce_kernel[(bsz, h)](part, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
                                         out.stride(1), splits, HEAD_DIM=d, MAX_SPLITS=MAX_DECODE_SPLITS,

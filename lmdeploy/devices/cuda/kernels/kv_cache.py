@@ -1,5 +1,8 @@
 """Scatter the step's K and V into the paged cache (negative slot: skip),
-alone or together with the rotary embedding of q and k."""
+alone or together with the rotary embedding of q and k; quantized as the
+cache's policy says (``QUANT`` 8 or 4: lmdeploy/devices/cache.py defines the
+codes, the float16 scale and zero per token and head, and int4's packing of
+elements j and j + D/2 into one byte)."""
 import torch
 import triton
 import triton.language as tl
@@ -9,41 +12,93 @@ from .limits import no_respecialising
 from .rotary import _rotated
 
 
+@triton.jit
+def _quantized(x1, x2, mask, BITS: tl.constexpr):
+    """Each row's (head's) two halves as codes in [0, 2**BITS - 1] (float32), with its scale and zero
+    (float16-rounded, as float32): zero = min, scale = (max - min) / (2**BITS - 1), codes rounded."""
+    levels: tl.constexpr = (1 << BITS) - 1
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    lo = tl.minimum(tl.min(tl.where(mask, x1, float('inf')), axis=1), tl.min(tl.where(mask, x2, float('inf')), axis=1))
+    hi = tl.maximum(tl.max(tl.where(mask, x1, -float('inf')), axis=1),
+                    tl.max(tl.where(mask, x2, -float('inf')), axis=1))
+    zero = lo.to(tl.float16).to(tl.float32)
+    scale = ((hi - lo) / levels).to(tl.float16).to(tl.float32)
+    scale = tl.where(scale > 0, scale, 1.0)
+    c1 = tl.minimum(tl.maximum(tl.floor((x1 - zero[:, None]) / scale[:, None] + 0.5), 0.0), levels)
+    c2 = tl.minimum(tl.maximum(tl.floor((x2 - zero[:, None]) / scale[:, None] + 0.5), 0.0), levels)
+    return c1, c2, scale, zero
+
+
+@triton.jit
+def _write_cache(c_ptr, sz_ptr, slot, heads, d, x1, x2, mask, n_heads, HALF: tl.constexpr, QUANT: tl.constexpr):
+    """Store one token's heads (both halves of each) at ``slot`` in a cache of [slots, n_heads, ...]."""
+    row = slot * n_heads + heads  # [H]
+    if QUANT == 0:
+        base = c_ptr + row[:, None] * (2 * HALF) + d[None, :]
+        tl.store(base, x1.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(base + HALF, x2.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        c1, c2, scale, zero = _quantized(x1, x2, mask, QUANT)
+        if QUANT == 8:
+            base = c_ptr + row[:, None] * (2 * HALF) + d[None, :]
+            tl.store(base, c1.to(tl.uint8), mask=mask)
+            tl.store(base + HALF, c2.to(tl.uint8), mask=mask)
+        else:  # element j in the low four bits of byte j, element j + HALF in its high four
+            tl.store(c_ptr + row[:, None] * HALF + d[None, :], c1.to(tl.uint8) | (c2.to(tl.uint8) << 4), mask=mask)
+        h_valid = tl.max(mask.to(tl.int32), axis=1) > 0
+        tl.store(sz_ptr + row * 2, scale.to(tl.float16), mask=h_valid)
+        tl.store(sz_ptr + row * 2 + 1, zero.to(tl.float16), mask=h_valid)
+
+
 @triton.jit(**no_respecialising(pointers=['slot_ptr']))
-def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh, n_heads,
-                    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
+                    stride_vh, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                    QUANT: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         h = tl.arange(0, BLOCK_H)
-        d = tl.arange(0, BLOCK_D)
-        m = (h[:, None] < n_heads) & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=m)
-        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=m)
-        dst = slot * n_heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
-        tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=m)
-        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=m)
+        d = tl.arange(0, BLOCK_HALF)
+        m = (h[:, None] < n_heads) & (d[None, :] < HALF)
+        kb = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
+        vb = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
+        _write_cache(kc_ptr, ksz_ptr, slot, h, d, tl.load(kb, mask=m), tl.load(kb + HALF, mask=m), m, n_heads, HALF,
+                     QUANT)
+        _write_cache(vc_ptr, vsz_ptr, slot, h, d, tl.load(vb, mask=m), tl.load(vb + HALF, mask=m), m, n_heads, HALF,
+                     QUANT)
 
 
-def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+def quant_of(cache_tensor, head_dim: int, scale_zero) -> int:
+    """The policy a cache's tensors say: none without scales, int8 with a byte per element, else int4."""
+    if scale_zero is None:
+        return 0
+    return 8 if cache_tensor.shape[-1] == head_dim else 4
+
+
+def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None):
     t, h, d = k.shape
     if t == 0:
         return
+    assert d % 2 == 0, 'head_dim must be even'
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    _fill_kv_kernel[(t, )](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           h, HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
-                           num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
+    quant = quant_of(k_cache, d, k_scale_zero)
+    _fill_kv_kernel[(t, )](k, v, k_cache, v_cache, k_scale_zero if quant else k_cache,
+                           v_scale_zero if quant else v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+                           v.stride(1), h, HALF=d // 2, BLOCK_H=triton.next_power_of_2(h),
+                           BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, num_warps=2, PDL=pdl.ON,
+                           **pdl.LAUNCH)
 
 
 @triton.jit(**no_respecialising(pointers=['slot_ptr']))
-def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, slot_ptr, stride_qt,
-                           stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_ct, n_q, n_kv,
-                           HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
-                           BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, cos_ptr, sin_ptr, slot_ptr,
+                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_ct, n_q,
+                           n_kv, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+                           BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     """Program (t, j): for j < cdiv(n_q, BLOCK_H), a block of token t's query
     heads is rotated into out[t, :n_q]; the last program rotates t's key
     heads into out[t, n_q:] and writes them and t's values to the cache at
@@ -74,18 +129,16 @@ def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, cos_ptr
         tl.store(kbase + HALF, k2, mask=km)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
-            cbase = slot * n_kv * HEAD_DIM + kh[:, None] * HEAD_DIM
-            tl.store(kc_ptr + cbase + d[None, :], k1.to(kc_ptr.dtype.element_ty), mask=km)
-            tl.store(kc_ptr + cbase + HALF + d[None, :], k2.to(kc_ptr.dtype.element_ty), mask=km)
-            dv = tl.arange(0, BLOCK_D)
-            mv = kh_valid[:, None] & (dv < HEAD_DIM)[None, :]
-            v = tl.load(v_ptr + t * stride_vt + kh[:, None] * stride_vh + dv[None, :], mask=mv)
-            tl.store(vc_ptr + cbase + dv[None, :], v.to(vc_ptr.dtype.element_ty), mask=mv)
+            _write_cache(kc_ptr, ksz_ptr, slot, kh, d, k1, k2, km, n_kv, HALF, QUANT)
+            vb = v_ptr + t * stride_vt + kh[:, None] * stride_vh + d[None, :]
+            _write_cache(vc_ptr, vsz_ptr, slot, kh, d, tl.load(vb, mask=km), tl.load(vb + HALF, mask=km), km, n_kv,
+                         HALF, QUANT)
 
 
-def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None):
     """apply_rotary and fill_kv_cache in one launch: the step's q, k and v
-    are read once; returns the rotated q and k (views of one buffer)."""
+    are read once (and K/V quantized there when the cache is); returns the
+    rotated q and k (views of one buffer)."""
     t, h, d = q.shape
     hkv = k.shape[1]
     out = torch.empty((t, h + hkv, d), dtype=q.dtype, device=q.device)
@@ -94,9 +147,10 @@ def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     block_h = min(16, triton.next_power_of_2(h))
+    quant = quant_of(k_cache, d, k_scale_zero)
     _rotary_fill_kv_kernel[(t, triton.cdiv(h, block_h) + 1)](
-        q, k, v, out, k_cache, v_cache, cos, sin, slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), out.stride(0), cos.stride(0), h, hkv, HEAD_DIM=d, BLOCK_H=block_h,
-        BLOCK_KV=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(d // 2),
-        BLOCK_D=triton.next_power_of_2(d), num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
+        q, k, v, out, k_cache, v_cache, k_scale_zero if quant else k_cache, v_scale_zero if quant else v_cache, cos,
+        sin, slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), cos.stride(0), h, hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_KV=triton.next_power_of_2(hkv),
+        BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
     return out[:, :h], out[:, h:]
