@@ -316,8 +316,8 @@ def main(argv=None) -> int:
             s = summarize(results, elapsed)
             if args.save_requests:
                 s['requests'] = [dict(start=r.start, prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
-                                      ttft_ms=1e3 * r.ttft, e2e_ms=1e3 * r.latency, max_itl_ms=1e3 * max(r.itl, default=0.0),
-                                      error=r.error) for r in results]
+                                      ttft_ms=1e3 * r.ttft, e2e_ms=1e3 * r.latency,
+                                      max_itl_ms=1e3 * max(r.itl, default=0.0), error=r.error) for r in results]
             s.update(request_rate=rate, max_concurrency=args.max_concurrency, num_prompts=args.num_prompts,
                      input_len=args.input_len, output_len=args.output_len, url=url, model=model,
                      endpoint='chat' if args.chat else 'completions')

@@ -278,8 +278,9 @@ def test_paged_prefill_attention_bf16(ops):
     seqs = [(5, 5), (3, 11)]
     cache = _Paged([b for _, b in seqs], hkv, d, bs, seed=7, dtype=torch.bfloat16)
     q = torch.randn(8, h, d, generator=_gen(8)).bfloat16()
-    out = ops.paged_prefill_attention(q, KVCache(cache.k_cache, cache.v_cache), cache.block_tables, torch.tensor([0, 5]),
-                                      torch.tensor([5, 3]), torch.tensor([5, 11]), d ** -0.5, 5, 11)
+    out = ops.paged_prefill_attention(q, KVCache(cache.k_cache, cache.v_cache), cache.block_tables,
+                                      torch.tensor([0, 5]), torch.tensor([5, 3]), torch.tensor([5, 11]), d ** -0.5, 5,
+                                      11)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     starts = [0, 5]
     for b, (qlen, kvlen) in enumerate(seqs):

@@ -80,7 +80,8 @@ def compile_all(cap: int) -> dict:
     specs, act = kernel_specs(cap)
     results = {}
     for fn, ptrs, scalars, constexprs, options in specs:
-        label = fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items() if k in ('ORDERED', 'BLOCK_N', 'QUANT'))
+        label = fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items()
+                                      if k in ('ORDERED', 'BLOCK_N', 'QUANT'))
         sig, aligned = {}, {}
         for i, param in enumerate(fn.params):
             name = param.name

@@ -242,8 +242,8 @@ def test_paged_decode_attention_large_batch():
     k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, 64, 16, dtype)
     q = torch.randn(n, 4 * hkv, 64, dtype=dtype, device=DEV)
     lens = torch.tensor(kv_lens, device=DEV)
-    ref = REF.paged_decode_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()), tables.cpu(),
-                                     lens.cpu(), 0.125, max(kv_lens))
+    ref = REF.paged_decode_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()),
+                                     tables.cpu(), lens.cpu(), 0.125, max(kv_lens))
     for order in (None, torch.randperm(n, device=DEV).to(torch.int32)):  # any permutation gives the same result
         out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, max(kv_lens), order=order)
         assert rel_err(out, ref) < tol(dtype) * 2
@@ -497,4 +497,5 @@ def test_quantizing_fill_kernels_write_the_reference_codes(policy, dtype, fused)
         assert torch.equal(getattr(got, f'{name}_scale_zero').cpu(), getattr(ref, f'{name}_scale_zero'))
     written = set(slots[slots >= 0].tolist())
     untouched = [s for s in range(nblocks * bs) if s not in written]
-    assert (got.k.cpu().flatten(0, 1)[untouched] == 0).all() and (got.v_scale_zero.cpu().flatten(0, 1)[untouched] == 0).all()
+    assert (got.k.cpu().flatten(0, 1)[untouched] == 0).all()
+    assert (got.v_scale_zero.cpu().flatten(0, 1)[untouched] == 0).all()

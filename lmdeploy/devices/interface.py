@@ -107,9 +107,8 @@ class DeviceOps:
         """How one layer's cache is laid out here. A policy the device lacks is
         refused (ValueError, at the engine's start-up)."""
         if quant_policy not in self.quant_policies:
-            raise ValueError(f'device {self.name!r} does not implement quant_policy={quant_policy} (KV cache '
-                             f'{"int4" if quant_policy == 4 else "int8" if quant_policy == 8 else "?"}); it has '
-                             f'{list(self.quant_policies)}')
+            raise ValueError(f'device {self.name!r} does not implement quant_policy={quant_policy} (a quantized '
+                             f'KV cache); it implements {list(self.quant_policies)}')
         return standard_spec(num_kv_heads, head_dim, block_size, dtype, quant_policy)
 
     # the device's memory is the host's RAM (the cpu): the KV cache is capped by cpu_kv_cache_cap_gb
@@ -177,9 +176,10 @@ class DeviceOps:
         self.fill_kv_cache(k, v, cache, slot_mapping)
         return q, k
 
-    def paged_prefill_attention(self, q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, q_start_loc: torch.Tensor, q_seqlens: torch.Tensor,
-                                kv_seqlens: torch.Tensor, scale: float, max_q_len: int,
-                                max_kv_len: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def paged_prefill_attention(self, q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor,
+                                q_start_loc: torch.Tensor, q_seqlens: torch.Tensor, kv_seqlens: torch.Tensor,
+                                scale: float, max_q_len: int, max_kv_len: int,
+                                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal attention of new tokens over the whole paged context.
 
         q [T, H, D] packs B sequences: sequence b owns rows
