@@ -206,14 +206,14 @@ def check_env(out=None, self_test: bool = True) -> int:
             continue
         for r in run_self_tests(name):
             results.append(r)
-            print(f'  {r.device:<7} {r.op:<24} {"PASS" if r.passed else "FAIL"}  {r.detail}', file=out, flush=True)
+            print(f'  {r.device:<7} {r.op:<30} {"PASS" if r.passed else "FAIL"}  {r.detail}', file=out, flush=True)
     failed = [r for r in results if not r.passed]
     devices_tested = sorted({r.device for r in results})
     if failed:
-        print(f'Self-test: {len(failed)} of {len(results)} FAILED on {", ".join(sorted({r.device for r in failed}))}',
+        print(f'Conformance: {len(failed)} of {len(results)} FAILED on {", ".join(sorted({r.device for r in failed}))}',
               file=out)
         return 1
-    print(f'Self-test: all {len(results)} PASS on {", ".join(devices_tested) or "no device"}', file=out)
+    print(f'Conformance: all {len(results)} PASS on {", ".join(devices_tested) or "no device"}', file=out)
     return 0
 
 
