@@ -55,10 +55,17 @@ def test_spec_bytes_and_capacity():
         standard_spec(8, 63, 64, torch.bfloat16, 4)
 
 
-def test_a_device_without_a_policy_refuses_it_at_start_up():
-    from lmdeploy.devices.cuda.ops import CudaOps
-    with pytest.raises(ValueError, match="'cuda' does not implement quant_policy=8"):
-        CudaOps(num_sms=132).kv_cache_spec(8, 128, 64, torch.bfloat16, 8)
+def test_a_device_without_a_policy_refuses_it_at_start_up(tiny_model_factory, monkeypatch):
+    import lmdeploy.engine.engine as engine_module
+    from lmdeploy.devices.cpu import CpuOps
+
+    class Unquantized(CpuOps):
+        name = 'unquantized'
+        quant_policies = (0, )
+
+    monkeypatch.setattr(engine_module, 'get_device', lambda device_type='auto': Unquantized())
+    with pytest.raises(ValueError, match="'unquantized' does not implement quant_policy=8"):
+        Engine(tiny_model_factory('llama'), PytorchEngineConfig(device_type='cpu', quant_policy=8))
 
 
 # ---------------------------------------------------------------- the engine
