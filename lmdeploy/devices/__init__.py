@@ -78,16 +78,16 @@ def get_device(device_type: str = 'auto'):
 def serving(torch_device_type: str):
     """The device that ops on tensors of this torch device type go to."""
     device = _serving.get(torch_device_type)
-    if device is None:
-        for name in registered():
-            try:
-                cls = load_class(name)
-            except (NotImplementedError, ImportError):
-                continue
-            if cls.torch_device_type == torch_device_type and name in BUILTIN:
-                return get_device(name)
-        raise RuntimeError(f'no lmdeploy device serves torch device type {torch_device_type!r}')
-    return device
+    if device is not None:
+        return device
+    for name in BUILTIN:  # none asked for yet: the built-in device of that type
+        try:
+            cls = load_class(name)
+        except (NotImplementedError, ImportError):
+            continue
+        if cls.torch_device_type == torch_device_type:
+            return get_device(name)
+    raise RuntimeError(f'no lmdeploy device serves torch device type {torch_device_type!r}')
 
 
 def __getattr__(name):  # DeviceOps without importing torch at package import
