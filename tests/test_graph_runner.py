@@ -41,6 +41,11 @@ def test_token_buckets():
     assert token_buckets(10) == [10]
 
 
+def assert_transformers_tokens(model, prompts, limits, got):
+    ref = hf_greedy(model, prompts, max(limits))
+    assert got == [r[:n] for r, n in zip(ref, limits)]
+
+
 def _config(**kw):
     return PytorchEngineConfig(device_type='cpu', block_size=4, session_len=128, max_batch_size=8,
                                max_prefill_token_num=32, **kw)
@@ -63,8 +68,7 @@ def test_padded_replays_give_transformers_tokens(tiny_model_factory, replaying, 
         assert_engine_clean(eng)
     finally:
         eng.close()
-    ref = hf_greedy(model, prompts, max(limits))
-    assert got == [r[:n] for r, n in zip(ref, limits)]
+    assert_transformers_tokens(model, prompts, limits, got)
     # decode steps replayed, at padded sizes as the batch shrank (3 -> 4, 5 -> 8, then 2, 1 ...)
     assert replaying.replays >= max(limits) - 2
 
@@ -107,8 +111,7 @@ def test_mixed_steps_replayed_whole_give_transformers_tokens(tiny_model_factory,
         assert_engine_clean(eng)
     finally:
         eng.close()
-    ref = hf_greedy(model, prompts, max(limits))
-    assert got == [r[:n] for r, n in zip(ref, limits)]
+    assert_transformers_tokens(model, prompts, limits, got)
     assert any(nd > 0 for _, nd in seen['mixed']), seen  # decode rows rode along with prompt rows
     assert {t for t, _ in seen['mixed']} - {16, 32, 40}, seen  # steps were padded to a recording
     assert seen['eager'], seen  # the burst

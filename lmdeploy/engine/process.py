@@ -285,12 +285,8 @@ def child_main(fd: int) -> int:
         _, model_path, config, model_config, log_level = conn.recv()
     except (EOFError, OSError):
         return 0
-    log = logging.getLogger('lmdeploy')
-    log.setLevel(log_level)
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter('%(asctime)s %(levelname)s %(name)s (engine): %(message)s'))
-        log.addHandler(handler)
+    from lmdeploy.log import configure
+    log = configure(log_level, ' (engine)')
     send_lock = threading.Lock()
     outbox: list = []  # (rid, packed output), appended and flushed on the engine thread only
 

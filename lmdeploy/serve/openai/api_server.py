@@ -552,13 +552,9 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
     from lmdeploy.default_model import resolve_model_path
     from lmdeploy.frontend.gateway import Gateway
 
+    from lmdeploy.log import configure
     level = log_level.upper() if isinstance(log_level, str) else log_level
-    root = logging.getLogger('lmdeploy')
-    root.setLevel(level)
-    if not root.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter('%(asctime)s %(levelname)s %(name)s: %(message)s'))
-        root.addHandler(handler)
+    configure(level)
     if backend == 'turbomind':
         logger.warning("the turbomind backend is not available in this build: serving with the pytorch engine")
     elif backend != 'pytorch':
