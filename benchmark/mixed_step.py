@@ -79,7 +79,7 @@ def main():
         from lmdeploy.engine.piecewise import PiecewiseRunner
         t0 = time.perf_counter()
         with torch.inference_mode():
-            pieces = PiecewiseRunner(eng.device, eng.model, runner.kv_caches, 2048, runner.torch_device, eng.dtype)
+            pieces = PiecewiseRunner(eng.device, eng.model, runner.kv_caches, 2048, runner.torch_device)
             pieces.capture_all()
         print(f'pieces recorded in {time.perf_counter() - t0:.1f} s')
     print(f'{"step":>12s} {"mode":>7s} {"host ms":>8s} {"step ms":>8s}')

@@ -429,7 +429,7 @@ def quant_cache(lengths, hkv, d, block_size, dtype, policy):
         slots = torch.tensor([blocks[j // block_size] * block_size + j % block_size for j in range(n)])
         k = (torch.randn(n, hkv, d) * torch.rand(n, hkv, 1) * 4).to(dtype)  # rows of different ranges
         REF.fill_kv_cache(k, torch.randn(n, hkv, d).to(dtype), ref, slots)
-    dev = KVCache(ref.k.to(DEV), ref.v.to(DEV), policy, ref.k_scale_zero.to(DEV), ref.v_scale_zero.to(DEV), dtype)
+    dev = KVCache(ref.k.to(DEV), ref.v.to(DEV), policy, ref.k_scale_zero.to(DEV), ref.v_scale_zero.to(DEV))
     return ref, dev, tables
 
 

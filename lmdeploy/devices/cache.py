@@ -49,7 +49,7 @@ class KVCacheSpec:
     def allocate(self, num_blocks: int, device) -> 'KVCache':
         made = {name: torch.empty((num_blocks, *shape), dtype=dt, device=device) for name, shape, dt in self.tensors}
         return KVCache(made.pop('k'), made.pop('v'), self.quant_policy, made.pop('k_scale_zero', None),
-                       made.pop('v_scale_zero', None), self.dtype)
+                       made.pop('v_scale_zero', None))
 
 
 def standard_spec(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
@@ -78,27 +78,10 @@ class KVCache:
     quant_policy: int = 0
     k_scale_zero: Optional[torch.Tensor] = None
     v_scale_zero: Optional[torch.Tensor] = None
-    dtype: Optional[torch.dtype] = None  # the K/V dtype attention reads (default: k's)
-
-    def __post_init__(self):
-        if self.dtype is None:
-            self.dtype = self.k.dtype
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[0]
 
     @property
     def block_size(self) -> int:
         return self.k.shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.k.shape[3] * (2 if self.quant_policy == 4 else 1)
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         named = dict(k=self.k, v=self.v, k_scale_zero=self.k_scale_zero, v_scale_zero=self.v_scale_zero)

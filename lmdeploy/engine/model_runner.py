@@ -49,8 +49,7 @@ class ModelRunner:
                                           max_mixed_tokens)
                 self.graphs.capture_all()
             elif device.supports_graph_pieces and not eager and max_mixed_tokens > 0:
-                self.pieces = PiecewiseRunner(device, model, self.kv_caches, max_mixed_tokens, self.torch_device,
-                                              dtype)
+                self.pieces = PiecewiseRunner(device, model, self.kv_caches, max_mixed_tokens, self.torch_device)
                 self.pieces.capture_all()
 
     def _eager_forward(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:

@@ -47,12 +47,11 @@ class _Recording:
 class PiecewiseRunner:
 
     def __init__(self, device: DeviceOps, model: torch.nn.Module, kv_caches, max_tokens: int,
-                 torch_device: torch.device, dtype: torch.dtype):
+                 torch_device: torch.device):
         self.device = device
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = token_buckets(max_tokens)
-        self.dtype = dtype
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=torch_device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=torch_device)
@@ -102,7 +101,6 @@ class PiecewiseRunner:
             return self.model(self.input_ids[:n], self.positions[:n], ctx)
 
         rec.replays, rec.out, self.pool = self.device.capture_pieces(forward, self.pool)
-        rec.cut = lambda: None
         assert len(rec.replays) == len(rec.layers) + 1
         self.recordings[n] = rec
         self._recording = None
