@@ -44,7 +44,8 @@ def _compare(name: str, got, ref, dtype) -> Tuple[bool, str]:
                           f'(atol {atol:g}, rtol {rtol:g})')
 
 
-def _test_dtype(ops):
+def test_dtype(ops):
+    """The dtype a device is checked in: float32 where it runs it, else bf16, else fp16."""
     import torch
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         try:
@@ -225,11 +226,6 @@ def check_names(ops=None) -> List[str]:
     return [name for name, _ in checks(ops, ops.torch_device(), test_dtype(ops))]
 
 
-def test_dtype(ops):
-    """The dtype a device is checked in: float32 where it runs it, else bf16, else fp16."""
-    return _test_dtype(ops)
-
-
 def run_self_tests(device_type: str, ops=None, only=None) -> List[TestResult]:
     """Run the suite on one lmdeploy device type (or on ``ops``, a DeviceOps
     object, when given); ``only``: the names of the checks to run."""
@@ -239,7 +235,7 @@ def run_self_tests(device_type: str, ops=None, only=None) -> List[TestResult]:
     try:
         ops = ops if ops is not None else get_device(device_type)
         dev = ops.torch_device()
-        dtype = _test_dtype(ops)
+        dtype = test_dtype(ops)
     except Exception as e:
         return [TestResult(device_type, 'setup', False, f'{type(e).__name__}: {e}')]
     results = []
