@@ -120,7 +120,9 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ wire
     def _send(self, msg):
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        self._send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_bytes(self, data: bytes):
         with self._send_lock:
             self._conn.send_bytes(data)
 
@@ -210,8 +212,7 @@ class EngineProcess:
             req.on_output(EngineOutput([], True, 'error', error=dead))
             return
         try:
-            with self._send_lock:
-                self._conn.send_bytes(msg)
+            self._send_bytes(msg)
         except OSError:
             pass  # the reader fails the request once it sees the child gone
 
