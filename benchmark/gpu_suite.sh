@@ -6,7 +6,7 @@
 #
 #   bash benchmark/gpu_suite.sh                 # everything (~10 minutes on an H100)
 #   bash benchmark/gpu_suite.sh tests tp lat    # some steps: tests check tp lat gemm trace refill lt floor
-#                                               #   mixed serve prefill lat8k
+#                                               #   mixed serve prefill lat8k kvq kvlong kvlat kvattn
 #
 # trace: one throughput run with a 2 s kernel trace from 12 s in (trace.json.gz; read it with
 # benchmark/trace_gaps.py); refill: throughput with each of $REFILL_SLOTS (default 16 64) free slots
@@ -15,6 +15,8 @@
 # tp run's: 312000 on an H100 80GB); mixed: host and device time of steps with prompt rows (replayed in
 # pieces vs eager); serve: the online workload through the API server at $RATES (default 20 35 50) req/s;
 # prefill: 300 prompts of 3,000 tokens at once; lat8k: batch 1 with an 8,000-token prompt.
+# For each KV quant_policy in $POLICIES (default 0 8 4): kvq: the throughput workload; kvlong: 200
+# requests of 128 prompt and 1,500 output tokens; kvlat: batch-1 latency; kvattn: decode attention alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -59,7 +61,16 @@ for step in $steps; do
                --output-len 64 --max-batch-size 256 2>&1 | grep -v Warning | tee "$LOG_DIR/prefill.log" | tail -6 ;;
     lat8k) model; python3 benchmark/latency.py --model "$MODEL" --device cuda --input-len 8000 --output-len 16 2>&1 |
              tee "$LOG_DIR/latency-8k.log" | tail -3 ;;
-    *) echo "unknown step $step (tests check tp lat gemm trace refill lt floor mixed serve prefill lat8k)"; exit 2 ;;
+    kvq) model; for qp in ${POLICIES:-0 8 4}; do throughput --quant-policy $qp 2>&1 | grep -v Warning |
+           tee "$LOG_DIR/throughput-kv$qp.log" | tail -6; done ;;
+    kvlong) model; for qp in ${POLICIES:-0 8 4}; do python3 benchmark/throughput.py --model "$MODEL" --device cuda \
+              --num-requests 200 --input-len 128 --output-len 1500 --max-batch-size 256 --quant-policy $qp 2>&1 |
+              grep -v Warning | tee "$LOG_DIR/long-decode-kv$qp.log" | tail -6; done ;;
+    kvlat) model; for qp in ${POLICIES:-0 8 4}; do python3 benchmark/latency.py --model "$MODEL" --device cuda \
+             --input-len 512 --output-len 256 --quant-policy $qp 2>&1 | tee "$LOG_DIR/latency-kv$qp.log" | tail -1; done ;;
+    kvattn) python3 benchmark/kv_quant_attn.py --policy ${POLICIES:-0 8 4} 2>&1 | tee "$LOG_DIR/kv_quant_attn.log" | tail -40 ;;
+    *) echo "unknown step $step (tests check tp lat gemm trace refill lt floor mixed serve prefill lat8k kvq kvlong kvlat kvattn)"
+       exit 2 ;;
   esac
 done
 echo "=== done $(date +%T); logs in $LOG_DIR"

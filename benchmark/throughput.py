@@ -67,7 +67,7 @@ def run_lmdeploy(args, prompts, outs) -> dict:
                               enable_prefix_caching=args.prefix_caching, eager_mode=args.eager,
                               cache_max_entry_count=args.cache_max_entry_count,
                               max_prefill_token_num=args.max_prefill_token_num,
-                              prefill_interval=args.prefill_interval)
+                              prefill_interval=args.prefill_interval, quant_policy=args.quant_policy)
     if args.log_compiles:
         log_compiles()
     t0 = time.perf_counter()
@@ -233,6 +233,7 @@ def main():
     p.add_argument('--max-prefill-token-num', type=int, default=8192)
     p.add_argument('--cache-max-entry-count', type=float, default=0.8)
     p.add_argument('--prefix-caching', action='store_true')
+    p.add_argument('--quant-policy', type=int, default=0, choices=(0, 4, 8), help='KV cache int8 (8) / int4 (4)')
     p.add_argument('--prefill-interval', type=int, default=16,
                    help='graph devices: at most this many decode steps between prefill steps')
     p.add_argument('--refill-slots', type=int, default=0,

@@ -3,7 +3,8 @@
 Both read K/V through the block tables, token by token, so any block size
 works and the context may hold earlier blocks (prefix cache, chunked
 prefill). Softmax is online, in float32, with exp2. A quantized cache
-(``QUANT`` 8 or 4) is dequantized in registers as its tiles are loaded.
+(``QUANT`` 8 or 4) enters the dots as its integer codes, its per-token
+scales and zeros applied to the dots' results (``_attend_tile``).
 """
 from typing import Tuple
 
@@ -19,48 +20,64 @@ MAX_DECODE_SPLITS = 64  # batch 1 on an H100 cuts a long context into 64 slices 
 
 
 @triton.jit
-def _load_kv(c_ptr, sz_ptr, page, in_block, kvh, offs_d, kv_mask, n_valid, stride_cn, stride_cs, stride_ch, stride_zn,
-             stride_zs, stride_zh, HALF: tl.constexpr, QUANT: tl.constexpr, dtype: tl.constexpr):
-    """A tile of K or V [tokens, D] in ``dtype``, dequantized in registers from a quantized cache
-    (lmdeploy/devices/cache.py: codes * scale + zero per token; int4: element d in byte d % HALF, low four
-    bits below HALF, high four from it)."""
+def _load_tile(c_ptr, page, in_block, kvh, offs_d, kv_mask, stride_cn, stride_cs, stride_ch, HALF: tl.constexpr,
+               QUANT: tl.constexpr, dtype: tl.constexpr):
+    """A tile of K or V [tokens, D] in ``dtype``: the cache's values, or a quantized cache's integer codes
+    (exact in float16 and bfloat16; int4: element d in byte d % HALF, low four bits below HALF, high four
+    from it). Masked entries are 0."""
     off = page * stride_cn + in_block * stride_cs + kvh * stride_ch
     if QUANT == 0:
         x = tl.load(c_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    elif QUANT == 8:
+        x = tl.load(c_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0).to(dtype)
     else:
-        if QUANT == 8:
-            codes = tl.load(c_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0).to(tl.float32)
-        else:
-            byte = tl.load(c_ptr + off[:, None] + (offs_d % HALF)[None, :], mask=kv_mask, other=0)
-            codes = tl.where((offs_d < HALF)[None, :], byte & 0xF, byte >> 4).to(tl.float32)
-        zoff = page * stride_zn + in_block * stride_zs + kvh * stride_zh
-        scale = tl.load(sz_ptr + zoff, mask=n_valid, other=0.0).to(tl.float32)
-        zero = tl.load(sz_ptr + zoff + 1, mask=n_valid, other=0.0).to(tl.float32)
-        x = tl.where(kv_mask, codes * scale[:, None] + zero[:, None], 0.0).to(dtype)
+        byte = tl.load(c_ptr + off[:, None] + (offs_d % HALF)[None, :], mask=kv_mask, other=0)
+        x = tl.where((offs_d < HALF)[None, :], byte & 0xF, byte >> 4).to(dtype)
     return x
 
 
 @triton.jit
-def _attend_tile(q, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid, allowed, kvh, offs_d, d_mask, m_i, l_i,
-                 acc, scale_log2, stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
+def _load_scale_zero(sz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs, stride_zh):
+    """Each token's (scale, zero) as float32 [tokens] (0 where masked)."""
+    zoff = page * stride_zn + in_block * stride_zs + kvh * stride_zh
+    scale = tl.load(sz_ptr + zoff, mask=n_valid, other=0.0).to(tl.float32)
+    zero = tl.load(sz_ptr + zoff + 1, mask=n_valid, other=0.0).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _attend_tile(q, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid, allowed, kvh, offs_d, d_mask,
+                 m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
                  BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr):
     """Fold one tile of context tokens into the online softmax: gather K/V
-    through the block table (dequantizing a quantized cache), score, rescale
-    the running max/sum/output."""
+    through the block table, score, rescale the running max/sum/output.
+
+    A quantized cache is never dequantized element by element: with
+    ``k = c * scale + zero`` per token, ``q . k = scale * (q . c) + zero *
+    sum(q)`` (``q_sum``), and ``p @ v = (p * scale) @ c + p @ zero``; the
+    dots take the integer codes as they are."""
     page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
     in_block = offs_n % BLOCK_SIZE
     kv_mask = n_valid[:, None] & d_mask[None, :]
-    k = _load_kv(kc_ptr, ksz_ptr, page, in_block, kvh, offs_d, kv_mask, n_valid, stride_cn, stride_cs, stride_ch,
-                 stride_zn, stride_zs, stride_zh, HALF, QUANT, q.dtype)
-    s = tl.dot(q, tl.trans(k)) * scale_log2
-    s = tl.where(allowed, s, float('-inf'))
+    k = _load_tile(kc_ptr, page, in_block, kvh, offs_d, kv_mask, stride_cn, stride_cs, stride_ch, HALF, QUANT,
+                   q.dtype)
+    s = tl.dot(q, tl.trans(k))
+    if QUANT != 0:
+        k_scale, k_zero = _load_scale_zero(ksz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs, stride_zh)
+        s = s * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
+    s = tl.where(allowed, s * scale_log2, float('-inf'))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = _load_kv(vc_ptr, vsz_ptr, page, in_block, kvh, offs_d, kv_mask, n_valid, stride_cn, stride_cs, stride_ch,
-                 stride_zn, stride_zs, stride_zh, HALF, QUANT, q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    v = _load_tile(vc_ptr, page, in_block, kvh, offs_d, kv_mask, stride_cn, stride_cs, stride_ch, HALF, QUANT,
+                   q.dtype)
+    if QUANT == 0:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    else:
+        v_scale, v_zero = _load_scale_zero(vsz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs, stride_zh)
+        acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v)
+        acc += tl.sum(p * v_zero[None, :], axis=1)[:, None]
     return m_new, l_i, acc
 
 
@@ -86,6 +103,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
         q_pos = kv_len - q_len + offs_m
         q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                     mask=m_valid[:, None] & d_mask[None, :], other=0.0)
+        q_sum = tl.sum(q.to(tl.float32), axis=1)  # (a quantized cache's zero points)
         m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -96,9 +114,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_end
             allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-            m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid, allowed, kvh,
-                                         offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch,
-                                         stride_zn, stride_zs, stride_zh, BLOCK_SIZE, HEAD_DIM // 2, QUANT)
+            m_i, l_i, acc = _attend_tile(q, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid,
+                                         allowed, kvh, offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_cn,
+                                         stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, BLOCK_SIZE,
+                                         HEAD_DIM // 2, QUANT)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
@@ -174,6 +193,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_valid[:, None] & d_mask[None, :], other=0.0)
+    q_sum = tl.sum(q.to(tl.float32), axis=1)  # (a quantized cache's zero points)
     m_i = tl.full([BLOCK_G], float('-inf'), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -181,9 +201,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
-        m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid, n_valid[None, :],
-                                     kvh, offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch,
-                                     stride_zn, stride_zs, stride_zh, BLOCK_SIZE, HEAD_DIM // 2, QUANT)
+        m_i, l_i, acc = _attend_tile(q, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid,
+                                     n_valid[None, :], kvh, offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_cn,
+                                     stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, BLOCK_SIZE, HEAD_DIM // 2,
+                                     QUANT)
     if num_splits == 1:
         out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],

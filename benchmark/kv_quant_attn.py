@@ -1,0 +1,85 @@
+"""Decode attention alone over a 16-bit, int8 and int4 KV cache: time per
+call and the rate at which it reads the cache.
+
+Llama-3-8B's attention shape (32 query heads, 8 KV heads, head_dim 128),
+block size 64, every sequence at the same context length, blocks handed out
+in random order. The cache holds random codes and scales (the kernels'
+answers are checked against the reference in tests/test_cuda_kernels.py);
+each call is timed as a CUDA graph replay. "read" is the bytes the call must
+read (codes plus each token's scale and zero), "bf16-equivalent" the bytes
+a 16-bit cache of the same tokens would have needed: that rate is what a
+quantized cache buys over the copy ceiling.
+
+    python benchmark/kv_quant_attn.py                       # batch 64 128 256, contexts 1k to 8k
+    python benchmark/kv_quant_attn.py --batch 128 --context 4096 --policy 0 8
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from lmdeploy.devices.cache import standard_spec
+from lmdeploy.devices.cuda.kernels import attention
+
+H, HKV, D, BLOCK = 32, 8, 128, 64
+
+
+def make(batch: int, context: int, policy: int, seed: int = 0):
+    spec = standard_spec(HKV, D, BLOCK, torch.bfloat16, policy)
+    per_seq = -(-context // BLOCK)
+    gen = torch.Generator(device='cuda').manual_seed(seed)
+    cache = spec.allocate(batch * per_seq, 'cuda')
+    for t in cache.tensors().values():
+        if t.dtype == torch.uint8:
+            t.copy_(torch.randint(0, 256, t.shape, generator=gen, device='cuda', dtype=torch.int32))
+        elif t.shape[-1] == 2 and policy:  # (scale, zero)
+            t[..., 0].uniform_(0.001, 0.05, generator=gen)
+            t[..., 1].uniform_(-2, 0, generator=gen)
+        else:
+            t.normal_(generator=gen)
+    tables = torch.randperm(batch * per_seq, generator=gen, device='cuda').to(torch.int32).view(batch, per_seq)
+    q = torch.randn(batch, H, D, dtype=torch.bfloat16, device='cuda', generator=gen)
+    lens = torch.full((batch, ), context, dtype=torch.int64, device='cuda')
+    return spec, cache, tables, q, lens
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('--batch', type=int, nargs='+', default=[64, 128, 256])
+    p.add_argument('--context', type=int, nargs='+', default=[1024, 2048, 4096, 8192])
+    p.add_argument('--policy', type=int, nargs='+', default=[0, 8, 4])
+    p.add_argument('--ceiling', type=float, default=3.0, help='the copy ceiling in TB/s (an H100 80GB: 3.0)')
+    args = p.parse_args()
+    from triton.testing import do_bench_cudagraph
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f'decode attention on {torch.cuda.get_device_name()}: {H} heads, {HKV} KV heads, head_dim {D}, '
+          f'block {BLOCK}; copy ceiling {args.ceiling} TB/s')
+    print('| batch | context | policy | us / call | read GB | read TB/s | of ceiling | bf16-equivalent TB/s '
+          '| vs policy 0 |')
+    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+    for batch in args.batch:
+        for context in args.context:
+            base = None
+            for policy in args.policy:
+                spec, cache, tables, q, lens = make(batch, context, policy)
+                per_token = spec.bytes_per_block / BLOCK
+                read = batch * context * per_token / 1e9
+                bf16 = batch * context * HKV * D * 2 * 2 / 1e9
+                call = functools.partial(attention.paged_decode_attention, q, cache.k, cache.v, tables, lens,
+                                         D**-0.5, context, num_sms, k_scale_zero=cache.k_scale_zero,
+                                         v_scale_zero=cache.v_scale_zero)
+                us = 1e3 * do_bench_cudagraph(call)
+                torch.cuda.synchronize()
+                base = base or (us if policy == 0 else None)
+                rate = read / us * 1e6 / 1e3
+                vs = f'{base / us:.2f}x' if base else '-'
+                print(f'| {batch} | {context} | {policy} | {us:.1f} | {read:.3f} | {rate:.2f} | '
+                      f'{100 * rate / args.ceiling:.0f}% | {bf16 / us * 1e6 / 1e3:.2f} | {vs} |', flush=True)
+                del cache, tables, q, call
+                torch.cuda.empty_cache()
+
+
+if __name__ == '__main__':
+    main()
