@@ -42,6 +42,8 @@ def make(batch: int, context: int, policy: int, seed: int = 0):
     tables = torch.randperm(batch * per_seq, generator=gen, device='cuda').to(torch.int32).view(batch, per_seq)
     q = torch.randn(batch, H, D, dtype=torch.bfloat16, device='cuda', generator=gen)
     lens = torch.full((batch, ), context, dtype=torch.int64, device='cuda')
+    # do_bench_cudagraph runs on a stream of its own, which waits for none of the above
+    torch.cuda.synchronize()
     return spec, cache, tables, q, lens
 
 
@@ -51,31 +53,34 @@ def main():
     p.add_argument('--context', type=int, nargs='+', default=[1024, 2048, 4096, 8192])
     p.add_argument('--policy', type=int, nargs='+', default=[0, 8, 4])
     p.add_argument('--ceiling', type=float, default=3.0, help='the copy ceiling in TB/s (an H100 80GB: 3.0)')
+    p.add_argument('--tiles', nargs='+', default=[None], type=lambda s: tuple(map(int, s.split(','))),
+                   help='decode tiles to sweep, each "tokens,stages,warps" (default: the kernel\'s choice)')
     args = p.parse_args()
     from triton.testing import do_bench_cudagraph
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f'decode attention on {torch.cuda.get_device_name()}: {H} heads, {HKV} KV heads, head_dim {D}, '
           f'block {BLOCK}; copy ceiling {args.ceiling} TB/s')
-    print('| batch | context | policy | us / call | read GB | read TB/s | of ceiling | bf16-equivalent TB/s '
+    print('| batch | context | policy | tiles | us / call | read GB | read TB/s | of ceiling | bf16-equivalent TB/s '
           '| vs policy 0 |')
-    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
     for batch in args.batch:
         for context in args.context:
             base = None
-            for policy in args.policy:
+            for policy, tiles in ((p, t) for p in args.policy for t in args.tiles):
                 spec, cache, tables, q, lens = make(batch, context, policy)
                 per_token = spec.bytes_per_block / BLOCK
                 read = batch * context * per_token / 1e9
                 bf16 = batch * context * HKV * D * 2 * 2 / 1e9
                 call = functools.partial(attention.paged_decode_attention, q, cache.k, cache.v, tables, lens,
                                          D**-0.5, context, num_sms, k_scale_zero=cache.k_scale_zero,
-                                         v_scale_zero=cache.v_scale_zero)
+                                         v_scale_zero=cache.v_scale_zero, tiles=tiles)
                 us = 1e3 * do_bench_cudagraph(call)
                 torch.cuda.synchronize()
-                base = base or (us if policy == 0 else None)
+                base = base or (us if policy == 0 and tiles is None else None)
                 rate = read / us * 1e6 / 1e3
                 vs = f'{base / us:.2f}x' if base else '-'
-                print(f'| {batch} | {context} | {policy} | {us:.1f} | {read:.3f} | {rate:.2f} | '
+                shown = ','.join(map(str, tiles)) if tiles else 'default'
+                print(f'| {batch} | {context} | {policy} | {shown} | {us:.1f} | {read:.3f} | {rate:.2f} | '
                       f'{100 * rate / args.ceiling:.0f}% | {bf16 / us * 1e6 / 1e3:.2f} | {vs} |', flush=True)
                 del cache, tables, q, call
                 torch.cuda.empty_cache()

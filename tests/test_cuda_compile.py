@@ -32,7 +32,7 @@ def kernel_specs(cap: int):
     pdl = cap >= 90
     skinny = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_K=256, PDL=pdl)
     stages = dict(num_warps=4, num_stages=linear.pipeline_stages(smem))
-    decode = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, PDL=pdl)
+    decode = dict(NUM_KV_HEADS=8, GROUP=4, BLOCK_G=16, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_HALF=64, PDL=pdl)
 
     def kv_ptrs(quant):  # an unquantized cache passes its own tensors where the scales would be
         return ({'kc_ptr': 'u8', 'vc_ptr': 'u8', 'ksz_ptr': 'fp16', 'vsz_ptr': 'fp16'} if quant else {})
@@ -46,22 +46,27 @@ def kernel_specs(cap: int):
     ] + [  # the cache's writers and readers for each KV policy (uint8 codes, float16 scales when quantized)
         spec for quant in (0, 8, 4) for spec in (
             (kv_cache._fill_kv_kernel, dict(kv_ptrs(quant), slot_ptr='i64'), {},
-             dict(HALF=64, BLOCK_H=8, BLOCK_HALF=64, QUANT=quant, PDL=pdl), dict(num_warps=2)),
+             dict(HALF=64, BLOCK_H=16 if quant == 4 else 8, BLOCK_HALF=64, QUANT=quant, ROTATE=quant == 4,
+                  HSCALE=128**-0.5, PDL=pdl), dict(num_warps=2)),
             (kv_cache._rotary_fill_kv_kernel, dict(kv_ptrs(quant), cos_ptr='fp32', sin_ptr='fp32', slot_ptr='i64'),
-             {}, dict(HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=8, BLOCK_HALF=64, QUANT=quant, PDL=pdl), dict(num_warps=2)),
+             {}, dict(HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=16 if quant == 4 else 8, BLOCK_HALF=64, QUANT=quant,
+                      ROTATE=quant == 4, HSCALE=128**-0.5, PDL=pdl), dict(num_warps=2)),
             (attention._prefill_kernel, dict(kv_ptrs(quant), tables_ptr='i32', q_start_ptr='i64', q_lens_ptr='i64',
-                                             kv_lens_ptr='i64'), {'scale_log2': 'fp32'},
-             dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, QUANT=quant),
-             dict(num_warps=4, num_stages=2)))
+                                             kv_lens_ptr='i64', q_ptr='fp16' if quant else act),
+             {'scale_log2': 'fp32'},
+             dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, BLOCK_HALF=64,
+                  QUANT=quant, ASM=True), dict(num_warps=4, num_stages=2)))
     ] + [  # the small-batch tiles (no order below 16 sequences) and the large-batch ones
         (attention._decode_kernel, dict(kv_ptrs(quant), part_ptr='fp32', tables_ptr='i32', kv_lens_ptr='i64',
-                                        order_ptr='i64'),
-         {'scale_log2': 'fp32'}, dict(decode, ORDERED=ordered, BLOCK_N=block_n, QUANT=quant),
+                                        order_ptr='i64', q_ptr='fp16' if quant else act),
+         {'scale_log2': 'fp32'}, dict(decode, ORDERED=ordered, BLOCK_N=block_n, QUANT=quant, ASM=True),
          dict(num_warps=4, num_stages=stages))
         for quant in (0, 8, 4)
-        for ordered, (block_n, stages) in ((False, attention.decode_tiles(smem, 1)),
-                                           (True, attention.decode_tiles(smem, 256)))
+        for ordered, (block_n, stages) in ((False, attention.decode_tiles(smem, 1, quant)),
+                                           (True, attention.decode_tiles(smem, 256, quant)))
     ] + [
+        (attention._rotate_query_kernel, {'out_ptr': 'fp16'}, {}, dict(HEAD_DIM=128, BLOCK_R=64, HSCALE=128**-0.5),
+         dict(num_warps=4)),
         (attention._decode_reduce_kernel, {'part_ptr': 'fp32'}, {},
          dict(HEAD_DIM=128, MAX_SPLITS=attention.MAX_DECODE_SPLITS, BLOCK_D=128, PDL=pdl), dict(num_warps=4)),
         (argmax._argmax_slices_kernel, {'x_ptr': 'fp32', 'val_ptr': 'fp32', 'idx_ptr': 'i32'}, {},
@@ -114,7 +119,7 @@ def test_kernels_compile_and_fit_shared_memory(cap):
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == 23
+    assert len(results) == 24
     for name, shared in results.items():
         assert isinstance(shared, int), f'{name} does not compile for sm{cap}: {shared}'
         limit = shared_memory_of(cap)

@@ -497,7 +497,11 @@ def test_quantizing_fill_kernels_write_the_reference_codes(policy, dtype, fused)
         if policy == 4:
             a, b = unpack_int4(a), unpack_int4(b)
         assert (a.int() - b.int()).abs().max() <= 1 and (a != b).float().mean() < 0.02
-        assert torch.equal(getattr(got, f'{name}_scale_zero').cpu(), getattr(ref, f'{name}_scale_zero'))
+        sz, ref_sz = getattr(got, f'{name}_scale_zero').cpu(), getattr(ref, f'{name}_scale_zero')
+        if policy == 4 and name == 'k':  # rotated by a dot in another order: a row's min and max move by ulps
+            assert torch.allclose(sz.float(), ref_sz.float(), rtol=2e-3, atol=1e-4)
+        else:
+            assert torch.equal(sz, ref_sz)
     written = set(slots[slots >= 0].tolist())
     untouched = [s for s in range(nblocks * bs) if s not in written]
     assert (got.k.cpu().flatten(0, 1)[untouched] == 0).all()

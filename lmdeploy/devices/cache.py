@@ -19,6 +19,13 @@ each with ``[S, Hkv, 2]`` float16 (scale, zero) of every token's K (and V)
 per KV head: asymmetric, online (computed when the token is written),
 ``x ~ q * scale + zero`` with ``q`` in ``[0, 2**bits - 1]``
 (:func:`quantize` and :func:`dequantize` are the definition).
+
+With ``quant_policy`` 4 and a power-of-two head_dim of at least 32, K is
+stored rotated, ``k @ H`` (:func:`hadamard`), and attention rotates q the same
+way: ``(q H) . (k H) = q . k`` as H is orthonormal. The rotation spreads K's
+few outlier channels over all of them, so 16 levels a token cover a
+narrower range (SmolLM2-135M perplexity: +16.6 % unrotated, +7.1 %
+rotated; V has no such outliers and rotating it gained nothing).
 """
 from __future__ import annotations
 
@@ -89,6 +96,22 @@ class KVCache:
 
 
 # ------------------------------------------------------------- the definition
+def rotates_k(quant_policy: int, head_dim: int) -> bool:
+    """Whether K is stored in the Hadamard basis (see the module docstring)."""
+    return quant_policy == 4 and head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
+def hadamard(d: int, device=None) -> torch.Tensor:
+    """The normalised Sylvester-Hadamard matrix, float32 [d, d]: ``H[i, j] =
+    (-1) ** popcount(i & j) / sqrt(d)``; symmetric and orthonormal (H H = I)."""
+    i = torch.arange(d, device=device)
+    bits = i[:, None] & i[None, :]
+    parity = torch.zeros_like(bits)
+    for b in range(max(1, d.bit_length())):
+        parity ^= (bits >> b) & 1
+    return (1 - 2 * parity).float() / math.sqrt(d)
+
+
 def quantize(x: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (codes [..., D] (uint8, unpacked), scale_zero [..., 2] float16).
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rng
-from .cache import KVCache, dequantize, pack_int4, quantize, unpack_int4
+from .cache import KVCache, dequantize, hadamard, pack_int4, quantize, rotates_k, unpack_int4
 from .interface import DeviceOps
 
 
@@ -60,6 +60,8 @@ class ReferenceOps(DeviceOps):
             if cache.quant_policy == 0:
                 flat[slots] = rows.to(data.dtype)
                 continue
+            if x is k and rotates_k(cache.quant_policy, rows.shape[-1]):
+                rows = rows.float() @ hadamard(rows.shape[-1], rows.device)
             codes, sz = quantize(rows, cache.quant_policy)
             flat[slots] = codes if cache.quant_policy == 8 else pack_int4(codes)
             scale_zero.view(-1, *scale_zero.shape[2:])[slots] = sz
@@ -79,10 +81,14 @@ class ReferenceOps(DeviceOps):
         return self._read(cache, which, block_table[:n].long()).flatten(0, 1)[:length]
 
     @staticmethod
-    def _attend(q, k, v, scale, allowed):
+    def _attend(q, k, v, scale, allowed, cache: KVCache):
         """q [B, H, Q, D], k/v [B, Hkv, L, D], allowed [B, 1, Q, L] bool.
-        Math in float32; GQA by sharing each KV head across its query group."""
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed, scale=scale,
+        Math in float32; GQA by sharing each KV head across its query group;
+        q rotated as the cache's K is (devices/cache.py)."""
+        qf = q.float()
+        if rotates_k(cache.quant_policy, q.shape[-1]):
+            qf = qf @ hadamard(q.shape[-1], q.device)
+        return F.scaled_dot_product_attention(qf, k.float(), v.float(), attn_mask=allowed, scale=scale,
                                               enable_gqa=True).to(q.dtype)
 
     def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
@@ -96,7 +102,7 @@ class ReferenceOps(DeviceOps):
             # query row i sits at position kvlen - qlen + i and sees positions <= it
             q_pos = torch.arange(kvlen - qlen, kvlen, device=q.device)
             allowed = torch.arange(kvlen, device=q.device)[None, :] <= q_pos[:, None]
-            o = self._attend(q[start:start + qlen].transpose(0, 1)[None], k, v, scale, allowed[None, None])
+            o = self._attend(q[start:start + qlen].transpose(0, 1)[None], k, v, scale, allowed[None, None], cache)
             out[start:start + qlen] = o[0].transpose(0, 1)
         return out
 
@@ -112,7 +118,8 @@ class ReferenceOps(DeviceOps):
         zero = torch.zeros((), dtype=v.dtype, device=v.device)
         k = torch.where(valid[:, :, None, None], k, zero)
         v = torch.where(valid[:, :, None, None], v, zero)
-        o = self._attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, valid[:, None, None, :])[:, :, 0]
+        o = self._attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, valid[:, None, None, :],
+                         cache)[:, :, 0]
         o = torch.where((kv_seqlens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
         return o if out is None else out.copy_(o)
 

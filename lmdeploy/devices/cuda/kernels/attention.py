@@ -3,16 +3,21 @@
 Both read K/V through the block tables, token by token, so any block size
 works and the context may hold earlier blocks (prefix cache, chunked
 prefill). Softmax is online, in float32, with exp2. A quantized cache
-(``QUANT`` 8 or 4) enters the dots as its integer codes, its per-token
-scales and zeros applied to the dots' results (``_attend_tile``).
+(``QUANT`` 8 or 4) enters the dots as its integer codes (float16, made
+from the bytes by ``_codes``), its per-token scales and zeros applied to
+the dots' results (``_attend_tile``); q is rotated into K's basis where
+int4 stores K rotated (``_scales``).
 """
+import os
 from typing import Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ...cache import rotates_k
 from . import pdl
+from .kv_cache import quant_of
 from .limits import no_respecialising, shared_memory
 
 _LOG2E = 1.4426950408889634
@@ -20,20 +25,89 @@ MAX_DECODE_SPLITS = 64  # batch 1 on an H100 cuts a long context into 64 slices 
 
 
 @triton.jit
-def _load_tile(c_ptr, page, in_block, kvh, offs_d, kv_mask, stride_cn, stride_cs, stride_ch, HALF: tl.constexpr,
-               QUANT: tl.constexpr, dtype: tl.constexpr):
-    """A tile of K or V [tokens, D] in ``dtype``: the cache's values, or a quantized cache's integer codes
-    (exact in float16 and bfloat16; int4: element d in byte d % HALF, low four bits below HALF, high four
-    from it). Masked entries are 0."""
-    off = page * stride_cn + in_block * stride_cs + kvh * stride_ch
-    if QUANT == 0:
-        x = tl.load(c_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    elif QUANT == 8:
-        x = tl.load(c_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0).to(dtype)
+def _codes(x, PART: tl.constexpr, dtype: tl.constexpr, ASM: tl.constexpr):
+    """A uint8 tile's codes in ``dtype`` (float16 for 16-bit models, or float32; exact): each byte (PART 0),
+    or its low (1) or high (2) four bits.
+
+    On a GPU (``ASM``) by inline PTX, four bytes at a time: one byte permute
+    sets two codes under float16 1024's exponent (bits 0x64cc are 1024 + cc),
+    one packed subtraction takes 1024 off both. Integer-to-float conversions
+    run at a quarter of the rate of these, and converting every code of
+    every tile made int8 decode attention compute-bound (H100, batch 64, 4k
+    context: 0.86x of bf16 with conversions)."""
+    if ASM and dtype == tl.float16:
+        if PART == 0:
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b32 m, c; mov.b32 m, 0x64646464; mov.b32 c, 0x64006400; "
+                "prmt.b32 $0, $2, m, 0x4140; prmt.b32 $1, $2, m, 0x4342; "
+                "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        elif PART == 1:
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b32 m, c, t; mov.b32 m, 0x64646464; mov.b32 c, 0x64006400; and.b32 t, $2, 0x0F0F0F0F; "
+                "prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; "
+                "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b32 m, c, t; mov.b32 m, 0x64646464; mov.b32 c, 0x64006400; shr.b32 t, $2, 4; "
+                "and.b32 t, t, 0x0F0F0F0F; prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; "
+                "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    else:  # (the interpreter runs no PTX)
+        if PART == 0:
+            y = x.to(dtype)
+        elif PART == 1:
+            y = (x & 0xF).to(dtype)
+        else:
+            y = (x >> 4).to(dtype)
+    return y
+
+
+@triton.jit
+def _load_query(base, row_valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                QUANT: tl.constexpr):
+    """Query rows (``base``: each row's first element) as the dots take them, with each row's sum (what a
+    quantized cache's zero points multiply): the rows in their dtype (``QUANT`` 0), or as their two halves
+    in the codes' dtype (float16, float32 for a float32 model). Returns (q or its first half, its second
+    half or q again, row sums)."""
+    DOT: tl.constexpr = tl.float32 if base.dtype.element_ty == tl.float32 else tl.float16
+    if QUANT != 0:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, BLOCK_HALF)
+        m = row_valid[:, None] & (offs_h < HALF)[None, :]
+        q1 = tl.load(base[:, None] + offs_h[None, :], mask=m, other=0.0)
+        q2 = tl.load(base[:, None] + HALF + offs_h[None, :], mask=m, other=0.0)
+        q1 = q1.to(DOT)
+        q2 = q2.to(DOT)
+        q_sum = tl.sum(q1.to(tl.float32), axis=1) + tl.sum(q2.to(tl.float32), axis=1)
     else:
-        byte = tl.load(c_ptr + off[:, None] + (offs_d % HALF)[None, :], mask=kv_mask, other=0)
-        x = tl.where((offs_d < HALF)[None, :], byte & 0xF, byte >> 4).to(dtype)
-    return x
+        offs_d = tl.arange(0, BLOCK_D)
+        q1 = tl.load(base[:, None] + offs_d[None, :], mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
+                     other=0.0)
+        q2 = q1
+        q_sum = tl.sum(q1.to(tl.float32), axis=1)
+    return q1, q2, q_sum
+
+
+@triton.jit
+def _store_rows(base, acc, acc2, l_i, row_valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr):
+    """acc / l (0 for a row that saw nothing) to rows ``base`` in their dtype; a quantized cache's two
+    halves apart."""
+    if QUANT != 0:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, BLOCK_HALF)
+        m = row_valid[:, None] & (offs_h < HALF)[None, :]
+        out1 = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+        out2 = tl.where(l_i[:, None] > 0, acc2 / l_i[:, None], 0.0)
+        tl.store(base[:, None] + offs_h[None, :], out1.to(base.dtype.element_ty), mask=m)
+        tl.store(base[:, None] + HALF + offs_h[None, :], out2.to(base.dtype.element_ty), mask=m)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+        tl.store(base[:, None] + offs_d[None, :], out.to(base.dtype.element_ty),
+                 mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -46,23 +120,42 @@ def _load_scale_zero(sz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs,
 
 
 @triton.jit
-def _attend_tile(q, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid, allowed, kvh, offs_d, d_mask,
-                 m_i, l_i, acc, scale_log2, stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
-                 BLOCK_SIZE: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr):
+def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid, allowed, kvh, m_i, l_i, acc,
+                 acc2, scale_log2, stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 QUANT: tl.constexpr, ASM: tl.constexpr):
     """Fold one tile of context tokens into the online softmax: gather K/V
     through the block table, score, rescale the running max/sum/output.
 
     A quantized cache is never dequantized element by element: with
     ``k = c * scale + zero`` per token, ``q . k = scale * (q . c) + zero *
     sum(q)`` (``q_sum``), and ``p @ v = (p * scale) @ c + p @ zero``; the
-    dots take the integer codes as they are."""
+    dots take the integer codes as they are (exact in float16). Quantized
+    caches work in halves of the head (``q2``, ``acc2``): int4's byte holds
+    element j in its low four bits and j + D/2 in its high four, so each
+    byte is loaded once and feeds two dots; int8 keeps the same tile shapes
+    (H100: 64 x 128-byte tiles ran at 0.8x of bf16, two 64 x 64 ones at
+    ...)."""
     page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
     in_block = offs_n % BLOCK_SIZE
-    kv_mask = n_valid[:, None] & d_mask[None, :]
-    k = _load_tile(kc_ptr, page, in_block, kvh, offs_d, kv_mask, stride_cn, stride_cs, stride_ch, HALF, QUANT,
-                   q.dtype)
-    s = tl.dot(q, tl.trans(k))
+    off = page * stride_cn + in_block * stride_cs + kvh * stride_ch
     if QUANT != 0:
+        offs_c = tl.arange(0, BLOCK_HALF)
+        kv_mask = n_valid[:, None] & (offs_c < HEAD_DIM // 2)[None, :]
+    else:
+        offs_c = tl.arange(0, BLOCK_D)
+        kv_mask = n_valid[:, None] & (offs_c < HEAD_DIM)[None, :]
+    k = tl.load(kc_ptr + off[:, None] + offs_c[None, :], mask=kv_mask, other=0)
+    if QUANT == 0:
+        s = tl.dot(q, tl.trans(k))
+    else:
+        if QUANT == 8:
+            k2 = tl.load(kc_ptr + off[:, None] + HEAD_DIM // 2 + offs_c[None, :], mask=kv_mask, other=0)
+            s = tl.dot(q, tl.trans(_codes(k, 0, q.dtype, ASM)))
+            s = tl.dot(q2, tl.trans(_codes(k2, 0, q.dtype, ASM)), s)
+        else:
+            s = tl.dot(q, tl.trans(_codes(k, 1, q.dtype, ASM)))
+            s = tl.dot(q2, tl.trans(_codes(k, 2, q.dtype, ASM)), s)
         k_scale, k_zero = _load_scale_zero(ksz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs, stride_zh)
         s = s * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
     s = tl.where(allowed, s * scale_log2, float('-inf'))
@@ -70,15 +163,21 @@ def _attend_tile(q, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_va
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = _load_tile(vc_ptr, page, in_block, kvh, offs_d, kv_mask, stride_cn, stride_cs, stride_ch, HALF, QUANT,
-                   q.dtype)
+    v = tl.load(vc_ptr + off[:, None] + offs_c[None, :], mask=kv_mask, other=0)
     if QUANT == 0:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     else:
         v_scale, v_zero = _load_scale_zero(vsz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs, stride_zh)
-        acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v)
-        acc += tl.sum(p * v_zero[None, :], axis=1)[:, None]
-    return m_new, l_i, acc
+        pv = (p * v_scale[None, :]).to(q.dtype)
+        pz = tl.sum(p * v_zero[None, :], axis=1)[:, None]
+        if QUANT == 8:
+            v2 = tl.load(vc_ptr + off[:, None] + HEAD_DIM // 2 + offs_c[None, :], mask=kv_mask, other=0)
+            acc = tl.dot(pv, _codes(v, 0, q.dtype, ASM), acc * alpha[:, None]) + pz
+            acc2 = tl.dot(pv, _codes(v2, 0, q.dtype, ASM), acc2 * alpha[:, None]) + pz
+        else:
+            acc = tl.dot(pv, _codes(v, 1, q.dtype, ASM), acc * alpha[:, None]) + pz
+            acc2 = tl.dot(pv, _codes(v, 2, q.dtype, ASM), acc2 * alpha[:, None]) + pz
+    return m_new, l_i, acc, acc2
 
 
 @triton.jit(**no_respecialising(ints=['stride_bt'], pointers=['tables_ptr', 'q_start_ptr', 'q_lens_ptr',
@@ -87,7 +186,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
                     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cs, stride_ch, stride_zn,
                     stride_zs, stride_zh, stride_bt, num_heads, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    QUANT: tl.constexpr):
+                    BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -97,16 +196,14 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
         q_start = tl.load(q_start_ptr + b).to(tl.int64)
         kvh = h // GROUP
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
         m_valid = offs_m < q_len
         q_pos = kv_len - q_len + offs_m
-        q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                    mask=m_valid[:, None] & d_mask[None, :], other=0.0)
-        q_sum = tl.sum(q.to(tl.float32), axis=1)  # (a quantized cache's zero points)
+        q, q2, q_sum = _load_query(q_ptr + (q_start + offs_m) * stride_qt + h * stride_qh, m_valid, HEAD_DIM,
+                                   BLOCK_D, BLOCK_HALF, QUANT)
         m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_HALF if QUANT != 0 else BLOCK_D], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_HALF if QUANT != 0 else 1], dtype=tl.float32)
         # causal: this block's last query sees up to its own position
         kv_end = tl.minimum(kv_len, kv_len - q_len + (m_block + 1) * BLOCK_M)
         table = tables_ptr + b.to(tl.int64) * stride_bt
@@ -114,13 +211,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_end
             allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-            m_i, l_i, acc = _attend_tile(q, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid,
-                                         allowed, kvh, offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_cn,
-                                         stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, BLOCK_SIZE,
-                                         HEAD_DIM // 2, QUANT)
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+            m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid,
+                                               allowed, kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn, stride_cs,
+                                               stride_ch, stride_zn, stride_zs, stride_zh, BLOCK_SIZE, HEAD_DIM,
+                                               BLOCK_D, BLOCK_HALF, QUANT, ASM)
+        _store_rows(out_ptr + (q_start + offs_m) * stride_ot + h * stride_oh, acc, acc2, l_i, m_valid, HEAD_DIM,
+                    BLOCK_D, BLOCK_HALF, QUANT)
 
 
 def prefill_tiles(block_d: int):
@@ -128,14 +224,60 @@ def prefill_tiles(block_d: int):
     return (64 if block_d <= 128 else 32), (64 if block_d <= 64 else 32), 4, 2
 
 
-def _scales(k_cache, v_cache, d, k_scale_zero, v_scale_zero):
-    """(quant policy, K scale/zero, V scale/zero, their strides): the cache tensors themselves stand in for
-    the scales of an unquantized cache (a pointer of another type would be another compiled variant)."""
-    from .kv_cache import quant_of
+_ASM = os.environ.get('LMDEPLOY_KV_ASM', '1') == '1'
+
+
+def _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero):
+    """(q as the kernels take it, K scale/zero, V scale/zero, their strides, the policy's compile-time
+    arguments): the cache tensors themselves stand in for the scales of an unquantized cache (a pointer of
+    another type would be another compiled variant). Where int4 stores K rotated (devices/cache.py) q is
+    rotated here, into float16 (float32 for a float32 model): more bits than bfloat16 keeps, and the
+    kernels' dots take the codes in float16."""
+    d = q.shape[-1]
     quant = quant_of(k_cache, d, k_scale_zero)
+    consts = dict(QUANT=quant, BLOCK_HALF=triton.next_power_of_2(d // 2), ASM=_ASM and k_cache.device.type == 'cuda')
     if not quant:
-        return 0, k_cache, v_cache, (0, 0, 0)
-    return quant, k_scale_zero, v_scale_zero, k_scale_zero.stride()[:3]
+        return q, k_cache, v_cache, (0, 0, 0), consts
+    if rotates_k(quant, d):
+        q = _rotate_query(q)
+    return q, k_scale_zero, v_scale_zero, k_scale_zero.stride()[:3], consts
+
+
+@triton.jit
+def _rotate_query_kernel(q_ptr, out_ptr, rows, stride_qt, stride_qh, num_heads, HEAD_DIM: tl.constexpr,
+                         BLOCK_R: tl.constexpr, HSCALE: tl.constexpr):
+    """Query rows (token r // num_heads, head r % num_heads) times the normalised Hadamard matrix
+    (devices/cache.py): a dot with its signs, exact in q's dtype, times HSCALE; out is [rows, HEAD_DIM]."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, HEAD_DIM)
+    valid = (r < rows)[:, None]
+    src = (r // num_heads).to(tl.int64) * stride_qt + (r % num_heads) * stride_qh
+    q = tl.load(q_ptr + src[:, None] + d[None, :], mask=valid, other=0.0)
+    x = d[:, None] & d[None, :]
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    signs = (1 - 2 * (x & 1)).to(q.dtype)
+    if q.dtype == tl.float32:
+        y = tl.dot(q, signs, input_precision='ieee')
+    else:
+        y = tl.dot(q, signs)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * HEAD_DIM + d[None, :], (y * HSCALE).to(out_ptr.dtype.element_ty),
+             mask=valid)
+
+
+def _rotate_query(q: torch.Tensor) -> torch.Tensor:
+    t, h, d = q.shape
+    out = torch.empty((t, h, d), dtype=torch.float32 if q.dtype == torch.float32 else torch.float16, device=q.device)
+    if t == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_r = 64 if d <= 128 else 32
+    _rotate_query_kernel[(triton.cdiv(t * h, block_r), )](q, out, t * h, q.stride(0), q.stride(1), h, HEAD_DIM=d,
+                                                         BLOCK_R=block_r, HSCALE=d**-0.5, num_warps=4)
+    return out
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
@@ -149,12 +291,12 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
     block_d = triton.next_power_of_2(d)
     block_m, block_n, warps, stages = tiles or prefill_tiles(block_d)
     grid = (triton.cdiv(max_q_len, block_m), q_seqlens.shape[0], h)
-    quant, ksz, vsz, zstrides = _scales(k_cache, v_cache, d, k_scale_zero, v_scale_zero)
-    _prefill_kernel[grid](q, k_cache, v_cache, ksz, vsz, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
-                          scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+    qk, ksz, vsz, zstrides, consts = _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero)
+    _prefill_kernel[grid](qk, k_cache, v_cache, ksz, vsz, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
+                          scale * _LOG2E, qk.stride(0), qk.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                           k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0), h, GROUP=h // hkv,
                           BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                          BLOCK_D=block_d, QUANT=quant, num_warps=warps, num_stages=stages)
+                          BLOCK_D=block_d, num_warps=warps, num_stages=stages, **consts)
     return out
 
 
@@ -167,8 +309,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
                    scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_zn,
                    stride_zs, stride_zh, stride_bt, stride_pb, stride_ph, stride_ps, num_splits,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ORDERED: tl.constexpr,
-                   QUANT: tl.constexpr, PDL: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   ORDERED: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     """One program: the GROUP query heads sharing KV head ``kvh`` of
     sequence ``b``, over one slice of the context. Programs start in launch
     order, so with ``order`` the longest sequences' programs (all their
@@ -189,32 +331,28 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
     g = tl.arange(0, BLOCK_G)
     heads = kvh * GROUP + g
     g_valid = g < GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_valid[:, None] & d_mask[None, :], other=0.0)
-    q_sum = tl.sum(q.to(tl.float32), axis=1)  # (a quantized cache's zero points)
+    q, q2, q_sum = _load_query(q_ptr + b * stride_qb + heads * stride_qh, g_valid, HEAD_DIM, BLOCK_D, BLOCK_HALF,
+                               QUANT)
     m_i = tl.full([BLOCK_G], float('-inf'), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_HALF if QUANT != 0 else BLOCK_D], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_G, BLOCK_HALF if QUANT != 0 else 1], dtype=tl.float32)
     table = tables_ptr + b * stride_bt
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
-        m_i, l_i, acc = _attend_tile(q, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid,
-                                     n_valid[None, :], kvh, offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_cn,
-                                     stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, BLOCK_SIZE, HEAD_DIM // 2,
-                                     QUANT)
+        m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid,
+                                           n_valid[None, :], kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
+                                           stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, BLOCK_SIZE, HEAD_DIM,
+                                           BLOCK_D, BLOCK_HALF, QUANT, ASM)
     if num_splits == 1:
-        out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None] & d_mask[None, :])
+        _store_rows(out_ptr + b * stride_ob + heads * stride_oh, acc, acc2, l_i, g_valid, HEAD_DIM, BLOCK_D,
+                    BLOCK_HALF, QUANT)
     else:
         # partial result: normalised output and its log2-sum-exp2, per split
-        out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float('-inf'))
         base = part_ptr + b * stride_pb + heads * stride_ph + split * stride_ps
-        tl.store(base[:, None] + offs_d[None, :], out, mask=g_valid[:, None] & d_mask[None, :])
+        _store_rows(base, acc, acc2, l_i, g_valid, HEAD_DIM, BLOCK_D, BLOCK_HALF, QUANT)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float('-inf'))
         tl.store(base + HEAD_DIM, lse, mask=g_valid)
 
 
@@ -241,22 +379,26 @@ def _decode_reduce_kernel(part_ptr, out_ptr, stride_pb, stride_ph, stride_ps, st
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def decode_tiles(smem_bytes: int, batch: int) -> Tuple[int, int]:
+def decode_tiles(smem_bytes: int, batch: int, quant: int = 0) -> Tuple[int, int]:
     """(context tokens a tile, tiles in flight) for the decode kernel. From
     128 sequences on a Hopper-sized shared memory: 128-token tiles, 3 in
     flight (H100, 248 sequences of lognormal context lengths: 130 -> 120
     us a layer; 128 sequences: 107 -> 101). Otherwise 64-token tiles (batch
     1 keeps its many short slices), 2 in flight where 96 KB fit, 1 on
-    Turing."""
-    if batch >= 128 and smem_bytes >= 200 * 1024:
+    Turing. A quantized cache (H100 sweep, batch 64-256, contexts 512-4k,
+    benchmark/kv_quant_attn.py --tiles): int8 64 x 2 at every batch (at
+    batch 256 and 1k context 283 us against 346 with 128 x 3), int4 128 x 3
+    at every batch (batch 64 and 4k context: 247 against 270 with 64 x 2)."""
+    big = smem_bytes >= 200 * 1024
+    if (batch >= 128 and quant != 8 or quant == 4) and big:
         return 128, 3
     return 64, 2 if smem_bytes >= 96 * 1024 else 1
 
 
-def _decode_tiles(q: torch.Tensor) -> Tuple[int, int]:
+def _decode_tiles(q: torch.Tensor, quant: int) -> Tuple[int, int]:
     if q.device.type != 'cuda':
         return 64, 2  # the interpreter: stages are ignored
-    return decode_tiles(shared_memory(q.device), q.shape[0])
+    return decode_tiles(shared_memory(q.device), q.shape[0], quant)
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
@@ -276,7 +418,8 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: i
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms: int = 132,
-                           order=None, out=None, k_scale_zero=None, v_scale_zero=None):
+                           order=None, out=None, k_scale_zero=None, v_scale_zero=None, tiles=None):
+    """``tiles``: (context tokens a tile, tiles in flight, warps) instead of decode_tiles' (for sweeps)."""
     bsz, h, d = q.shape
     hkv = k_cache.shape[2]
     group = h // hkv
@@ -285,7 +428,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
         return out
     splits = num_decode_splits(bsz, hkv, max_kv_len, num_sms)
     block_d = triton.next_power_of_2(d)
-    block_n, stages = _decode_tiles(q)
+    qk, ksz, vsz, zstrides, consts = _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero)
+    block_n, stages, warps = tiles or (*_decode_tiles(q, consts['QUANT']), 4)
     # float32 even when unused (one slice writes straight to out): a pointer of out's dtype here would be
     # another compiled variant, which a prefill step's few short decode rows could need mid-run
     part = torch.empty((bsz, h, splits, d + 1) if splits > 1 else (1, 1, 1, 1), dtype=torch.float32,
@@ -294,16 +438,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
     # 115); below that the order's extra dependent load at each program's start costs more than it balances.
     if bsz < 16:
         order = None
-    quant, ksz, vsz, zstrides = _scales(k_cache, v_cache, d, k_scale_zero, v_scale_zero)
-    _decode_kernel[(bsz * hkv * splits, )](q, k_cache, v_cache, ksz, vsz, part, out, block_tables, kv_seqlens,
-                                           kv_seqlens if order is None else order, scale * _LOG2E, q.stride(0),
-                                           q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+    _decode_kernel[(bsz * hkv * splits, )](qk, k_cache, v_cache, ksz, vsz, part, out, block_tables, kv_seqlens,
+                                           kv_seqlens if order is None else order, scale * _LOG2E, qk.stride(0),
+                                           qk.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                                            k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0),
                                            part.stride(0), part.stride(1), part.stride(2),
                                            splits, NUM_KV_HEADS=hkv, GROUP=group,
                                            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1],
                                            HEAD_DIM=d, BLOCK_N=block_n, BLOCK_D=block_d, ORDERED=order is not None,
-                                           QUANT=quant, num_warps=4, num_stages=stages, PDL=pdl.ON, **pdl.LAUNCH)
+                                           num_warps=warps, num_stages=stages, PDL=pdl.ON, **consts, **pdl.LAUNCH)
     if splits > 1:
         _decode_reduce_kernel[(bsz, h)](part, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
                                         out.stride(1), splits, HEAD_DIM=d, MAX_SPLITS=MAX_DECODE_SPLITS,

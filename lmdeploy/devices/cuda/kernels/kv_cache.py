@@ -1,12 +1,13 @@
 """Scatter the step's K and V into the paged cache (negative slot: skip),
 alone or together with the rotary embedding of q and k; quantized as the
 cache's policy says (``QUANT`` 8 or 4: lmdeploy/devices/cache.py defines the
-codes, the float16 scale and zero per token and head, and int4's packing of
-elements j and j + D/2 into one byte)."""
+codes, the float16 scale and zero per token and head, int4's packing of
+elements j and j + D/2 into one byte, and int4's K in the Hadamard basis)."""
 import torch
 import triton
 import triton.language as tl
 
+from ...cache import rotates_k
 from . import pdl
 from .limits import no_respecialising
 from .rotary import _rotated
@@ -31,9 +32,29 @@ def _quantized(x1, x2, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def _write_cache(c_ptr, sz_ptr, slot, heads, d, x1, x2, mask, n_heads, HALF: tl.constexpr, QUANT: tl.constexpr):
-    """Store one token's heads (both halves of each) at ``slot`` in a cache of [slots, n_heads, ...]."""
+def _hadamard_halves(x1, x2, d, HSCALE: tl.constexpr):
+    """Both halves of ``[x1 x2] @ H`` (H the normalised Sylvester-Hadamard matrix of size 2 HALF, float32):
+    H's quarters are the half-size signs S, S, S, -S, so the halves are ``(x1 + x2) S`` and ``(x1 - x2) S``
+    times HSCALE. (Rows: at least 16, the smallest dot.)"""
+    x = d[:, None] & d[None, :]
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    signs = (1.0 - 2.0 * (x & 1).to(tl.float32)) * HSCALE
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    return tl.dot(a + b, signs, input_precision='ieee'), tl.dot(a - b, signs, input_precision='ieee')
+
+
+@triton.jit
+def _write_cache(c_ptr, sz_ptr, slot, heads, d, x1, x2, mask, n_heads, HALF: tl.constexpr, QUANT: tl.constexpr,
+                 ROTATE: tl.constexpr = False, HSCALE: tl.constexpr = 1.0):
+    """Store one token's heads (both halves of each) at ``slot`` in a cache of [slots, n_heads, ...];
+    ``ROTATE``: quantize them in the Hadamard basis (int4's K, devices/cache.py)."""
     row = slot * n_heads + heads  # [H]
+    if ROTATE:
+        x1, x2 = _hadamard_halves(x1, x2, d, HSCALE)
     if QUANT == 0:
         base = c_ptr + row[:, None] * (2 * HALF) + d[None, :]
         tl.store(base, x1.to(c_ptr.dtype.element_ty), mask=mask)
@@ -54,7 +75,7 @@ def _write_cache(c_ptr, sz_ptr, slot, heads, d, x1, x2, mask, n_heads, HALF: tl.
 @triton.jit(**no_respecialising(pointers=['slot_ptr']))
 def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
                     stride_vh, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                    QUANT: tl.constexpr, PDL: tl.constexpr):
+                    QUANT: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -64,8 +85,8 @@ def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, slot_ptr, st
         m = (h[:, None] < n_heads) & (d[None, :] < HALF)
         kb = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
         vb = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
-        _write_cache(kc_ptr, ksz_ptr, slot, h, d, tl.load(kb, mask=m), tl.load(kb + HALF, mask=m), m, n_heads, HALF,
-                     QUANT)
+        _write_cache(kc_ptr, ksz_ptr, slot, h, d, tl.load(kb, mask=m, other=0.0), tl.load(kb + HALF, mask=m, other=0.0),
+                     m, n_heads, HALF, QUANT, ROTATE, HSCALE)
         _write_cache(vc_ptr, vsz_ptr, slot, h, d, tl.load(vb, mask=m), tl.load(vb + HALF, mask=m), m, n_heads, HALF,
                      QUANT)
 
@@ -75,6 +96,11 @@ def quant_of(cache_tensor, head_dim: int, scale_zero) -> int:
     if scale_zero is None:
         return 0
     return 8 if cache_tensor.shape[-1] == head_dim else 4
+
+
+def _heads_block(n: int, rotate: bool) -> int:
+    """Rows of a program's head block: a power of two, and at least a dot's 16 where K is rotated."""
+    return max(16 if rotate else 1, triton.next_power_of_2(n))
 
 
 def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None):
@@ -87,18 +113,20 @@ def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_sca
     if v.stride(-1) != 1:
         v = v.contiguous()
     quant = quant_of(k_cache, d, k_scale_zero)
+    rotate = rotates_k(quant, d)
     _fill_kv_kernel[(t, )](k, v, k_cache, v_cache, k_scale_zero if quant else k_cache,
                            v_scale_zero if quant else v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
-                           v.stride(1), h, HALF=d // 2, BLOCK_H=triton.next_power_of_2(h),
-                           BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, num_warps=2, PDL=pdl.ON,
-                           **pdl.LAUNCH)
+                           v.stride(1), h, HALF=d // 2, BLOCK_H=_heads_block(h, rotate),
+                           BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, ROTATE=rotate, HSCALE=d**-0.5,
+                           num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
 
 
 @triton.jit(**no_respecialising(pointers=['slot_ptr']))
 def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, cos_ptr, sin_ptr, slot_ptr,
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_ct, n_q,
                            n_kv, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
-                           BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
+                           PDL: tl.constexpr):
     """Program (t, j): for j < cdiv(n_q, BLOCK_H), a block of token t's query
     heads is rotated into out[t, :n_q]; the last program rotates t's key
     heads into out[t, n_q:] and writes them and t's values to the cache at
@@ -129,7 +157,7 @@ def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, ksz_ptr
         tl.store(kbase + HALF, k2, mask=km)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
-            _write_cache(kc_ptr, ksz_ptr, slot, kh, d, k1, k2, km, n_kv, HALF, QUANT)
+            _write_cache(kc_ptr, ksz_ptr, slot, kh, d, k1, k2, km, n_kv, HALF, QUANT, ROTATE, HSCALE)
             vb = v_ptr + t * stride_vt + kh[:, None] * stride_vh + d[None, :]
             _write_cache(vc_ptr, vsz_ptr, slot, kh, d, tl.load(vb, mask=km), tl.load(vb + HALF, mask=km), km, n_kv,
                          HALF, QUANT)
@@ -148,9 +176,11 @@ def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_ze
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     block_h = min(16, triton.next_power_of_2(h))
     quant = quant_of(k_cache, d, k_scale_zero)
+    rotate = rotates_k(quant, d)
     _rotary_fill_kv_kernel[(t, triton.cdiv(h, block_h) + 1)](
         q, k, v, out, k_cache, v_cache, k_scale_zero if quant else k_cache, v_scale_zero if quant else v_cache, cos,
         sin, slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), cos.stride(0), h, hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_KV=triton.next_power_of_2(hkv),
-        BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
+        out.stride(0), cos.stride(0), h, hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_KV=_heads_block(hkv, rotate),
+        BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, ROTATE=rotate, HSCALE=d**-0.5, num_warps=2,
+        PDL=pdl.ON, **pdl.LAUNCH)
     return out[:, :h], out[:, h:]
