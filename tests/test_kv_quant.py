@@ -4,14 +4,15 @@ chunked prefill, preemption and interactive sessions unchanged), refusals,
 and quality on the real model."""
 import math
 import random
-import sys
 
 import pytest
 import torch
 from engine_utils import assert_engine_clean, generate_all, greedy, submit
+from helpers import benchmark_module
 
-from lmdeploy.devices.cache import (QUANT_POLICIES, dequantize, pack_int4, quantize, standard_spec,
-                                    unpack_int4)
+from lmdeploy.devices.cache import (QUANT_POLICIES, dequantize, hadamard, pack_int4, quantize, rotates_k,
+                                    standard_spec, unpack_int4)
+from lmdeploy.devices.reference import ReferenceOps
 from lmdeploy.engine.engine import Engine
 from lmdeploy.messages import PytorchEngineConfig
 
@@ -41,6 +42,36 @@ def test_constant_rows_and_int4_packing():
     packed = pack_int4(c)
     assert packed.shape == (5, 2, 4) and torch.equal(unpack_int4(packed), c)
     assert torch.equal(packed[0, 0, 1] & 0xF, c[0, 0, 1]) and torch.equal(packed[0, 0, 1] >> 4, c[0, 0, 5])
+
+
+def test_int4_keeps_k_in_the_hadamard_basis():
+    """H is orthonormal and symmetric; with quant_policy 4 the reference stores K rotated (its dequantized
+    K, rotated back, is closer to K than int4 of K itself, whose outlier channel takes most of the range)
+    and V as it is; its attention, which rotates q the same way, is attention over the rotated-back K; a
+    head_dim that is no power of two is left unrotated."""
+    for d in (32, 64, 128):
+        h = hadamard(d)
+        assert torch.allclose(h @ h, torch.eye(d), atol=1e-6) and torch.equal(h, h.T)
+    assert rotates_k(4, 64) and not rotates_k(8, 64) and not rotates_k(4, 80) and not rotates_k(4, 16)
+    ops = ReferenceOps()
+    n, hkv, d, bs = 40, 2, 64, 16
+    k, v = torch.randn(n, hkv, d) * torch.rand(n, hkv, 1) * 3, torch.randn(n, hkv, d)
+    k[:, :, 5] += 20  # an outlier channel, as real keys have
+    caches = {p: ops.kv_cache_spec(hkv, d, bs, torch.float32, p).allocate(3, 'cpu') for p in (0, 4)}
+    for c in caches.values():
+        ops.fill_kv_cache(k, v, c, torch.arange(n))
+    stored_k = ops._read(caches[4], 'k', torch.arange(3)).flatten(0, 1)[:n]
+    stored_v = ops._read(caches[4], 'v', torch.arange(3)).flatten(0, 1)[:n]
+    back = stored_k @ hadamard(d)
+    codes, sz = quantize(k, 4)
+    unrotated = (dequantize(codes, sz) - k).norm() / k.norm()  # ~15 %: the outlier takes most of the range
+    assert (back - k).norm() / k.norm() < 0.65 * unrotated and (stored_v - v).norm() / v.norm() < 0.15
+    assert (stored_k - k).norm() / k.norm() > 0.5  # (it is stored rotated)
+    q = torch.randn(1, 4, d)
+    got = ops.paged_decode_attention(q, caches[4], torch.tensor([[0, 1, 2]]), torch.tensor([n]), d**-0.5, n)
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), back.transpose(0, 1),
+                                                            stored_v.transpose(0, 1), scale=d**-0.5, enable_gqa=True)
+    assert torch.allclose(got, want.transpose(0, 1), atol=1e-5)
 
 
 def test_spec_bytes_and_capacity():
@@ -121,14 +152,14 @@ def test_interactive_sessions_keep_a_quantized_cache(tiny_model_factory, policy)
 def test_quality_on_the_real_model(smollm2_path):
     """SmolLM2-135M, cpu, float32, 20,480 tokens of Python's own reference text (pydoc_data.topics) in
     windows of 2,048: perplexity with quant_policy 8 within the issue's 0.5 % of quant_policy 0. With 4 the
-    issue asked for 5 %; this per-token, per-head int4 cache measures about 17 % on this 64-dim-head model
-    (benchmark/RESULTS.md): checked here against 25 %, so a regression shows, and reported as not met."""
-    sys.path.insert(0, 'benchmark')
-    from kv_quant_quality import measure
+    issue asked for 5 %; this per-token, per-head int4 cache (K in the Hadamard basis) measures 7.1 % on
+    this 64-dim-head model (16.6 % unrotated; benchmark/RESULTS.md): checked here against 9 %, so a
+    regression shows, and reported as not met."""
+    measure = benchmark_module('kv_quant_quality').measure
     res = measure(smollm2_path, 'cpu', 'float32', [0, 8, 4], 20480, 2048, 0, 0, 0)
     ppl = {p: r['ppl'] for p, r in res.items()}
     print('perplexity by quant_policy:', ppl)
     assert all(math.isfinite(v) and 1 < v < 100 for v in ppl.values())
     assert abs(ppl[8] / ppl[0] - 1) <= 0.005
-    assert ppl[4] / ppl[0] - 1 <= 0.25
+    assert ppl[4] / ppl[0] - 1 <= 0.09
     assert res[8]['kv_tokens'] > 1.9 * res[0]['kv_tokens'] and res[4]['kv_tokens'] > 3.5 * res[0]['kv_tokens']

@@ -133,9 +133,9 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
 
     def _paged_setup(kv_lens, H=4, Hkv=2, D=32, S=4, num_blocks=16, policy=0):
         """Random per-sequence K/V written through fill_kv_cache into shuffled blocks; returns the K/V
-        attention must see (after the cache's quantize-then-dequantize, devices/cache.py), the cache, the
-        tables."""
-        from .cache import dequantize, quantize
+        attention must see (after the cache's quantize-then-dequantize, devices/cache.py; int4's K through
+        the Hadamard basis and back), the cache, the tables."""
+        from .cache import dequantize, hadamard, quantize, rotates_k
         perm = torch.randperm(num_blocks, generator=g).tolist()
         max_blocks = max((n + S - 1) // S for n in kv_lens)
         tables = torch.zeros(len(kv_lens), max_blocks, dtype=torch.int32)
@@ -151,7 +151,12 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         ops.fill_kv_cache(on_dev(torch.cat(ks)), on_dev(torch.cat(vs)), cache,
                           torch.tensor(slots, dtype=torch.int64, device=dev))
         if policy:
-            ks, vs = ([dequantize(*quantize(x.to(dtype), policy)).double() for x in xs] for xs in (ks, vs))
+            vs = [dequantize(*quantize(x.to(dtype), policy)).double() for x in vs]
+            if rotates_k(policy, D):
+                h = hadamard(D)
+                ks = [dequantize(*quantize(x.to(dtype).float() @ h, policy)).double() @ h.double() for x in ks]
+            else:
+                ks = [dequantize(*quantize(x.to(dtype), policy)).double() for x in ks]
         return ks, vs, cache, tables.to(dev)
 
     def _attend_ref(q, k, v, scale, n_visible):

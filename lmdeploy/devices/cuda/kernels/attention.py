@@ -8,7 +8,6 @@ from the bytes by ``_codes``), its per-token scales and zeros applied to
 the dots' results (``_attend_tile``); q is rotated into K's basis where
 int4 stores K rotated (``_scales``).
 """
-import os
 from typing import Tuple
 
 import torch
@@ -224,9 +223,6 @@ def prefill_tiles(block_d: int):
     return (64 if block_d <= 128 else 32), (64 if block_d <= 64 else 32), 4, 2
 
 
-_ASM = os.environ.get('LMDEPLOY_KV_ASM', '1') == '1'
-
-
 def _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero):
     """(q as the kernels take it, K scale/zero, V scale/zero, their strides, the policy's compile-time
     arguments): the cache tensors themselves stand in for the scales of an unquantized cache (a pointer of
@@ -235,7 +231,7 @@ def _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero):
     kernels' dots take the codes in float16."""
     d = q.shape[-1]
     quant = quant_of(k_cache, d, k_scale_zero)
-    consts = dict(QUANT=quant, BLOCK_HALF=triton.next_power_of_2(d // 2), ASM=_ASM and k_cache.device.type == 'cuda')
+    consts = dict(QUANT=quant, BLOCK_HALF=triton.next_power_of_2(d // 2), ASM=k_cache.device.type == 'cuda')
     if not quant:
         return q, k_cache, v_cache, (0, 0, 0), consts
     if rotates_k(quant, d):
@@ -388,9 +384,9 @@ def decode_tiles(smem_bytes: int, batch: int, quant: int = 0) -> Tuple[int, int]
     Turing. A quantized cache (H100 sweep, batch 64-256, contexts 512-4k,
     benchmark/kv_quant_attn.py --tiles): int8 64 x 2 at every batch (at
     batch 256 and 1k context 283 us against 346 with 128 x 3), int4 128 x 3
-    at every batch (batch 64 and 4k context: 247 against 270 with 64 x 2)."""
+    from 16 sequences (batch 64 and 4k context: 247 against 270 with 64 x 2)."""
     big = smem_bytes >= 200 * 1024
-    if (batch >= 128 and quant != 8 or quant == 4) and big:
+    if (batch >= 128 and quant != 8 or batch >= 16 and quant == 4) and big:
         return 128, 3
     return 64, 2 if smem_bytes >= 96 * 1024 else 1
 
