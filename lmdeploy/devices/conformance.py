@@ -109,8 +109,11 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         qo, ko = ops.apply_rotary(on_dev(q), on_dev(k), cos, sin)
         return _all_ok(_compare('q', qo, ref(q), dtype), _compare('k', ko, ref(k), dtype))
 
+    def cache_spec(S, Hkv, D, policy=0):
+        return ops.kv_cache_spec(Hkv, D, S, dtype, policy)
+
     def cache_of(num_blocks, S, Hkv, D, policy=0):
-        return ops.kv_cache_spec(Hkv, D, S, dtype, policy).allocate(num_blocks, dev)
+        return cache_spec(S, Hkv, D, policy).allocate(num_blocks, dev)
 
     def rotary_fill_kv():
         T, Hkv, D, S = 6, 2, 16, 4
@@ -134,8 +137,10 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
     def _paged_setup(kv_lens, H=4, Hkv=2, D=32, S=4, num_blocks=16, policy=0):
         """Random per-sequence K/V written through fill_kv_cache into shuffled blocks; returns the K/V
         attention must see (after the cache's quantize-then-dequantize, devices/cache.py; int4's K through
-        the Hadamard basis and back), the cache, the tables."""
-        from .cache import dequantize, hadamard, quantize, rotates_k
+        the Hadamard basis and back), the cache, the tables. A quantized cache in the standard layout is
+        read back as written: a device that rotates int4's K in another summation order may round a code
+        the other way, a whole int4 step, and attention is checked against what it was given."""
+        from .cache import dequantize, hadamard, quantize, rotates_k, standard_spec, unpack_int4
         perm = torch.randperm(num_blocks, generator=g).tolist()
         max_blocks = max((n + S - 1) // S for n in kv_lens)
         tables = torch.zeros(len(kv_lens), max_blocks, dtype=torch.int32)
@@ -151,12 +156,22 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         ops.fill_kv_cache(on_dev(torch.cat(ks)), on_dev(torch.cat(vs)), cache,
                           torch.tensor(slots, dtype=torch.int64, device=dev))
         if policy:
-            vs = [dequantize(*quantize(x.to(dtype), policy)).double() for x in vs]
-            if rotates_k(policy, D):
-                h = hadamard(D)
-                ks = [dequantize(*quantize(x.to(dtype).float() @ h, policy)).double() @ h.double() for x in ks]
+            h = hadamard(D).double() if rotates_k(policy, D) else None
+            if cache_spec(S, Hkv, D, policy).tensors == standard_spec(Hkv, D, S, dtype, policy).tensors:
+                at = [torch.tensor(slots[sum(kv_lens[:b]):sum(kv_lens[:b + 1])]) for b in range(len(kv_lens))]
+
+                def stored(data, scale_zero):
+                    codes = data.cpu().flatten(0, 1)
+                    codes = codes if policy == 8 else unpack_int4(codes)
+                    sz = scale_zero.cpu().flatten(0, 1)
+                    return [dequantize(codes[i], sz[i]).double() for i in at]
+                ks, vs = stored(cache.k, cache.k_scale_zero), stored(cache.v, cache.v_scale_zero)
             else:
-                ks = [dequantize(*quantize(x.to(dtype), policy)).double() for x in ks]
+                vs = [dequantize(*quantize(x.to(dtype), policy)).double() for x in vs]
+                ks = [dequantize(*quantize(x.to(dtype).float() @ h.float() if h is not None else x.to(dtype),
+                                          policy)).double() for x in ks]
+            if h is not None:
+                ks = [x @ h for x in ks]
         return ks, vs, cache, tables.to(dev)
 
     def _attend_ref(q, k, v, scale, n_visible):
