@@ -29,6 +29,7 @@ rotated; V has no such outliers and rotating it gained nothing).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -101,9 +102,11 @@ def rotates_k(quant_policy: int, head_dim: int) -> bool:
     return quant_policy == 4 and head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
+@functools.lru_cache(maxsize=16)
 def hadamard(d: int, device=None) -> torch.Tensor:
     """The normalised Sylvester-Hadamard matrix, float32 [d, d]: ``H[i, j] =
-    (-1) ** popcount(i & j) / sqrt(d)``; symmetric and orthonormal (H H = I)."""
+    (-1) ** popcount(i & j) / sqrt(d)``; symmetric and orthonormal (H H = I).
+    Made once per (d, device) and shared: do not write to it."""
     i = torch.arange(d, device=device)
     bits = i[:, None] & i[None, :]
     parity = torch.zeros_like(bits)

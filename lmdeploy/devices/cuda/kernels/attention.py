@@ -31,9 +31,8 @@ def _codes(x, PART: tl.constexpr, dtype: tl.constexpr, ASM: tl.constexpr):
     On a GPU (``ASM``) by inline PTX, four bytes at a time: one byte permute
     sets two codes under float16 1024's exponent (bits 0x64cc are 1024 + cc),
     one packed subtraction takes 1024 off both. Integer-to-float conversions
-    run at a quarter of the rate of these, and converting every code of
-    every tile made int8 decode attention compute-bound (H100, batch 64, 4k
-    context: 0.86x of bf16 with conversions)."""
+    run at a quarter of the rate of these (H100, int8, batch 256, 1k context:
+    384 us a call with conversions, 352 with permutes, bf16 356)."""
     if ASM and dtype == tl.float16:
         if PART == 0:
             y = tl.inline_asm_elementwise(
@@ -133,8 +132,8 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, 
     caches work in halves of the head (``q2``, ``acc2``): int4's byte holds
     element j in its low four bits and j + D/2 in its high four, so each
     byte is loaded once and feeds two dots; int8 keeps the same tile shapes
-    (H100: 64 x 128-byte tiles ran at 0.8x of bf16, two 64 x 64 ones at
-    ...)."""
+    (H100, batch 64, 4k context: one 128-byte-wide tile 451 us a call, two
+    64-byte-wide ones 301; bf16 376)."""
     page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
     in_block = offs_n % BLOCK_SIZE
     off = page * stride_cn + in_block * stride_cs + kvh * stride_ch
