@@ -12,6 +12,7 @@ _LAZY = {
     'PytorchEngineConfig': 'lmdeploy.messages',
     'TurbomindEngineConfig': 'lmdeploy.messages',
     'Response': 'lmdeploy.messages',
+    'RequestError': 'lmdeploy.messages',
     'ChatTemplateConfig': 'lmdeploy.frontend.chat_template',
 }
 

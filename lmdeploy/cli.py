@@ -19,7 +19,7 @@ from typing import List, Optional
 
 
 def _generate(args) -> int:
-    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, RequestError, pipeline
     backend = PytorchEngineConfig(device_type=args.device, dtype=args.dtype)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                            temperature=args.temperature, top_p=args.top_p)
@@ -32,7 +32,12 @@ def _generate(args) -> int:
                     print(piece.text, end='', flush=True)
                 print()
         else:
-            for prompt, resp in zip(prompts, pipe(prompts, gen)):
+            try:
+                results = pipe(prompts, gen)
+            except RequestError as e:
+                print(f'error: {e}', file=sys.stderr)
+                return 2
+            for prompt, resp in zip(prompts, results):
                 print(f'>>> {prompt}\n{resp.text}')
     return 0
 

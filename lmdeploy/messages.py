@@ -232,6 +232,24 @@ class Response:
     error: Optional[str] = None
 
     def __repr__(self):
+        error = f', error={self.error!r}' if self.error else ''
         return (f'Response(text={self.text!r}, input_token_len={self.input_token_len}, '
                 f'generate_token_len={self.generate_token_len}, finish_reason={self.finish_reason!r}, '
-                f'session_id={self.session_id}, index={self.index})')
+                f'session_id={self.session_id}, index={self.index}{error})')
+
+    @property
+    def refused(self) -> bool:
+        """The request failed or was not taken (``error`` says why); a request that generated up to
+        ``session_len`` and stopped there ('length' with tokens) is not refused."""
+        return bool(self.error) and (self.finish_reason != 'length' or self.generate_token_len == 0)
+
+
+class RequestError(ValueError):
+    """A request the engine refused or failed (an invalid prompt or setting, a prompt over
+    ``session_len``, an engine error). ``responses``: every result of the call, in input order (the
+    refused ones with ``error`` set); ``index``: the first refused prompt's position."""
+
+    def __init__(self, message: str, responses: Optional[List['Response']] = None, index: int = 0):
+        super().__init__(message)
+        self.responses = responses or []
+        self.index = index

@@ -24,7 +24,7 @@ import engine_utils
 from engine_utils import submit
 from helpers import _load_hf, hf_greedy, hf_logits
 
-from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+from lmdeploy import GenerationConfig, PytorchEngineConfig, RequestError, pipeline
 from lmdeploy.engine.sequence import SamplingParams
 
 EOS = 2  # the tiny models' eos (SmolLM2's <|im_end|>)
@@ -52,6 +52,13 @@ def smol_pipe(smollm2_path):
                                                                    num_gpu_blocks=16))
     yield p
     p.close()
+
+
+def refused(pipe, prompts, *args, **kwargs):
+    """What a refused call raises carries every result: the one (or, for a batch, all of them)."""
+    with pytest.raises(RequestError) as e:
+        pipe(prompts, *args, **kwargs)
+    return e.value.responses[0] if isinstance(prompts, str) else e.value.responses
 
 
 def assert_engine_clean(p):
@@ -349,7 +356,7 @@ def test_stop_token_ids(pipe, greedy16):
     k = greedy16.index(greedy16[5])
     r = pipe(PROMPT, GenerationConfig(max_new_tokens=16, stop_token_ids=[greedy16[5], 47000]))
     assert r.finish_reason == 'stop' and r.token_ids == greedy16[:k]
-    r = pipe(PROMPT, GenerationConfig(max_new_tokens=4, stop_token_ids=[10**6]))
+    r = refused(pipe, PROMPT, GenerationConfig(max_new_tokens=4, stop_token_ids=[10**6]))
     assert r.finish_reason == 'error' and 'stop_token_ids' in r.error
 
 
@@ -391,7 +398,7 @@ def test_bad_words_and_bad_token_ids(pipe, tiny_path, prompt_ids, greedy16):
     assert (a, b) not in pairs
     assert word not in r.text
 
-    r = pipe(PROMPT, GenerationConfig(max_new_tokens=4, bad_token_ids=[10**6]))
+    r = refused(pipe, PROMPT, GenerationConfig(max_new_tokens=4, bad_token_ids=[10**6]))
     assert r.finish_reason == 'error' and 'bad_token_ids' in r.error
 
 
@@ -481,7 +488,7 @@ def test_logits_processors(pipe, prompt_ids):
     def boom(generated, scores):
         raise RuntimeError('processor exploded')
 
-    r = pipe(PROMPT, GenerationConfig(max_new_tokens=4, logits_processors=[boom]))
+    r = refused(pipe, PROMPT, GenerationConfig(max_new_tokens=4, logits_processors=[boom]))
     assert r.finish_reason == 'error' and 'processor exploded' in r.error
 
 
@@ -531,7 +538,7 @@ def test_invalid_values_through_pipeline(pipe, greedy16):
         setattr(gen, field, value)  # skip __post_init__: the gateway validates again
         with pytest.raises(ValueError, match=rf'GenerationConfig\.{field}\b'):
             pipe.gateway.sampling_params(gen)
-        r = pipe(PROMPT, gen)
+        r = refused(pipe, PROMPT, gen)
         assert r.finish_reason == 'error' and f'GenerationConfig.{field} ' in r.error, (field, r.error)
         assert r.generate_token_len == 0 and r.token_ids == [] and r.text == ''
     assert pipe(PROMPT, GenerationConfig(max_new_tokens=4)).token_ids == greedy16[:4]
@@ -539,12 +546,12 @@ def test_invalid_values_through_pipeline(pipe, greedy16):
 
 # --------------------------------------------------------------------------- bad inputs
 def test_empty_prompt(pipe, greedy16):
-    r = pipe('', GenerationConfig(max_new_tokens=4), do_preprocess=False)
+    r = refused(pipe, '', GenerationConfig(max_new_tokens=4), do_preprocess=False)
     assert r.finish_reason == 'error' and 'empty' in r.error
     assert r.generate_token_len == 0 and r.token_ids == []
     assert_engine_clean(pipe)
     # in a batch, only the empty one fails
-    ok, bad = pipe([PROMPT, ''], GenerationConfig(max_new_tokens=4), do_preprocess=False)
+    ok, bad = refused(pipe, [PROMPT, ''], GenerationConfig(max_new_tokens=4), do_preprocess=False)
     assert bad.finish_reason == 'error' and ok.finish_reason == 'length' and len(ok.token_ids) == 4
     # with the chat template an empty message is still a (non-empty) prompt
     r = pipe('', GenerationConfig(max_new_tokens=4))
@@ -556,7 +563,7 @@ def test_empty_prompt(pipe, greedy16):
 
 def test_over_long_prompt(pipe, greedy16):
     session_len = pipe.engine.session_len
-    r = pipe('x ' * (session_len + 20), GenerationConfig(max_new_tokens=4))
+    r = refused(pipe, 'x ' * (session_len + 20), GenerationConfig(max_new_tokens=4))
     assert r.finish_reason == 'length' and r.generate_token_len == 0 and r.token_ids == []
     assert r.input_token_len > session_len
     assert r.error and 'session_len' in r.error

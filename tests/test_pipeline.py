@@ -1,8 +1,11 @@
 """The public pipeline on the embedded default model (SmolLM2-135M-Instruct)."""
+import re
+
 import pytest
+from engine_utils import assert_engine_clean
 from helpers import hf_loss
 
-from lmdeploy import GenerationConfig, PytorchEngineConfig, Response, pipeline
+from lmdeploy import GenerationConfig, PytorchEngineConfig, RequestError, Response, pipeline
 
 
 @pytest.fixture(scope='module')
@@ -49,8 +52,10 @@ def test_batch_reaches_engine_longest_first_and_returns_in_input_order(pipe):
 def test_invalid_limit_in_a_batch_fails_only_its_request(pipe):
     bad = GenerationConfig(max_new_tokens=4)
     bad.max_new_tokens = None  # edited after validation: the batch order must not trip over it
-    good, failed = pipe(['Hi', 'Hello'], [GenerationConfig(max_new_tokens=3, ignore_eos=True), bad])
-    assert good.generate_token_len == 3
+    with pytest.raises(RequestError, match=r'^prompt 1 of 2: .*max_new_tokens') as e:
+        pipe(['Hi', 'Hello'], [GenerationConfig(max_new_tokens=3, ignore_eos=True), bad])
+    good, failed = e.value.responses
+    assert e.value.index == 1 and good.generate_token_len == 3 and 'max_new_tokens' in repr(failed)
     assert failed.finish_reason == 'error' and 'max_new_tokens' in failed.error
 
 
@@ -104,3 +109,25 @@ def test_chat_keeps_session_and_refers_back(pipe):
 def test_default_model_alias_resolves(smollm2_path):
     from lmdeploy.default_model import resolve_model_path
     assert resolve_model_path(None) == smollm2_path
+
+
+def test_refused_requests_raise_and_say_why(pipe):
+    """No silent failures: each way a request can be refused raises RequestError with a reason in words
+    (a lone surrogate is named as such, not by the tokenizer's internals); stream_infer ends with a
+    Response whose repr shows the error; the engine is left clean."""
+    cases = [(('x ' * (pipe.engine.session_len + 5), ), {}, 'session_len'),
+             (('', ), dict(do_preprocess=False), 'empty'),
+             (('caf\ud800', ), {}, 'lone surrogate (U+D800)'),
+             (([{'role': 'user', 'content': 'a\udfffb'}], ), {}, "message 0's content"),
+             (('Hi', GenerationConfig(stop_words=['\ud800'])), {}, 'stop_words'),
+             (('Hi', GenerationConfig(response_format={'type': 'json_object'})), {}, 'response_format')]
+    for args, kwargs, reason in cases:
+        with pytest.raises(RequestError, match=re.escape(reason)) as e:
+            pipe(*args, **kwargs)
+        assert 'TextEncodeInput' not in str(e.value) and e.value.responses[0].refused
+        last = list(pipe.stream_infer(*args, **kwargs))[-1]
+        assert last.finish_reason in ('error', 'length') and reason in repr(last)
+    with pytest.raises(RequestError, match='lone surrogate'):
+        pipe.chat('\ud83d')
+    assert pipe('Hi', GenerationConfig(max_new_tokens=2, ignore_eos=True)).generate_token_len == 2
+    assert_engine_clean(pipe.engine)

@@ -221,8 +221,8 @@ CHAT = '/v1/chat/completions'
 COMP = '/v1/completions'
 ERROR_CASES = [
     # (path, body, status, code)
-    (CHAT, dict(model='gpt-4', messages='hi'), 400, 'model_not_found'),
-    (COMP, dict(model='nope', prompt='hi'), 400, 'model_not_found'),
+    (CHAT, dict(model='gpt-4', messages='hi'), 404, 'model_not_found'),
+    (COMP, dict(model='nope', prompt='hi'), 404, 'model_not_found'),
     (CHAT, dict(model=MODEL, messages='hi', n=2), 400, 'unsupported_parameter'),
     (COMP, dict(model=MODEL, prompt='hi', n=3), 400, 'unsupported_parameter'),
     (CHAT, dict(model=MODEL, messages='hi', temperature=-1), 400, 'invalid_value'),
@@ -252,13 +252,17 @@ ERROR_CASES = [
     (COMP, dict(model=MODEL, prompt='hi', logprobs=100), 400, 'invalid_value'),
     ('/generate', dict(prompt=LONG_PROMPT), 400, 'context_length_exceeded'),
     ('/generate', dict(prompt='hi', top_k=-1), 400, 'invalid_value'),
-    # malformed bodies: 422
-    (CHAT, dict(model=MODEL), 422, 'invalid_body'),
-    (CHAT, dict(messages='hi'), 422, 'invalid_body'),
-    (CHAT, dict(model=MODEL, messages=12), 422, 'invalid_body'),
-    (CHAT, dict(model=MODEL, messages='hi', max_tokens='many'), 422, 'invalid_body'),
-    (COMP, dict(model=MODEL, prompt={'a': 1}), 422, 'invalid_body'),
-    (COMP, [1, 2, 3], 422, 'invalid_body'),
+    # malformed bodies: 400, as OpenAI answers them
+    (CHAT, dict(model=MODEL), 400, 'invalid_body'),
+    (CHAT, dict(messages='hi'), 400, 'invalid_body'),
+    (CHAT, dict(model=MODEL, messages=12), 400, 'invalid_body'),
+    (CHAT, dict(model=MODEL, messages='hi', max_tokens='many'), 400, 'invalid_body'),
+    (COMP, dict(model=MODEL, prompt={'a': 1}), 400, 'invalid_body'),
+    (COMP, dict(model=MODEL, prompt=[True, 2]), 400, 'invalid_body'),
+    (COMP, [1, 2, 3], 400, 'invalid_body'),
+    ('/generate', dict(input_ids=[False]), 400, 'invalid_body'),
+    ('/generate', dict(input_ids=['7']), 400, 'invalid_body'),
+    ('/generate', dict(prompt='hi', max_tokens=4, request_output_len=5), 400, 'invalid_value'),
 ]
 
 
@@ -276,7 +280,12 @@ def test_error_cases(http, path, body, status, code):
 def test_error_cases_raw(http, srv):
     # not JSON at all
     r = http.post(CHAT, content=b'{"model": ', headers={'Content-Type': 'application/json'})
-    assert r.status_code == 422 and r.json()['error']['code'] == 'invalid_body'
+    err = r.json()['error']
+    assert r.status_code == 400 and err['code'] == 'invalid_body' and err['param'] is None
+    assert 'not valid JSON' in err['message'], err
+    # a missing field is named, in words and in param
+    err = http.post(CHAT, json=dict(messages='hi')).json()['error']
+    assert err['param'] == 'model' and "missing required parameter: 'model'" in err['message'], err
     # unknown route, wrong method
     r = http.get('/v1/nothing-here')
     assert r.status_code == 404 and r.json()['error']['code'] == 'not_found'
@@ -287,6 +296,14 @@ def test_error_cases_raw(http, srv):
     assert r.status_code == 413 and r.json()['error']['code'] == 'request_too_large'
 
 
+def test_generate_takes_max_tokens_as_request_output_len(http):
+    a = http.post('/generate', json=dict(prompt='Count: 1, 2, 3,', max_tokens=3, ignore_eos=True, temperature=0))
+    b = http.post('/generate', json=dict(prompt='Count: 1, 2, 3,', request_output_len=3, ignore_eos=True,
+                                         temperature=0))
+    assert a.status_code == b.status_code == 200, a.text
+    assert a.json()['tokens'] == 3 and a.json()['text'] == b.json()['text']
+
+
 def test_server_keeps_serving_after_errors(client, srv):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
     assert r.choices[0].message.content
@@ -294,7 +311,7 @@ def test_server_keeps_serving_after_errors(client, srv):
 
 
 def test_openai_client_error_classes(client):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model='unknown-model', messages=MESSAGES)
     assert e.value.code == 'model_not_found'
     with pytest.raises(openai.BadRequestError):
@@ -489,7 +506,7 @@ def test_api_client_openai_endpoints(srv):
     assert ''.join(c['choices'][0]['text'] for c in comp).startswith(' 4')
     with pytest.raises(APIClientError) as e:
         list(api.chat_completions_v1('other', MESSAGES))
-    assert e.value.status == 400 and e.value.code == 'model_not_found'
+    assert e.value.status == 404 and e.value.code == 'model_not_found'
     with APIClient(srv.url, api_key='wrong') as wrong:
         assert wrong.health()  # /health needs no key
         with pytest.raises(APIClientError) as e:

@@ -43,6 +43,18 @@ class GenOut:
     error: Optional[str] = None
 
 
+def check_text(text: str, what: str):
+    """Text the tokenizer can encode: a lone surrogate (e.g. from JSON's "\\ud800" or bytes decoded with
+    errors='surrogateescape') has no UTF-8 form, and the tokenizer's own error does not say so."""
+    try:
+        text.encode('utf-8')
+    except UnicodeEncodeError as e:
+        ch = text[e.start]
+        raise ValueError(f'{what} is not valid Unicode text: it holds a lone surrogate (U+{ord(ch):04X}) at '
+                         f'character {e.start}, which has no UTF-8 form; send text that is valid UTF-8 (a '
+                         'surrogate half is only valid as part of a pair)') from None
+
+
 class _StopMatcher:
     """Finds the first stop string in the text; holds back a tail that
     might still become one, so a stop string is never streamed half-way."""
@@ -149,11 +161,19 @@ class Gateway:
 
     # ------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True) -> List[int]:
+        if isinstance(prompt, str):
+            check_text(prompt, 'the prompt')
+        elif isinstance(prompt, list):
+            for i, m in enumerate(prompt):
+                content = m.get('content') if isinstance(m, dict) else None
+                if isinstance(content, str):
+                    check_text(content, f'message {i}\'s content')
         if isinstance(prompt, str) and not do_preprocess:
             return self.tokenizer.encode(prompt, add_special_tokens=sequence_start)
         if not isinstance(prompt, (str, list)):
             raise TypeError(f'a prompt is a str or a list of messages, got {type(prompt).__name__}')
         text = self.chat_template.messages2prompt(prompt, sequence_start=sequence_start)
+        check_text(text, 'the templated prompt')
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         bos = self.tokenizer.bos_token_id
         if (sequence_start and bos is not None and getattr(self.chat_template, 'add_bos', False)
@@ -168,6 +188,9 @@ class Gateway:
         stop_ids = [] if gen.ignore_eos else list(self.eos_token_ids)
         stop_ids += [i for i in (gen.stop_token_ids or []) if i not in stop_ids]
         bad_ids, bad_seqs = list(gen.bad_token_ids or []), []
+        for name in ('stop_words', 'bad_words'):
+            for word in getattr(gen, name) or []:
+                check_text(word, f'GenerationConfig.{name} entry {word!r}')
         for word in gen.bad_words or []:
             ids = self.tokenizer.encode(word, add_special_tokens=False)
             (bad_ids.extend if len(ids) == 1 else bad_seqs.append)(ids)

@@ -6,16 +6,18 @@ submits coroutines of the shared :class:`Gateway` to it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig, Response
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig, RequestError, Response
 
 from .chat_template import ChatTemplateConfig
 from .gateway import Gateway, GenOut
 
+logger = logging.getLogger('lmdeploy')
 Prompts = Union[str, List[Dict[str, Any]], List[int], List[str], List[List[Dict[str, Any]]], List[List[int]]]
 _DONE = object()
 
@@ -55,6 +57,22 @@ def _longest_first(gens: List[GenerationConfig]) -> List[int]:
         return m if isinstance(m, int) else 0
 
     return sorted(range(len(gens)), key=lambda i: -limit(gens[i]))
+
+
+def _raise_refused(results: List[Response], single: bool):
+    """No silent failures: a refused request raises, naming the prompt and the reason."""
+    bad = [i for i, r in enumerate(results) if r.refused]
+    if not bad:
+        return
+    first = results[bad[0]]
+    where = '' if single else f'prompt {bad[0]} of {len(results)}' + (
+        f' (and {len(bad) - 1} more)' if len(bad) > 1 else '') + ': '
+    raise RequestError(f'{where}{first.error}', results, bad[0])
+
+
+def _log_refused(resp: Response):
+    if resp.refused:
+        logger.error('request %d (prompt %d) refused: %s', resp.session_id, resp.index, resp.error)
 
 
 def _reject_unknown(method: str, kwargs: Dict[str, Any]):
@@ -146,11 +164,13 @@ class Pipeline:
         async for out in self.gateway.generate(prompt, session_id, gen, do_preprocess=do_preprocess, **kwargs):
             resp = acc.add(out)
             if sink is not None:
-                sink(Response(text=out.text, generate_token_len=resp.generate_token_len,
-                              input_token_len=resp.input_token_len, session_id=session_id,
-                              finish_reason=out.finish_reason, token_ids=list(out.token_ids),
-                              logprobs=out.logprobs, logits=out.logits, last_hidden_state=out.last_hidden_state,
-                              index=index, error=out.error))
+                piece = Response(text=out.text, generate_token_len=resp.generate_token_len,
+                                 input_token_len=resp.input_token_len, session_id=session_id,
+                                 finish_reason=out.finish_reason, token_ids=list(out.token_ids),
+                                 logprobs=out.logprobs, logits=out.logits, last_hidden_state=out.last_hidden_state,
+                                 index=index, error=out.error)
+                _log_refused(piece)  # (a streaming caller gets it as a Response: said once in the log too)
+                sink(piece)
         return acc.result()
 
     # ---------------------------------------------------------------- API
@@ -161,6 +181,8 @@ class Pipeline:
     def infer(self, prompts: Prompts, gen_config=None, do_preprocess: bool = True, use_tqdm: bool = False,
               **kwargs) -> Union[Response, List[Response]]:
         """Generate for one prompt or a batch; results come back in input order.
+        A request the engine refuses raises :class:`RequestError` (the other
+        results ride on it, as ``responses``).
 
         A batch reaches the engine longest ``max_new_tokens`` first (ties in
         input order): all results return together, and this order keeps the
@@ -194,6 +216,7 @@ class Pipeline:
             return results
 
         results = self._run(run_all())
+        _raise_refused(results, single)
         return results[0] if single else results
 
     def stream_infer(self, prompts: Prompts, gen_config=None, do_preprocess: bool = True,
@@ -247,7 +270,9 @@ class Pipeline:
             session.step += 1
 
         if not stream_response:
-            record(self._run(turn()))
+            resp = self._run(turn())
+            _raise_refused([resp], True)
+            record(resp)
             return session
 
         def stream():

@@ -11,11 +11,11 @@ Endpoints:
 * ``GET  /metrics`` (Prometheus; see :mod:`lmdeploy.serve.openai.metrics`)
 
 Errors always have OpenAI's shape ``{"error": {"message", "type", "param",
-"code"}}``: 400 invalid values (a prompt plus ``max_tokens`` over
-``session_len``, an unknown model, unsupported options), 401 a missing or
-wrong API key, 404 unknown routes, 413 a body over the size limit, 422
-malformed bodies (not JSON, wrong types, missing fields), 503 engine not
-ready or server shutting down.
+"code"}}``, with OpenAI's status codes: 400 invalid values (a prompt plus
+``max_tokens`` over ``session_len``, unsupported options) and malformed
+bodies (not JSON, wrong types, missing fields: code ``invalid_body``), 401 a
+missing or wrong API key, 404 unknown routes and an unknown model, 413 a
+body over the size limit, 503 engine not ready or server shutting down.
 
 The :class:`~lmdeploy.frontend.gateway.Gateway` runs on the server's event
 loop (it is async); the engine runs in a process of its own
@@ -91,7 +91,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
     app.state.lmdeploy = state
     bearer = HTTPBearer(auto_error=False, description='one of the server\'s --api-keys')
     auth = [Security(bearer)] if api_keys else []
-    err = {status: {'model': P.ErrorResponse} for status in (400, 401, 413, 422, 503)}
+    err = {status: {'model': P.ErrorResponse} for status in (400, 401, 404, 413, 503)}
     tt_cache: Dict[int, _TokenText] = {}
 
     def token_text() -> _TokenText:
@@ -363,7 +363,10 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
             ids = _encode(state, prompt, do_preprocess=req.do_preprocess, sequence_start=sequence_start)
             prompt_for_log = prompt
         # a continuation's history is in the engine: only the engine can check its length
-        max_new = _max_new_tokens(state, len(ids), req.request_output_len, check=sequence_start)
+        if req.max_tokens is not None and req.request_output_len not in (None, req.max_tokens):
+            raise APIError(400, f'max_tokens ({req.max_tokens}) and request_output_len ({req.request_output_len}) '
+                           'name the same limit: give one of them', 'invalid_value', 'max_tokens')
+        max_new = _max_new_tokens(state, len(ids), req.request_output_len or req.max_tokens, check=sequence_start)
         gen = _gen_config(state, req, max_new, req.logprobs)
         rid = f'generate-{uuid.uuid4().hex}'
         log_request(rid, 'generate', prompt_for_log, ids, gen)

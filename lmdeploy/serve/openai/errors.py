@@ -16,27 +16,40 @@ _CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never
 _TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 404: 'invalid_request_error',
           405: 'invalid_request_error', 413: 'invalid_request_error', 422: 'invalid_request_error',
           500: 'internal_server_error', 503: 'service_unavailable_error'}
-# pydantic error types that mean "a value out of range", answered with 400 (the rest are 422)
+# pydantic error types that mean "a value out of range" (code invalid_value; the rest are invalid_body)
 _VALUE_ERRORS = {'greater_than', 'greater_than_equal', 'less_than', 'less_than_equal', 'multiple_of',
                  'finite_number', 'too_short', 'too_long', 'string_too_short', 'string_too_long', 'value_error',
                  'literal_error', 'enum'}
 
 
-def _validation_status(errors: List[Dict[str, Any]]) -> int:
-    """400 when every field in error had the right shape but a bad value (for a
-    union, some variant's value check failed); 422 when a field is missing or
-    of the wrong type, or the body is not JSON."""
+def _validation_code(errors: List[Dict[str, Any]]) -> str:
+    """invalid_value when every field in error had the right shape but a bad value (for a union, some
+    variant's value check failed); invalid_body when a field is missing or of the wrong type, or the body
+    is not JSON. Both are answered with 400, as OpenAI answers them."""
     by_field: Dict[Any, List[str]] = {}
     for e in errors:
         loc = [x for x in e.get('loc', ()) if x != 'body']
         by_field.setdefault(loc[0] if loc else None, []).append(e.get('type'))
     if not by_field:
-        return 422
+        return 'invalid_body'
     for field_name, types in by_field.items():
         if field_name is None or not any(t in _VALUE_ERRORS for t in types):
-            return 422
-    return 400
+            return 'invalid_body'
+    return 'invalid_value'
 
+
+def _describe(e: Dict[str, Any]) -> Tuple[str, Optional[str]]:
+    """One validation error in words, and the parameter it names (None for the body as a whole)."""
+    if e.get('type') == 'json_invalid':
+        where = [x for x in e.get('loc', ()) if isinstance(x, int)]
+        at = f' at character {where[0]}' if where else ''
+        return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))}{at})", None
+    loc = [str(x) for x in e.get('loc', ()) if x != 'body']
+    if e.get('type') == 'missing':
+        return f"missing required parameter: '{'.'.join(loc)}'", '.'.join(loc) or None
+    if not loc:
+        return f"the request body: {e.get('msg')} (a JSON object is expected)", None
+    return f"{'.'.join(loc)}: {e.get('msg')}", '.'.join(loc)
 
 
 class APIError(Exception):
@@ -83,15 +96,13 @@ def install_error_handlers(app: FastAPI):
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        status = _validation_status(errors)
         parts, param = [], None
         for e in errors[:5]:
-            loc = [str(x) for x in e.get('loc', ()) if x != 'body']
-            param = param or ('.'.join(loc) or None)
-            parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+            text, where = _describe(e)
+            param = param or where
+            parts.append(text)
         more = f' (and {len(errors) - 5} more)' if len(errors) > 5 else ''
-        code = 'invalid_value' if status == 400 else 'invalid_body'
-        return error_response(status, '; '.join(parts) + more, code, param)
+        return error_response(400, '; '.join(parts) + more, _validation_code(errors), param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -23,7 +23,7 @@ DEFAULT_TOP_K = 40
 # ---------------------------------------------------------------- validation
 def _check_model(state: ServerState, model: str):
     if model != state.model_name:
-        raise APIError(400, f'the model {model!r} does not exist; this server serves {state.model_name!r} '
+        raise APIError(404, f'the model {model!r} does not exist; this server serves {state.model_name!r} '
                        '(see GET /v1/models)', 'model_not_found', 'model')
 
 

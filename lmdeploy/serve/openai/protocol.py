@@ -5,17 +5,17 @@ The OpenAI fields keep OpenAI's names and meaning; LMDeploy's extensions
 ``skip_special_tokens``, ``session_id``, ...) sit beside them, as in LMDeploy's
 own server. Unknown fields are ignored.
 
-Types are checked here (a wrong type is a 422); value ranges are declared here
-too, so that they show in the OpenAPI schema, but a value out of range is
-answered with a 400, like every other invalid value (see
-``errors._validation_status``).
+Types are checked here (code ``invalid_body``); value ranges are declared
+here too, so that they show in the OpenAPI schema (code ``invalid_value``);
+both are answered with a 400, as OpenAI answers them (see
+``errors._validation_code``).
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 def _hint(**by_type: Dict[str, Any]):
@@ -133,7 +133,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, List[str], List[int], List[List[int]]] = Field(
+    prompt: Union[str, List[str], List[StrictInt], List[List[StrictInt]]] = Field(
         description='a string, a list of strings, a list of token ids or a list of those',
         json_schema_extra=_hint(string={'minLength': 1}, array={'minItems': 1}))
     max_tokens: Optional[int] = Field(16, ge=1)
@@ -156,13 +156,15 @@ class GenerateRequest(_Model):
     running request.
     """
     prompt: Union[str, List[ChatMessage]] = ''
-    input_ids: Optional[List[int]] = Field(None, description='token ids sent as they are (no chat template)')
+    input_ids: Optional[List[StrictInt]] = Field(None, description='token ids sent as they are (no chat '
+                                                 'template; integers, not booleans or strings)')
     session_id: int = -1
     interactive_mode: bool = False
     stream: bool = False
     stop: Union[str, List[str], None] = None
     request_output_len: Optional[int] = Field(None, ge=1, description='max new tokens; default: up to '
                                               'session_len')
+    max_tokens: Optional[int] = Field(None, ge=1, description="request_output_len under OpenAI's name")
     top_p: float = Field(0.8, gt=0, le=1)
     top_k: int = Field(40, ge=0)
     min_p: float = Field(0.0, ge=0, le=1)
