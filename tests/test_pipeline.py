@@ -120,7 +120,9 @@ def test_refused_requests_raise_and_say_why(pipe):
              (('caf\ud800', ), {}, 'lone surrogate (U+D800)'),
              (([{'role': 'user', 'content': 'a\udfffb'}], ), {}, "message 0's content"),
              (('Hi', GenerationConfig(stop_words=['\ud800'])), {}, 'stop_words'),
-             (('Hi', GenerationConfig(response_format={'type': 'json_object'})), {}, 'response_format')]
+             (('Hi', GenerationConfig(response_format={'type': 'yaml'})), {}, 'is not one of'),
+             (('Hi', GenerationConfig(response_format={'type': 'regex', 'regex': '(a'})), {},
+              'the regular expression cannot be used')]
     for args, kwargs, reason in cases:
         with pytest.raises(RequestError, match=re.escape(reason)) as e:
             pipe(*args, **kwargs)
@@ -131,3 +133,25 @@ def test_refused_requests_raise_and_say_why(pipe):
         pipe.chat('\ud83d')
     assert pipe('Hi', GenerationConfig(max_new_tokens=2, ignore_eos=True)).generate_token_len == 2
     assert_engine_clean(pipe.engine)
+
+
+def test_structured_output_in_python(pipe):
+    """GenerationConfig(response_format=...): a JSON schema's answers validate, greedy and sampled; in a
+    batch with unconstrained prompts each answer is what it is alone."""
+    jsonschema = pytest.importorskip('jsonschema')
+    pytest.importorskip('xgrammar')
+    import json
+    schema = {'type': 'object', 'properties': {'city': {'type': 'string', 'maxLength': 20},
+                                               'population': {'type': 'integer', 'minimum': 0, 'maximum': 99999999}},
+              'required': ['city', 'population']}
+    fmt = {'type': 'json_schema', 'json_schema': {'name': 'c', 'schema': schema}}
+    q = 'What is the capital of France? Answer in JSON.'
+    gens = [GenerationConfig(max_new_tokens=60, response_format=fmt)] + [
+        GenerationConfig(max_new_tokens=60, response_format=fmt, do_sample=True, temperature=1.0, random_seed=s)
+        for s in range(4)]
+    for r in pipe([q] * 5, gens):
+        assert r.finish_reason == 'stop', r.text
+        jsonschema.validate(json.loads(r.text), schema)
+    plain = GenerationConfig(max_new_tokens=12)
+    mixed = pipe([q, 'Shanghai is', q], [gens[0], plain, plain])
+    assert [r.text for r in mixed] == [pipe(q, gens[0]).text, pipe('Shanghai is', plain).text, pipe(q, plain).text]

@@ -243,8 +243,11 @@ ERROR_CASES = [
         {'type': 'image_url', 'image_url': {'url': 'http://x/y.png'}}]}]), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {'name': 'f'}}]), 400,
      'unsupported_parameter'),
-    (CHAT, dict(model=MODEL, messages='hi', response_format={'type': 'json_object'}), 400,
-     'unsupported_parameter'),
+    (CHAT, dict(model=MODEL, messages='hi', response_format={'type': 'json_schema', 'json_schema': {
+        'name': 'x', 'schema': {'type': 'object', 'properties': {'a': {'type': 'nonsense'}}}}}), 400,
+     'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', response_format={'type': 'regex', 'regex': '[a-'}), 400, 'invalid_value'),
+    (COMP, dict(model=MODEL, prompt='hi', response_format={'type': 'yaml'}), 400, 'invalid_value'),
     (COMP, dict(model=MODEL, prompt=[]), 400, 'invalid_value'),
     (COMP, dict(model=MODEL, prompt=''), 400, 'invalid_value'),
     (COMP, dict(model=MODEL, prompt=[1, 2, 10 ** 9]), 400, 'invalid_value'),
@@ -635,3 +638,81 @@ def test_text_chunks_match_the_pydantic_chunks():
         for text, reason, index in (('Hello', None, 0), (' wörld "quoted" \\ \n', 'stop', 2), ('', 'length', 1)):
             assert chat_chunk(text, reason) == _sse(chat(P.DeltaMessage(content=text), reason), usage)
             assert completion_chunk(text, reason, index) == _sse(completion(text, reason, index), usage)
+
+
+# --------------------------------------------------------------------------- structured output
+PERSON = {'type': 'object', 'properties': {
+    'name': {'type': 'string', 'maxLength': 40},
+    'age': {'type': 'integer', 'minimum': 0, 'maximum': 150},
+    'tags': {'type': 'array', 'items': {'type': 'string', 'enum': ['friend', 'colleague']}, 'maxItems': 3},
+    'address': {'type': 'object', 'properties': {'city': {'type': 'string', 'maxLength': 30}},
+                'required': ['city']}},
+    'required': ['name', 'age', 'tags', 'address']}
+
+
+@pytest.mark.parametrize('stream', [False, True])
+def test_json_schema_and_json_mode_always_parse(client, srv, stream):
+    """Unmodified openai client, temperature 1.0, 20 seeds: every JSON-schema answer parses and
+    validates (nested object, array, enum, required fields), every JSON-mode answer is a JSON object."""
+    jsonschema = pytest.importorskip('jsonschema')
+    pytest.importorskip('xgrammar')
+    schema_fmt = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}}
+
+    def ask(fmt, seed, max_tokens=160):
+        kwargs = dict(model=MODEL, messages=[{'role': 'user', 'content': 'Describe a person as JSON.'}],
+                      max_tokens=max_tokens, temperature=1.0, seed=seed, response_format=fmt)
+        if not stream:
+            r = client.chat.completions.create(**kwargs)
+            return r.choices[0].message.content, r.choices[0].finish_reason
+        text, reason = '', None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ''
+                reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    for seed in range(20):
+        text, reason = ask(schema_fmt, seed)
+        assert reason == 'stop', (seed, text)
+        jsonschema.validate(json.loads(text), PERSON)
+    # JSON mode bounds nothing: a sampled string may run until max_tokens (finish_reason 'length', as
+    # OpenAI's JSON mode warns); every answer that ends by itself is an object
+    finished = 0
+    for seed in range(8):
+        text, reason = ask({'type': 'json_object'}, seed, max_tokens=400)
+        if reason == 'stop':
+            finished += 1
+            assert isinstance(json.loads(text), dict), (seed, text)
+        else:
+            assert reason == 'length' and text.startswith('{'), (seed, text)
+    print(f'JSON mode: {finished} of 8 answers ended by themselves')
+    assert finished >= 4
+    assert_clean(srv)
+
+
+def test_regex_and_a_mixed_batch(client, http, srv):
+    """A regex constrains /v1/completions too; constrained and unconstrained requests in flight together
+    each give what they give alone (greedy)."""
+    pytest.importorskip('xgrammar')
+    import re
+    import threading
+    fmt = {'type': 'regex', 'regex': r'[0-9]{3}-[0-9]{4}'}
+    alone = [http.post(COMP, json=dict(model=MODEL, prompt='My phone number is', max_tokens=12, temperature=0,
+                                       response_format=fmt)).json(),
+             http.post(COMP, json=dict(model=MODEL, prompt='My phone number is', max_tokens=12,
+                                       temperature=0)).json()]
+    assert re.fullmatch(fmt['regex'], alone[0]['choices'][0]['text']), alone[0]
+    together = [None, None]
+
+    def run(i, body):
+        together[i] = http.post(COMP, json=body).json()
+
+    bodies = [dict(model=MODEL, prompt='My phone number is', max_tokens=12, temperature=0, response_format=f)
+              for f in (fmt, None)]
+    threads = [threading.Thread(target=run, args=(i, b)) for i, b in enumerate(bodies)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r['choices'][0]['text'] for r in together] == [r['choices'][0]['text'] for r in alone]
+    assert_clean(srv)

@@ -215,6 +215,17 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
                 ref[st + i] = _attend_ref(q[st + i], ks[b], vs[b], scale, kl - ql + i + 1)
         return _compare('paged_prefill_attention', out, ref, dtype)
 
+    def apply_token_bitmask():
+        logits = randn(3, 70, scale=3).float()
+        bitmask = torch.randint(-2**31, 2**31 - 1, (3, 3), generator=g, dtype=torch.int64).to(torch.int32)
+        bitmask[2] = -1  # every bit set: nothing masked
+        got = ops.apply_token_bitmask(logits.to(dev), bitmask.to(dev)).cpu()
+        allowed = torch.tensor([[(int(bitmask[b, t // 32]) >> (t % 32)) & 1 for t in range(70)] for b in range(3)],
+                               dtype=torch.bool)
+        want = torch.where(allowed, logits, torch.full_like(logits, float('-inf')))
+        ok = torch.equal(got, want)
+        return ok, f'{int((~allowed).sum())} of {allowed.numel()} masked' + ('' if ok else ', differs from expected')
+
     def sample():
         from lmdeploy.devices import rng
         logits = randn(3, 50, scale=3).float()
@@ -229,7 +240,8 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
 
     found = [('rms_norm', rms_norm), ('silu_and_mul', silu_and_mul), ('apply_rotary', apply_rotary),
              ('rotary_fill_kv', rotary_fill_kv), ('argmax', argmax), ('paged_decode_attention', paged_decode_attention),
-             ('paged_prefill_attention', paged_prefill_attention), ('sample', sample)]
+             ('paged_prefill_attention', paged_prefill_attention), ('apply_token_bitmask', apply_token_bitmask),
+             ('sample', sample)]
     attention = [('paged_decode_attention', paged_decode_attention),
                  ('paged_prefill_attention', paged_prefill_attention)]
     for policy in (8, 4):  # the quantized caches this device implements (devices/cache.py)

@@ -249,6 +249,11 @@ class DeviceOps:
         """
         raise NotImplementedError
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """Structured output: logits [B, V] float32 with every token its row's bitmask [B, ceil(V / 32)]
+        int32 does not allow set to -inf; returns new logits. Bit j of word w allows token 32 w + j."""
+        raise NotImplementedError
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy pick: the index of each row's largest logit [B, V] -> int64
         [B]; ties go to the lowest index (as torch.argmax)."""

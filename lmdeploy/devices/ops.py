@@ -65,6 +65,10 @@ def apply_temperature(logits, temperature):
     return _ops(logits).apply_temperature(logits, temperature)
 
 
+def apply_token_bitmask(logits, bitmask):
+    return _ops(logits).apply_token_bitmask(logits, bitmask)
+
+
 def top_k_top_p_min_p(logits, top_k, top_p, min_p, max_top_k=None):
     return _ops(logits).top_k_top_p_min_p(logits, top_k, top_p, min_p, max_top_k)
 

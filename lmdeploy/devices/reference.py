@@ -135,6 +135,12 @@ class ReferenceOps(DeviceOps):
         logits.copy_(torch.where(seen, penalised, logits))
         return logits
 
+    def apply_token_bitmask(self, logits, bitmask):
+        shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+        bits = (bitmask.to(logits.device)[:, :, None] >> shifts) & 1  # [B, W, 32]: token 32 w + j
+        allowed = bits.flatten(1)[:, :logits.shape[-1]].bool()
+        return logits.masked_fill(~allowed, float('-inf'))
+
     def apply_temperature(self, logits, temperature):
         return logits / temperature.reshape(-1, 1).to(logits.dtype)
 

@@ -83,6 +83,7 @@ class Engine:
         if config.tp != 1:
             raise NotImplementedError(f'tp={config.tp}: tensor parallelism is not implemented yet; use tp=1')
         self.model_path = model_path
+        self._grammars = None  # structured output: made on the first request with a grammar
         self.device = get_device(config.device_type)
         self.model_config: ModelConfig = model_config or load_model_config(model_path)
         self.dtype = self._pick_dtype()
@@ -314,6 +315,15 @@ class Engine:
             stats[4] += seconds
             self._step_marks.popleft()
 
+    def _grammar_set(self):
+        """The grammars of this model's tokenizer (loaded once, on the first constrained request)."""
+        if self._grammars is None:
+            from transformers import AutoTokenizer
+
+            from .grammar import Grammars
+            self._grammars = Grammars(AutoTokenizer.from_pretrained(self.model_path), self.model_config.vocab_size)
+        return self._grammars
+
     # ------------------------------------------------------------- commands
     def _on_add(self, req: EngineRequest):
         params = req.params
@@ -343,6 +353,15 @@ class Engine:
             self._next_seq_id += 1
         seq.interactive = req.interactive
         seq.stream = req.stream
+        seq.matcher = None
+        if params.grammar is not None:
+            try:
+                seq.matcher = self._grammar_set().matcher(params.grammar)
+            except Exception as e:  # the frontend compiled it already: this is not expected
+                if idle is None:
+                    req.on_output(EngineOutput([], True, 'error', num_prompt_tokens=total, error=str(e)))
+                    return
+                raise
         seq.held = None
         self._active[seq.session_id] = seq
         self.scheduler.add(seq)
@@ -484,7 +503,7 @@ class Engine:
         logits = self.runner.logits(last_hidden)
         if settle_now or not plain:
             logits = logits.float()  # sampling, penalties and logprobs work in float32; argmax needs not
-        tokens = sample_tokens(logits, seqs)
+        tokens = sample_tokens(logits, seqs, self._grammars)
         for i, seq in enumerate(seqs):
             seq.token_ids.append(-1 - i)
             seq.num_generated += 1
@@ -513,6 +532,9 @@ class Engine:
                 continue  # the request ended while its token was in flight
             seq.token_ids[-1] = token
             self._num_generated += 1
+            if seq.matcher is not None and not seq.matcher.accept_token(token):
+                self._finish(seq, 'error', error=f'the grammar does not allow token {token} here')
+                continue
             if plain and seq.held is not None and token not in seq.params.stop_token_ids and not seq.sampling_done:
                 seq.held.new_token_ids.append(token)  # a held (non-streaming) output grows by one token
                 continue
@@ -520,7 +542,7 @@ class Engine:
             p = seq.params
             # a stop token is not reported (no id, no logprobs), so neither is its row: logits and
             # hidden states stay one row per reported token ('generation'), as in LMDeploy
-            stopped = token in p.stop_token_ids
+            stopped = token in p.stop_token_ids or (seq.matcher is not None and seq.matcher.is_terminated())
             if logits is not None and not stopped:
                 if p.output_logits == 'generation' or (p.output_logits == 'all' and seq.num_generated > 1):
                     out.logits = logits[i:i + 1].cpu()

@@ -1,7 +1,8 @@
 """Turn the last-position logits of a batch into next tokens.
 
-Order: user logits processors, repetition penalty, bans (bad words, stop
-ids before ``min_new_tokens``), then greedy argmax or temperature, top-k,
+Order: a grammar's mask (structured output), user logits processors,
+repetition penalty, bans (bad words, stop ids before ``min_new_tokens``),
+then greedy argmax or temperature, top-k,
 top-p, min-p and a seeded draw. Reported logprobs are those of the model's
 own distribution (before any processing).
 """
@@ -63,19 +64,25 @@ def needs_host_history(seq: Sequence) -> bool:
     its outputs need more than the token id."""
     p = seq.params
     return bool(p.logits_processors or p.repetition_penalty != 1.0 or p.bad_sequences or p.logprobs is not None
-                or p.output_logits or p.output_last_hidden_state)
+                or p.output_logits or p.output_last_hidden_state or p.grammar is not None)
 
 
-def sample_tokens(logits: torch.Tensor, seqs: List[Sequence]) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], grammars=None) -> torch.Tensor:
     """logits [B, V] on the device (float32 unless every row is a plain
     greedy pick) -> next token per row, still on
     the device (nothing here waits for the device)."""
     if all(s.params.plain_greedy for s in seqs):
         return ops.argmax(logits)
     banned = [_banned_ids(s) for s in seqs]
-    if any(s.params.logits_processors or s.params.repetition_penalty != 1.0 for s in seqs) or any(banned):
+    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if (constrained or any(s.params.logits_processors or s.params.repetition_penalty != 1.0 for s in seqs)
+            or any(banned)):
         logits = logits.clone()  # edited in place below; the caller's copy gives the logprobs
     device = logits.device
+    if constrained:  # structured output: only what the grammar allows next
+        rows = tensor_on(constrained, device, torch.int64)
+        mask = to_device(grammars.bitmask([seqs[i].matcher for i in constrained]), device)
+        logits[rows] = ops.apply_token_bitmask(logits[rows], mask)
     for i, seq in enumerate(seqs):
         if seq.params.logits_processors:
             generated = tensor_on(seq.token_ids[seq.num_prompt_tokens:], device, torch.int64)

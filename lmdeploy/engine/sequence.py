@@ -6,6 +6,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
+from .grammar import GrammarSpec
+
 
 @dataclass
 class SamplingParams:
@@ -29,13 +31,14 @@ class SamplingParams:
     output_last_hidden_state: Optional[str] = None
     logits_processors: List[Callable] = field(default_factory=list)
     prompt_loss: bool = False  # get_ppl: report the prompt's cross-entropy, generate nothing
+    grammar: Optional[GrammarSpec] = None  # structured output (engine/grammar.py)
 
     @functools.cached_property
     def plain_greedy(self) -> bool:
         """An argmax of the raw logits, nothing else read or reported (most
         requests): such rows skip the sampler's per-request checks."""
         return (self.greedy and not self.logits_processors and self.repetition_penalty == 1.0
-                and not self.bad_token_ids and not self.bad_sequences
+                and self.grammar is None                and not self.bad_token_ids and not self.bad_sequences
                 and not (self.min_new_tokens and self.stop_token_ids) and self.logprobs is None
                 and not self.output_logits and not self.output_last_hidden_state)
 
@@ -111,6 +114,7 @@ class Sequence:
         self.interactive = False
         self.stream = True  # False: outputs are held and delivered merged at the end
         self.held: Optional[EngineOutput] = None
+        self.matcher = None  # the grammar's state (structured output), made by the engine
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Union
 
 from lmdeploy.engine.engine import Engine, EngineRequest
+from lmdeploy.engine.grammar import Grammars, spec_from_response_format
 from lmdeploy.engine.model_config import load_model_config
 from lmdeploy.engine.sequence import EngineOutput, SamplingParams
 from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
@@ -135,6 +136,7 @@ class Gateway:
         # a directory without config.json fails here with a clear message, not in the tokenizer
         model_config = load_model_config(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._grammars: Optional[Grammars] = None
         config = backend_config or PytorchEngineConfig()
         if config.engine_process if config.engine_process is not None else engine_process:
             from lmdeploy.engine.process import EngineProcess
@@ -183,8 +185,9 @@ class Gateway:
 
     def sampling_params(self, gen: GenerationConfig) -> SamplingParams:
         gen.validate()
-        if gen.response_format is not None:
-            raise ValueError('GenerationConfig.response_format (guided decoding) is not supported yet')
+        grammar = spec_from_response_format(gen.response_format)
+        if grammar is not None:
+            self.grammars().compile(grammar)  # a spec that cannot compile is refused here, with the reason
         stop_ids = [] if gen.ignore_eos else list(self.eos_token_ids)
         stop_ids += [i for i in (gen.stop_token_ids or []) if i not in stop_ids]
         bad_ids, bad_seqs = list(gen.bad_token_ids or []), []
@@ -215,7 +218,14 @@ class Gateway:
             output_logits=gen.output_logits,
             output_last_hidden_state=gen.output_last_hidden_state,
             logits_processors=list(gen.logits_processors or []),
+            grammar=grammar,
         )
+
+    def grammars(self) -> Grammars:
+        """Structured output's compiler for this tokenizer (made on first use; xgrammar is optional)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.engine.model_config.vocab_size)
+        return self._grammars
 
     # ----------------------------------------------------------- generate
     async def generate(self, prompt: Optional[Prompt], session_id: int, gen_config: Optional[GenerationConfig] = None,

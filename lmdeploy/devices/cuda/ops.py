@@ -162,6 +162,9 @@ class CudaOps(DeviceOps):
     def apply_temperature(self, logits, temperature):
         return self._torch.apply_temperature(logits, temperature)
 
+    def apply_token_bitmask(self, logits, bitmask):
+        return self._torch.apply_token_bitmask(logits, bitmask)
+
     def top_k_top_p_min_p(self, logits, top_k, top_p, min_p, max_top_k=None):
         return self._torch.top_k_top_p_min_p(logits, top_k, top_p, min_p, max_top_k)
 

@@ -191,9 +191,6 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         _check_unsupported(req)
         if req.tools:
             raise APIError(400, 'tools (function calling) are not supported', 'unsupported_parameter', 'tools')
-        if req.response_format is not None and req.response_format.type != 'text':
-            raise APIError(400, f'response_format {req.response_format.type!r} is not supported; only "text"',
-                           'unsupported_parameter', 'response_format')
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, 'top_logprobs needs logprobs=true', 'invalid_value', 'top_logprobs')
         messages = _messages(req.messages)

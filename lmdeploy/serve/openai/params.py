@@ -75,9 +75,26 @@ def _gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional
             skip_special_tokens=req.skip_special_tokens is not False,
             spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
             logprobs=logprobs,
-            include_stop_str_in_output=bool(req.include_stop_str_in_output))
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            response_format=_response_format(state, getattr(req, 'response_format', None)))
     except ValueError as e:
         raise APIError(400, str(e).replace('GenerationConfig.', ''), 'invalid_value') from None
+
+
+def _response_format(state: ServerState, fmt) -> Optional[Dict[str, Any]]:
+    """The request's response_format as a dict, compiled once here so that one that cannot be used is a 400
+    naming the reason (xgrammar caches the compiled grammar for the engine's turn)."""
+    if fmt is None:
+        return None
+    from lmdeploy.engine.grammar import spec_from_response_format
+    fmt = fmt.model_dump(exclude_none=True)
+    try:
+        spec = spec_from_response_format(fmt)
+        if spec is not None:
+            state.gateway.grammars().compile(spec)
+    except ValueError as e:
+        raise APIError(400, str(e), 'invalid_value', 'response_format') from None
+    return fmt if spec is not None else None
 
 
 def _max_new_tokens(state: ServerState, num_prompt: int, max_tokens: Optional[int], history: int = 0,

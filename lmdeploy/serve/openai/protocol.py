@@ -84,8 +84,10 @@ class ChatMessage(_Model):
 
 
 class ResponseFormat(_Model):
+    """Structured output: ``text``; ``json_object``; ``json_schema`` with ``json_schema: {name, schema}``;
+    ``regex`` with ``regex`` (or LMDeploy's ``regex_schema``). Needs the xgrammar package."""
     model_config = ConfigDict(extra='allow', allow_inf_nan=False)
-    type: str = Field(description="only 'text' is supported", json_schema_extra={'enum': ['text']})
+    type: str = Field(json_schema_extra={'enum': ['text', 'json_object', 'json_schema', 'regex', 'regex_schema']})
 
 
 class _SamplingFields(_Model):
@@ -117,6 +119,8 @@ class _SamplingFields(_Model):
     min_new_tokens: Optional[int] = Field(None, ge=0)
     session_id: Optional[int] = Field(None, description='a name for the request (cancel it with POST /generate '
                                       '{"session_id": ID, "cancel": true}); -1 or absent: none')
+    response_format: Optional[ResponseFormat] = Field(None, description='structured output (JSON, a JSON '
+                                                                         'schema, a regex)')
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -126,7 +130,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1, description='overrides max_tokens')
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    response_format: Optional[ResponseFormat] = Field(None, description="only {'type': 'text'}")
     # tools are refused (400); declared so that clients sending them get that clear answer
     tools: Optional[List[Dict[str, Any]]] = Field(None, description='not supported: must be empty')
     tool_choice: Union[str, Dict[str, Any], None] = None
