@@ -223,8 +223,10 @@ ERROR_CASES = [
     # (path, body, status, code)
     (CHAT, dict(model='gpt-4', messages='hi'), 404, 'model_not_found'),
     (COMP, dict(model='nope', prompt='hi'), 404, 'model_not_found'),
-    (CHAT, dict(model=MODEL, messages='hi', n=2), 400, 'unsupported_parameter'),
-    (COMP, dict(model=MODEL, prompt='hi', n=3), 400, 'unsupported_parameter'),
+    (CHAT, dict(model=MODEL, messages='hi', n=17), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', n=0), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', n=2, session_id=5), 400, 'invalid_value'),
+    (COMP, dict(model=MODEL, prompt=['hi'] * 200, n=2), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages='hi', temperature=-1), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages='hi', top_p=0), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages='hi', max_tokens=0), 400, 'invalid_value'),
@@ -318,7 +320,7 @@ def test_openai_client_error_classes(client):
         client.chat.completions.create(model='unknown-model', messages=MESSAGES)
     assert e.value.code == 'model_not_found'
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=99)
 
 
 def test_not_ready_and_draining_503(srv):
@@ -716,3 +718,52 @@ def test_regex_and_a_mixed_batch(client, http, srv):
         t.join()
     assert [r['choices'][0]['text'] for r in together] == [r['choices'][0]['text'] for r in alone]
     assert_clean(srv)
+
+
+# --------------------------------------------------------------------------- n > 1
+def test_n_choices_chat_and_completions(client, srv):
+    """n=3 returns 3 choices, each what a seeded single request with seed + i gives; streaming interleaves
+    choices by index and reassembles to the same; usage counts the prompt once and every choice's tokens;
+    completions order choices prompt by prompt."""
+    kw = dict(model=MODEL, messages=[{'role': 'user', 'content': 'Write a word.'}], max_tokens=8, temperature=1.0)
+    r = client.chat.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(seed=11 + i, **kw) for i in range(3)]
+    assert [c.message.content for c in r.choices] == [s.choices[0].message.content for s in singles]
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    texts = ['', '', '']
+    for chunk in client.chat.completions.create(n=3, seed=11, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ''
+    assert texts == [c.message.content for c in r.choices]
+    comp = client.completions.create(model=MODEL, prompt=['1, 2,', 'a, b,'], n=2, max_tokens=3, temperature=0)
+    assert [c.index for c in comp.choices] == [0, 1, 2, 3]
+    assert comp.choices[0].text == comp.choices[1].text and comp.choices[2].text == comp.choices[3].text
+    one = client.completions.create(model=MODEL, prompt='1, 2,', max_tokens=3, temperature=0)
+    assert comp.choices[0].text == one.choices[0].text
+    assert_clean(srv)
+
+
+def test_n_choices_share_the_prompts_prefill(smollm2_path):
+    """With prefix caching on, a prompt's later choices start once its first has a token, so its full
+    blocks come from the cache: n=4 prefills the prompt about once, not four times."""
+    from lmdeploy.frontend.gateway import Gateway
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.serve.openai.api_server import BackgroundServer, create_app
+    config = PytorchEngineConfig(device_type='cpu', session_len=SESSION_LEN, num_gpu_blocks=64, block_size=16,
+                                 enable_prefix_caching=True)
+    gateway = Gateway(smollm2_path, config, model_name=MODEL)
+    server = BackgroundServer(create_app(gateway)).start()
+    try:
+        local = openai.OpenAI(base_url=server.url + '/v1', api_key='x')
+        prompt = 'Tell me about the history of the city of Paris, its rivers and its bridges. ' * 3
+        before = gateway.engine.stats().num_prefix_hit_tokens
+        r = local.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=4, temperature=1.0, seed=3)
+        hit = gateway.engine.stats().num_prefix_hit_tokens - before
+        assert len(r.choices) == 4
+        full_blocks = (r.usage.prompt_tokens // 16) * 16
+        assert hit >= 3 * (full_blocks - 16), (hit, r.usage.prompt_tokens)
+    finally:
+        server.stop()
+        gateway.close()

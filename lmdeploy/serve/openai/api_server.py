@@ -55,9 +55,9 @@ from .guard import DEFAULT_MAX_BODY_BYTES, _GuardMiddleware
 from .jobs import (_SSE_HEADERS, _accumulate, _Job, _race, _raise_early_failure, _Result, _Run, _sse, _StreamResponse,
                    _TextChunks)
 from .metrics import CONTENT_TYPE_LATEST
-from .params import (MAX_PROMPTS, _chat_logprobs, _check_ids, _check_model, _check_unsupported,
-                     _completion_logprobs, _encode, _finite, _gen_config, _max_new_tokens, _messages, _TokenText,
-                     _usage)
+from .params import (MAX_PROMPTS, _chat_logprobs, _check_ids, _check_model, _check_unsupported, _choices,
+                     _completion_logprobs, _encode, _finite, _gen_config, _max_new_tokens, _messages,
+                     _shares_prefill, _TokenText, _usage)
 from .sessions import _Lease
 from .state import ServerState
 
@@ -201,47 +201,58 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         gen = _gen_config(state, req, max_new, top_n if req.logprobs else None)
         rid = f'chatcmpl-{uuid.uuid4().hex}'
         log_request(rid, 'chat', messages, ids, gen)
+        n = req.n or 1
         lease = _Lease(state, req.session_id, exclusive=True)
-        run, firsts = await start(request, 'chat', lease, [_Job(0, ids, gen, lease.internal_id,
-                                                                 stream=bool(req.stream))])
+        internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(n - 1)]
+        leader = 0 if n > 1 and _shares_prefill(state) else None
+        run, firsts = await start(request, 'chat', lease, [
+            _Job(i, ids, g, sid, stream=bool(req.stream), after=leader if i else None)
+            for i, (g, sid) in enumerate(zip(_choices(state, gen, n), internal))])
         created = int(time.time())
         tt = token_text()
 
+        def usage(results):  # the prompt once, every choice's tokens
+            return _usage(max(r.input_tokens for r in results), sum(r.generated for r in results))
+
         if not req.stream:
-            r = (await collect(request, run, firsts, lease))[0]
-            logprobs = _chat_logprobs(tt, r.token_ids, r.logprobs, top_n) if req.logprobs else None
+            results = await collect(request, run, firsts, lease)
             return P.ChatCompletionResponse(
                 id=rid, created=created, model=state.model_name,
-                choices=[P.ChatCompletionChoice(message=P.ChatResponseMessage(content=r.text), logprobs=logprobs,
-                                                finish_reason=r.finish_reason)],
-                usage=_usage(r.input_tokens, r.generated))
+                choices=[P.ChatCompletionChoice(
+                    index=i, message=P.ChatResponseMessage(content=r.text), finish_reason=r.finish_reason,
+                    logprobs=_chat_logprobs(tt, r.token_ids, r.logprobs, top_n) if req.logprobs else None)
+                    for i, r in enumerate(results)],
+                usage=usage(results))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta: P.DeltaMessage, finish_reason=None, logprobs=None):
+        def chunk(delta: P.DeltaMessage, finish_reason=None, logprobs=None, index=0):
             return P.ChatCompletionStreamResponse(
                 id=rid, created=created, model=state.model_name,
-                choices=[P.ChatCompletionStreamChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)])
+                choices=[P.ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                                      logprobs=logprobs)])
 
         text_chunk = _TextChunks(chunk(P.DeltaMessage(content='')), include_usage)
 
         async def events():
-            yield _sse(chunk(P.DeltaMessage(role='assistant', content='')), include_usage)
-            r = _Result()
-            async for _, out in run.iterate(firsts):
-                _accumulate(r, out)
+            for i in range(n):
+                yield _sse(chunk(P.DeltaMessage(role='assistant', content=''), index=i), include_usage)
+            results = [_Result() for _ in range(n)]
+            async for i, out in run.iterate(firsts):
+                _accumulate(results[i], out)
                 if out.finish_reason == 'error':
                     yield _sse(error_body(500, f'generation failed: {out.error}', 'internal_error'))
                     break
                 logprobs = (_chat_logprobs(tt, out.token_ids, out.logprobs, top_n)
                             if req.logprobs and out.token_ids else None)
                 if logprobs is not None:
-                    yield _sse(chunk(P.DeltaMessage(content=out.text), out.finish_reason, logprobs), include_usage)
+                    yield _sse(chunk(P.DeltaMessage(content=out.text), out.finish_reason, logprobs, i),
+                               include_usage)
                 elif out.text or out.finish_reason is not None:
-                    yield text_chunk(out.text, out.finish_reason)
+                    yield text_chunk(out.text, out.finish_reason, i)
             if include_usage:
                 yield _sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=state.model_name,
-                                                          choices=[], usage=_usage(r.input_tokens, r.generated)))
+                                                          choices=[], usage=usage(results)))
             yield 'data: [DONE]\n\n'
 
         return stream(events(), run, lease, lambda: True, media_type='text/event-stream', headers=_SSE_HEADERS)
@@ -277,11 +288,19 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         rid = f'cmpl-{uuid.uuid4().hex}'
         for p, ids, gen in zip(prompts, all_ids, gens):
             log_request(rid, 'completion', p if isinstance(p, str) else str(p), ids, gen)
+        n = req.n or 1
+        if len(prompts) * n > MAX_PROMPTS:
+            raise APIError(400, f'at most {MAX_PROMPTS} choices per request (prompts x n)', 'invalid_value', 'n')
         lease = _Lease(state, req.session_id, exclusive=True)
-        internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in prompts[1:]]
-        run, firsts = await start(request, 'completions', lease, [
-            _Job(i, ids, gen, sid, stream=bool(req.stream))
-            for i, (ids, gen, sid) in enumerate(zip(all_ids, gens, internal))])
+        internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(len(prompts) * n - 1)]
+        shares = n > 1 and _shares_prefill(state)
+        # choice index = prompt index * n + choice (OpenAI's order); a prompt's later choices wait for its first
+        jobs = [_Job(p * n + c, ids, g, internal[p * n + c], stream=bool(req.stream),
+                     after=p * n if shares and c else None)
+                for p, (ids, gen) in enumerate(zip(all_ids, gens)) for c, g in enumerate(_choices(state, gen, n))]
+        all_ids = [ids for ids in all_ids for _ in range(n)]
+        prompts = [p for p in prompts for _ in range(n)]
+        run, firsts = await start(request, 'completions', lease, jobs)
         created = int(time.time())
         tt = token_text()
 
@@ -292,7 +311,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                                                     if top_n is not None else None))
                        for i, r in enumerate(results)]
             return P.CompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
-                                        usage=_usage(sum(r.input_tokens for r in results),
+                                        usage=_usage(sum(r.input_tokens for r in results[::n]),
                                                      sum(r.generated for r in results)))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -321,7 +340,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
                     yield text_chunk(out.text, out.finish_reason, i)
             if include_usage:
                 yield _sse(P.CompletionResponse(id=rid, created=created, model=state.model_name, choices=[],
-                                                usage=_usage(sum(r.input_tokens for r in results),
+                                                usage=_usage(sum(r.input_tokens for r in results[::n]),
                                                              sum(r.generated for r in results))))
             yield 'data: [DONE]\n\n'
 

@@ -52,6 +52,7 @@ class _Job:
     session_id: int  # the engine's
     interactive: bool = False
     stream: bool = True  # False: the engine hands over the whole result at the end (less per-token work)
+    after: Optional[int] = None  # start once this job (same prompt) has its first output: its prefix is cached
 
 
 @dataclass
@@ -87,14 +88,18 @@ class _Run:
         self._generated = [0] * len(jobs)
         self._open = len(jobs)
         self._closed = False
+        self._prefilled = {job.index: asyncio.Event() for job in jobs}
         self.tasks = [asyncio.ensure_future(self._pump(job, gateway.generate(
             None, job.session_id, job.gen, input_ids=job.input_ids, interactive=job.interactive,
             stream_text=job.stream))) for job in jobs]
 
     async def _pump(self, job: _Job, gen):
         try:
+            if job.after is not None:  # n > 1: the prompt's blocks are in the prefix cache once it has a token
+                await self._prefilled[job.after].wait()
             async with contextlib.aclosing(gen):
                 async for out in gen:
+                    self._prefilled[job.index].set()
                     self.queue.put_nowait((job.index, out))
         except asyncio.CancelledError:
             raise
@@ -104,6 +109,7 @@ class _Run:
             self.queue.put_nowait((job.index, GenOut('', len(job.input_ids), self._generated[job.index],
                                                      finish_reason='error', error=f'{type(e).__name__}: {e}')))
         finally:
+            self._prefilled[job.index].set()
             self.queue.put_nowait((job.index, None))
 
     async def next(self):

@@ -1,6 +1,7 @@
 """Request fields turned into engine inputs (prompt ids, GenerationConfig) and outputs into response fields."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 from lmdeploy.messages import GenerationConfig
@@ -42,8 +43,8 @@ def _stop_words(stop) -> Optional[List[str]]:
 
 
 def _check_unsupported(req):
-    if req.n not in (None, 1):
-        raise APIError(400, f'n={req.n} is not supported: only n=1', 'unsupported_parameter', 'n')
+    if (req.n or 1) > 1 and req.session_id not in (None, -1):
+        raise APIError(400, 'session_id needs n=1 (a session holds one conversation)', 'invalid_value', 'n')
     for name in ('presence_penalty', 'frequency_penalty'):
         if getattr(req, name):
             raise APIError(400, f'{name} is not supported (must be 0); use repetition_penalty',
@@ -194,3 +195,16 @@ def _finite(x: float) -> float:
 
 def _usage(prompt: int, completion: int) -> P.UsageInfo:
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _choices(state: ServerState, gen: GenerationConfig, n: int) -> List[GenerationConfig]:
+    """One GenerationConfig per choice: choice i draws with seed + i (reproducible when seeded)."""
+    if n == 1 or gen.random_seed is None:
+        return [gen] * n
+    return [dataclasses.replace(gen, random_seed=(gen.random_seed + i) & 0xFFFFFFFF) for i in range(n)]
+
+
+def _shares_prefill(state: ServerState) -> bool:
+    """Whether a prompt's later choices should wait for its first: its blocks are then in the prefix cache."""
+    config = getattr(state.gateway.engine, 'config', None)
+    return bool(getattr(config, 'enable_prefix_caching', False))

@@ -95,8 +95,8 @@ class _SamplingFields(_Model):
     model: str = Field(description='the served model name (see GET /v1/models)')
     temperature: Optional[float] = Field(None, ge=0, le=2, description='0 decodes greedily; default 0.7')
     top_p: Optional[float] = Field(None, gt=0, le=1, description='default 1.0')
-    n: Optional[int] = Field(1, description='only 1 is supported', json_schema_extra=_hint(
-        integer={'minimum': 1, 'maximum': 1}))
+    n: Optional[int] = Field(1, ge=1, le=16, description='choices per prompt (they share its prefill when '
+                             'prefix caching is on); with a seed, choice i uses seed + i')
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, List[str], None] = Field(None, description='at most 16 non-empty strings')
