@@ -75,7 +75,8 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     load_s = time.perf_counter() - t0
     if args.refill_slots:
         pipe.engine.scheduler.refill_slots = args.refill_slots
-    gens = [GenerationConfig(max_new_tokens=o, ignore_eos=True) for o in outs]
+    fmt = json.loads(args.response_format) if args.response_format else None
+    gens = [GenerationConfig(max_new_tokens=o, ignore_eos=True, response_format=fmt) for o in outs]
     if args.warmup:
         pipe(prompts[:2], gens[:2])
     if args.profile_at is not None:
@@ -238,6 +239,9 @@ def main():
                    help='graph devices: at most this many decode steps between prefill steps')
     p.add_argument('--refill-slots', type=int, default=0,
                    help='graph devices: free batch slots that call for a prefill step (default: 1/32 of the batch)')
+    p.add_argument('--response-format', default=None,
+                   help='structured output for every request: a response_format as JSON, e.g. \'{"type": '
+                   '"json_schema", "json_schema": {"name": "t", "schema": {...}}}\' (needs xgrammar)')
     p.add_argument('--eager', action='store_true')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--warmup', action='store_true')

@@ -136,9 +136,11 @@ class ReferenceOps(DeviceOps):
         return logits
 
     def apply_token_bitmask(self, logits, bitmask):
-        shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-        bits = (bitmask.to(logits.device)[:, :, None] >> shifts) & 1  # [B, W, 32]: token 32 w + j
-        allowed = bits.flatten(1)[:, :logits.shape[-1]].bool()
+        # byte k of word w (little-endian) holds tokens 32 w + 8 k .. + 7: unpacked through a table of the
+        # 256 bytes' bits
+        table = torch.arange(256, device=logits.device)[:, None] >> torch.arange(8, device=logits.device) & 1
+        as_bytes = bitmask.to(logits.device).contiguous().view(torch.uint8).long()  # [B, 4 W]
+        allowed = table.bool()[as_bytes].flatten(1)[:, :logits.shape[-1]]
         return logits.masked_fill(~allowed, float('-inf'))
 
     def apply_temperature(self, logits, temperature):

@@ -535,7 +535,8 @@ class Engine:
             if seq.matcher is not None and not seq.matcher.accept_token(token):
                 self._finish(seq, 'error', error=f'the grammar does not allow token {token} here')
                 continue
-            if plain and seq.held is not None and token not in seq.params.stop_token_ids and not seq.sampling_done:
+            if (plain and seq.held is not None and token not in seq.params.stop_token_ids and not seq.sampling_done
+                    and seq.matcher is None):
                 seq.held.new_token_ids.append(token)  # a held (non-streaming) output grows by one token
                 continue
             out = self._with_extra(EngineOutput([]), extras.get(seq.seq_id) if extras else None)

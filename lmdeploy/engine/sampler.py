@@ -64,7 +64,7 @@ def needs_host_history(seq: Sequence) -> bool:
     its outputs need more than the token id."""
     p = seq.params
     return bool(p.logits_processors or p.repetition_penalty != 1.0 or p.bad_sequences or p.logprobs is not None
-                or p.output_logits or p.output_last_hidden_state or p.grammar is not None)
+                or p.output_logits or p.output_last_hidden_state)
 
 
 def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], grammars=None) -> torch.Tensor:
