@@ -15,7 +15,7 @@ import time
 
 import torch
 
-SCHEMA = {'type': 'object', 'properties': {'text': {'type': 'string', 'minLength': 4000}}, 'required': ['text']}
+SCHEMA = {'type': 'object', 'properties': {'text': {'type': 'string'}}, 'required': ['text']}
 
 
 def main():

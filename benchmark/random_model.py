@@ -51,9 +51,15 @@ def make_config(shape: str, **overrides):
     return cfg
 
 
-def make_model(shape: str, out: str, dtype: str = 'bfloat16', seed: int = 0, **overrides) -> str:
+def make_model(shape: str, out: str, dtype: str = 'bfloat16', seed: int = 0, tokenizer: str = None,
+               **overrides) -> str:
+    """``tokenizer``: a directory whose (real) tokenizer the model gets, its vocabulary size with it (for
+    what needs real text, e.g. structured output's grammars); default: the synthetic one."""
     import torch
     import transformers
+    real = transformers.AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
+    if real is not None:
+        overrides.setdefault('vocab_size', len(real))
     cfg = make_config(shape, **overrides)
     torch.manual_seed(seed)
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -73,7 +79,10 @@ def make_model(shape: str, out: str, dtype: str = 'bfloat16', seed: int = 0, **o
                 p.normal_(0, p.shape[-1]**-0.5)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
-    write_tokenizer(out, cfg.vocab_size)
+    if real is not None:
+        real.save_pretrained(out)
+    else:
+        write_tokenizer(out, cfg.vocab_size)
     return out
 
 
@@ -82,8 +91,10 @@ def main():
     p.add_argument('--shape', choices=sorted(SHAPES), default='llama3-8b')
     p.add_argument('--out', required=True)
     p.add_argument('--dtype', default='bfloat16')
+    p.add_argument('--tokenizer', default=None, help='give the model this directory\'s tokenizer (and its '
+                   'vocabulary size) instead of the synthetic word-level one')
     args = p.parse_args()
-    print(make_model(args.shape, args.out, args.dtype))
+    print(make_model(args.shape, args.out, args.dtype, tokenizer=args.tokenizer))
 
 
 if __name__ == '__main__':
