@@ -340,6 +340,12 @@ class Engine:
                                f'is {self.session_len} and prompt plus output must fit in it')
         elif params.prompt_loss and total < 2:
             error = 'error', 'get_ppl needs at least 2 tokens'
+        matcher = None
+        if error is None and params.grammar is not None:
+            try:
+                matcher = self._grammar_set().matcher(params.grammar)
+            except Exception as e:  # (the frontend compiled it already: not expected)
+                error = 'error', str(e)
         if error is not None:  # refused at the door; an idle session stays as it was
             req.on_output(EngineOutput([], True, error[0], num_prompt_tokens=total, error=error[1]))
             return
@@ -353,15 +359,7 @@ class Engine:
             self._next_seq_id += 1
         seq.interactive = req.interactive
         seq.stream = req.stream
-        seq.matcher = None
-        if params.grammar is not None:
-            try:
-                seq.matcher = self._grammar_set().matcher(params.grammar)
-            except Exception as e:  # the frontend compiled it already: this is not expected
-                if idle is None:
-                    req.on_output(EngineOutput([], True, 'error', num_prompt_tokens=total, error=str(e)))
-                    return
-                raise
+        seq.matcher = matcher
         seq.held = None
         self._active[seq.session_id] = seq
         self.scheduler.add(seq)
