@@ -16,11 +16,29 @@ import triton.language as tl
 
 from ...cache import rotates_k
 from . import pdl
-from .kv_cache import quant_of
+from .kv_cache import hadamard_dot, quant_of
 from .limits import no_respecialising, shared_memory
 
 _LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # batch 1 on an H100 cuts a long context into 64 slices (num_decode_splits)
+
+
+def _codes_ptx(pick: str) -> tl.constexpr:
+    """PTX turning four bytes ($2) into four float16 codes ($0, $1): ``pick`` leaves in t the bits to convert,
+    two byte permutes set them under float16 1024's exponent, two packed subtractions take 1024 off."""
+    return tl.constexpr('{ .reg .b32 m, c, t; mov.b32 m, 0x64646464; mov.b32 c, 0x64006400; ' + pick +
+                        ' prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; '
+                        'sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }')
+
+
+_PTX_BYTE = _codes_ptx('mov.b32 t, $2;')
+_PTX_LOW = _codes_ptx('and.b32 t, $2, 0x0F0F0F0F;')
+_PTX_HIGH = _codes_ptx('shr.b32 t, $2, 4; and.b32 t, t, 0x0F0F0F0F;')
+
+
+@triton.jit
+def _ptx_codes(x, PTX: tl.constexpr):
+    return tl.inline_asm_elementwise(PTX, "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -35,23 +53,11 @@ def _codes(x, PART: tl.constexpr, dtype: tl.constexpr, ASM: tl.constexpr):
     384 us a call with conversions, 352 with permutes, bf16 356)."""
     if ASM and dtype == tl.float16:
         if PART == 0:
-            y = tl.inline_asm_elementwise(
-                "{ .reg .b32 m, c; mov.b32 m, 0x64646464; mov.b32 c, 0x64006400; "
-                "prmt.b32 $0, $2, m, 0x4140; prmt.b32 $1, $2, m, 0x4342; "
-                "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }",
-                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+            y = _ptx_codes(x, _PTX_BYTE)
         elif PART == 1:
-            y = tl.inline_asm_elementwise(
-                "{ .reg .b32 m, c, t; mov.b32 m, 0x64646464; mov.b32 c, 0x64006400; and.b32 t, $2, 0x0F0F0F0F; "
-                "prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; "
-                "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }",
-                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+            y = _ptx_codes(x, _PTX_LOW)
         else:
-            y = tl.inline_asm_elementwise(
-                "{ .reg .b32 m, c, t; mov.b32 m, 0x64646464; mov.b32 c, 0x64006400; shr.b32 t, $2, 4; "
-                "and.b32 t, t, 0x0F0F0F0F; prmt.b32 $0, t, m, 0x4140; prmt.b32 $1, t, m, 0x4342; "
-                "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; }",
-                "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+            y = _ptx_codes(x, _PTX_HIGH)
     else:  # (the interpreter runs no PTX)
         if PART == 0:
             y = x.to(dtype)
@@ -248,16 +254,7 @@ def _rotate_query_kernel(q_ptr, out_ptr, rows, stride_qt, stride_qh, num_heads, 
     valid = (r < rows)[:, None]
     src = (r // num_heads).to(tl.int64) * stride_qt + (r % num_heads) * stride_qh
     q = tl.load(q_ptr + src[:, None] + d[None, :], mask=valid, other=0.0)
-    x = d[:, None] & d[None, :]
-    x = x ^ (x >> 8)
-    x = x ^ (x >> 4)
-    x = x ^ (x >> 2)
-    x = x ^ (x >> 1)
-    signs = (1 - 2 * (x & 1)).to(q.dtype)
-    if q.dtype == tl.float32:
-        y = tl.dot(q, signs, input_precision='ieee')
-    else:
-        y = tl.dot(q, signs)
+    y = hadamard_dot(q, d)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * HEAD_DIM + d[None, :], (y * HSCALE).to(out_ptr.dtype.element_ty),
              mask=valid)
 

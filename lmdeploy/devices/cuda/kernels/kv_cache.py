@@ -32,22 +32,29 @@ def _quantized(x1, x2, mask, BITS: tl.constexpr):
 
 
 @triton.jit
+def hadamard_dot(x, d):
+    """x [rows, D] times the Sylvester-Hadamard signs ``(-1) ** popcount(i & j)`` (i, j in ``d``, D a power of
+    two): exact products in x's dtype (tensor cores for 16-bit x), float32 sums. (Rows: at least 16.)"""
+    bits = d[:, None] & d[None, :]
+    bits = bits ^ (bits >> 8)
+    bits = bits ^ (bits >> 4)
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)
+    signs = (1 - 2 * (bits & 1)).to(x.dtype)
+    if x.dtype == tl.float32:
+        y = tl.dot(x, signs, input_precision='ieee')
+    else:  # (a float32 dot here ran 20 us in the fill kernel: batch 1 lost 8 %)
+        y = tl.dot(x, signs)
+    return y
+
+
+@triton.jit
 def _hadamard_halves(x1, x2, d, HSCALE: tl.constexpr):
     """Both halves of ``[x1 x2] @ H`` (H the normalised Sylvester-Hadamard matrix of size 2 HALF, float32):
     H's quarters are the half-size signs S, S, S, -S, so the halves are ``x1 S + x2 S`` and ``x1 S - x2 S``
-    times HSCALE. (Rows: at least 16, the smallest dot.)"""
-    x = d[:, None] & d[None, :]
-    x = x ^ (x >> 8)
-    x = x ^ (x >> 4)
-    x = x ^ (x >> 2)
-    x = x ^ (x >> 1)
-    signs = (1 - 2 * (x & 1)).to(x1.dtype)
-    if x1.dtype == tl.float32:
-        a = tl.dot(x1, signs, input_precision='ieee')
-        b = tl.dot(x2, signs, input_precision='ieee')
-    else:  # exact products on the tensor cores, float32 sums (a float32 dot ran 20 us: batch 1 lost 8 %)
-        a = tl.dot(x1, signs)
-        b = tl.dot(x2, signs)
+    times HSCALE."""
+    a = hadamard_dot(x1, d)
+    b = hadamard_dot(x2, d)
     return (a + b) * HSCALE, (a - b) * HSCALE
 
 
