@@ -165,17 +165,19 @@ class Gateway:
     def encode_prompt(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True) -> List[int]:
         if isinstance(prompt, str):
             check_text(prompt, 'the prompt')
-        elif isinstance(prompt, list):
-            for i, m in enumerate(prompt):
-                content = m.get('content') if isinstance(m, dict) else None
-                if isinstance(content, str):
-                    check_text(content, f'message {i}\'s content')
         if isinstance(prompt, str) and not do_preprocess:
             return self.tokenizer.encode(prompt, add_special_tokens=sequence_start)
         if not isinstance(prompt, (str, list)):
             raise TypeError(f'a prompt is a str or a list of messages, got {type(prompt).__name__}')
         text = self.chat_template.messages2prompt(prompt, sequence_start=sequence_start)
-        check_text(text, 'the templated prompt')
+        try:
+            check_text(text, 'the templated prompt')
+        except ValueError:
+            for i, m in enumerate(prompt if isinstance(prompt, list) else []):  # name the message at fault
+                content = m.get('content') if isinstance(m, dict) else None
+                if isinstance(content, str):
+                    check_text(content, f'message {i}\'s content')
+            raise
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         bos = self.tokenizer.bos_token_id
         if (sequence_start and bos is not None and getattr(self.chat_template, 'add_bos', False)

@@ -207,7 +207,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         leader = 0 if n > 1 and _shares_prefill(state) else None
         run, firsts = await start(request, 'chat', lease, [
             _Job(i, ids, g, sid, stream=bool(req.stream), after=leader if i else None)
-            for i, (g, sid) in enumerate(zip(_choices(state, gen, n), internal))])
+            for i, (g, sid) in enumerate(zip(_choices(gen, n), internal))])
         created = int(time.time())
         tt = token_text()
 
@@ -297,7 +297,7 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
         # choice index = prompt index * n + choice (OpenAI's order); a prompt's later choices wait for its first
         jobs = [_Job(p * n + c, ids, g, internal[p * n + c], stream=bool(req.stream),
                      after=p * n if shares and c else None)
-                for p, (ids, gen) in enumerate(zip(all_ids, gens)) for c, g in enumerate(_choices(state, gen, n))]
+                for p, (ids, gen) in enumerate(zip(all_ids, gens)) for c, g in enumerate(_choices(gen, n))]
         all_ids = [ids for ids in all_ids for _ in range(n)]
         prompts = [p for p in prompts for _ in range(n)]
         run, firsts = await start(request, 'completions', lease, jobs)

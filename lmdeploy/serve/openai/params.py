@@ -197,7 +197,7 @@ def _usage(prompt: int, completion: int) -> P.UsageInfo:
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _choices(state: ServerState, gen: GenerationConfig, n: int) -> List[GenerationConfig]:
+def _choices(gen: GenerationConfig, n: int) -> List[GenerationConfig]:
     """One GenerationConfig per choice: choice i draws with seed + i (reproducible when seeded)."""
     if n == 1 or gen.random_seed is None:
         return [gen] * n
