@@ -129,7 +129,6 @@ def test_content_parts_are_joined():
     ([{'content': 'x'}], 'role'),
     (['hello'], 'role'),
     ([{'role': 'robot', 'content': 'x'}], 'robot'),
-    ([{'role': 'tool', 'content': 'x'}], 'tool'),
     ([{'role': 'user', 'content': 3}], 'content'),
 ])
 def test_invalid_messages(messages, match):

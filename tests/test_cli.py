@@ -11,8 +11,8 @@ import types
 import pytest
 
 from lmdeploy import cli
-from lmdeploy.cli_chat import build_gen_config
-from lmdeploy.cli_serve import build_serve_kwargs
+from lmdeploy.cli.chat import build_gen_config
+from lmdeploy.cli.serve import build_serve_kwargs
 from lmdeploy.frontend.chat_template import ChatTemplateConfig
 from lmdeploy.messages import PytorchEngineConfig
 from lmdeploy.version import __version__

@@ -243,8 +243,23 @@ ERROR_CASES = [
     (CHAT, dict(model=MODEL, messages=[{'role': 'wizard', 'content': 'hi'}]), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages=[{'role': 'user', 'content': [
         {'type': 'image_url', 'image_url': {'url': 'http://x/y.png'}}]}]), 400, 'invalid_value'),
-    (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {'name': 'f'}}]), 400,
-     'unsupported_parameter'),
+    # tools: unknown function in tool_choice, bad names, duplicates, bad parameter schemas, choice without tools
+    (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {'name': 'f'}}],
+                tool_choice={'type': 'function', 'function': {'name': 'g'}}), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {'name': 'f g'}}]), 400,
+     'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {'name': 'f'}}] * 2), 400,
+     'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', tool_choice='required'), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {'name': 'f'}}],
+                tool_choice='always'), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {
+        'name': 'f', 'parameters': {'type': 'object', 'properties': {'a': {'type': 'nonsense'}}}}}],
+        tool_choice='required'), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {'name': 'f'}}],
+                tool_choice='required', response_format={'type': 'json_object'}), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages=[{'role': 'assistant', 'tool_calls': [{'id': 'x', 'function': 'f'}]}]), 400,
+     'invalid_value'),
     (CHAT, dict(model=MODEL, messages='hi', response_format={'type': 'json_schema', 'json_schema': {
         'name': 'x', 'schema': {'type': 'object', 'properties': {'a': {'type': 'nonsense'}}}}}), 400,
      'invalid_value'),

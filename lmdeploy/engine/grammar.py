@@ -16,13 +16,13 @@ from typing import Any, List, Optional
 
 import torch
 
-KINDS = ('json', 'json_schema', 'regex')
+KINDS = ('json', 'json_schema', 'regex', 'structural_tag')
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
     kind: str  # one of KINDS
-    text: str = ''  # the schema (JSON text) or the regex
+    text: str = ''  # the schema (JSON text), the regex or the structural tag (JSON text)
 
 
 def spec_from_response_format(fmt: Any) -> Optional[GrammarSpec]:
@@ -30,7 +30,8 @@ def spec_from_response_format(fmt: Any) -> Optional[GrammarSpec]:
 
     ``{"type": "text"}``; ``{"type": "json_object"}``; ``{"type": "json_schema", "json_schema": {"name":
     ..., "schema": {...}}}``; ``{"type": "regex", "regex": "..."}`` or LMDeploy's ``{"type":
-    "regex_schema", "regex_schema": "..."}``. Raises ValueError saying what is wrong."""
+    "regex_schema", "regex_schema": "..."}``; xgrammar's ``{"type": "structural_tag", "format": {...}}`` (what
+    forces tool calls). Raises ValueError saying what is wrong."""
     if fmt is None:
         return None
     if hasattr(fmt, 'model_dump'):
@@ -59,8 +60,12 @@ def spec_from_response_format(fmt: Any) -> Optional[GrammarSpec]:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f'response_format.{kind} must be a non-empty regular expression')
         return GrammarSpec('regex', pattern)
+    if kind == 'structural_tag':
+        if not isinstance(fmt.get('format'), dict):
+            raise ValueError('response_format.format must be a structural tag format object')
+        return GrammarSpec('structural_tag', json.dumps({'type': 'structural_tag', 'format': fmt['format']}))
     raise ValueError(f'response_format.type {kind!r} is not one of "text", "json_object", "json_schema", '
-                     '"regex"')
+                     '"regex", "structural_tag"')
 
 
 def _xgrammar():
@@ -97,8 +102,11 @@ class Grammars:
                 return self._compiler.compile_json_schema(spec.text, any_whitespace=False)
             if spec.kind == 'regex':
                 return self._compiler.compile_regex(spec.text)
-        except (RuntimeError, ValueError) as e:
-            what = {'json_schema': 'JSON schema', 'regex': 'regular expression'}.get(spec.kind, 'grammar')
+            if spec.kind == 'structural_tag':
+                return self._compiler.compile_structural_tag(spec.text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            what = {'json_schema': 'JSON schema', 'regex': 'regular expression',
+                    'structural_tag': 'structural tag (a tool\'s parameters schema?)'}.get(spec.kind, 'grammar')
             raise ValueError(f'response_format: the {what} cannot be used: {_reason(e)}') from None
         raise ValueError(f'unknown grammar kind {spec.kind!r}')
 

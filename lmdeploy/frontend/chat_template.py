@@ -111,7 +111,8 @@ class ChatTemplate:
     """Renders messages with the generic turn format (see ChatTemplateConfig).
 
     Subclasses override :meth:`_render`. Roles are system, user and assistant;
-    'tool' is rejected because the builtin formats define no tool turn.
+    'tool' turns (and an assistant's ``tool_calls``) are folded into these as
+    text (see :meth:`messages2prompt`).
     """
     roles = ('system', 'user', 'assistant')
 
@@ -132,16 +133,48 @@ class ChatTemplate:
             return list(self._stop_words)
         return [self.eoa.strip()] if self.eoa.strip() else []
 
-    def messages2prompt(self, messages: Messages, sequence_start: bool = True) -> str:
+    def messages2prompt(self, messages: Messages, sequence_start: bool = True, tools: Optional[List[Dict]] = None,
+                        tool_format=None) -> str:
         """Render ``messages`` (a user string or a list of role/content dicts).
 
         With ``sequence_start=False`` the messages are the new turns of a
         session whose history already sits in the KV cache: no default system
         prompt is added and the text starts where the last reply's stop word
         ended.
+
+        ``tools`` (OpenAI tool objects) are described to the model; assistant
+        turns may carry ``tool_calls`` and ``tool`` turns give their results.
+        A template without tool support gets them as text written the way
+        ``tool_format`` (a :class:`~lmdeploy.frontend.tool_calls.ToolFormat`;
+        default: the template's own) writes calls.
         """
         if isinstance(messages, str) and self.capability == 'completion':
             return messages
+        if tools or _has_tool_turns(messages):
+            return self._render_tools(messages, sequence_start, tools or [], tool_format or self.tool_format)
+        return self._render(normalize_messages(messages, self.roles), sequence_start)
+
+    @property
+    def tool_format(self):
+        """How the model this template is for writes tool calls."""
+        from .tool_calls import detect_format
+        return detect_format(model_type={'qwen': 'qwen2', 'qwen2': 'qwen2', 'qwen2.5': 'qwen2', 'qwen3': 'qwen3',
+                                         'internlm2': 'internlm2', 'llama3': 'llama'}.get(self.name))
+
+    def _render_tools(self, messages: Messages, sequence_start: bool, tools: List[Dict], fmt) -> str:
+        """Tools and tool turns as plain text: the tools' description joins the system prompt, calls and
+        results become the text the model writes and reads."""
+        messages = _fold_tool_turns(messages, fmt)
+        if tools:
+            listing = fmt.system_prompt(tools)
+            if messages and messages[0]['role'] == 'system':
+                system = _content_text(messages[0].get('content'), 0)
+                messages = [{'role': 'system', 'content': f'{system}\n\n{listing}' if system else listing}] \
+                    + messages[1:]
+            else:
+                default = self.meta_instruction if sequence_start else None
+                messages = [{'role': 'system', 'content': f'{default}\n\n{listing}' if default else listing}] \
+                    + messages
         return self._render(normalize_messages(messages, self.roles), sequence_start)
 
     def _render(self, messages: List[Dict[str, str]], sequence_start: bool) -> str:
@@ -190,6 +223,44 @@ def _content_text(content: Any, index: int) -> str:
                      f'got {type(content).__name__}')
 
 
+def _has_tool_turns(messages: Messages) -> bool:
+    return isinstance(messages, (list, tuple)) and any(
+        isinstance(m, dict) and (m.get('role') == 'tool' or m.get('tool_calls')) for m in messages)
+
+
+def _fold_tool_turns(messages: Messages, fmt) -> List[Dict[str, Any]]:
+    """Messages without tool turns: an assistant's ``tool_calls`` follow its text as the model writes
+    them, a ``tool`` message becomes a user turn holding the result."""
+    if isinstance(messages, str):
+        return [{'role': 'user', 'content': messages}]
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            out.append(m)  # normalize_messages says what is wrong
+            continue
+        calls = m.get('tool_calls')
+        if m.get('role') == 'tool':
+            out.append({'role': 'user', 'content': fmt.result_text(_content_text(m.get('content'), i))})
+        elif calls and m.get('role') == 'assistant':
+            text = _content_text(m.get('content'), i)
+            calls_text = fmt.calls_text(_check_calls(calls, i))
+            out.append({'role': 'assistant', 'content': f'{text}\n{calls_text}' if text else calls_text})
+        else:
+            out.append(m)
+    return out
+
+
+def _check_calls(calls: Any, index: int) -> List[Dict[str, Any]]:
+    """An assistant turn's ``tool_calls``: OpenAI's ``[{"id", "type", "function": {"name", "arguments"}}]``."""
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get('function'), dict) and isinstance(c['function'].get('name'), str)
+        and isinstance(c['function'].get('arguments', '{}'), (str, dict)) for c in calls)
+    if not ok:
+        raise ValueError(f'messages[{index}].tool_calls must be a list of {{"id", "type": "function", "function": '
+                         '{"name", "arguments"}}')
+    return calls
+
+
 def normalize_messages(messages: Messages, roles: Sequence[str]) -> List[Dict[str, str]]:
     """Validate and reduce messages to ``[{'role': str, 'content': str}]``."""
     if isinstance(messages, str):
@@ -235,22 +306,38 @@ class HFChatTemplate(ChatTemplate):
     def stop_token_ids(self) -> List[int]:
         return list(self._stop_ids)
 
-    def _apply(self, messages, add_generation_prompt=True) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template renders ``tools`` itself (else they go into the system prompt as text)."""
+        return 'tools' in self.tokenizer.chat_template and 'tool_calls' in self.tokenizer.chat_template
+
+    @property
+    def tool_format(self):
+        from .tool_calls import detect_format
+        return detect_format(self.tokenizer.chat_template)
+
+    def _render_tools(self, messages, sequence_start, tools, fmt):
+        if not self.supports_tools:
+            return super()._render_tools(messages, sequence_start, tools, fmt)
+        return self._render(_hf_tool_messages(normalize_messages(messages, self.roles), messages), sequence_start,
+                            tools=tools or None)
+
+    def _apply(self, messages, add_generation_prompt=True, tools=None) -> str:
         import jinja2
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as e:
             raise ValueError(f'chat template rejected the messages: {e}') from e
 
-    def _render(self, messages, sequence_start):
+    def _render(self, messages, sequence_start, tools=None):
         if sequence_start:
-            prompt = self._apply(messages)
+            prompt = self._apply(messages, tools=tools)
             if self._bos_to_strip and prompt.startswith(self._bos_to_strip):
                 prompt = prompt[len(self._bos_to_strip):]
             return prompt
         dummy = [{'role': 'user', 'content': self._DUMMY_USER}, {'role': 'assistant', 'content': self._DUMMY_REPLY}]
-        full = self._apply(dummy + messages)
+        full = self._apply(dummy + messages, tools=tools)
         pos = full.find(self._DUMMY_REPLY)
         if pos < 0:
             raise ValueError('this chat template cannot render a continuation (sequence_start=False): '
@@ -260,6 +347,35 @@ class HFChatTemplate(ChatTemplate):
             if rest.startswith(word):
                 return rest[len(word):]
         return rest
+
+
+def _hf_tool_messages(normalized: List[Dict[str, str]], messages: Messages) -> List[Dict[str, Any]]:
+    """Normalized messages plus what HF templates read of tool turns: an assistant's ``tool_calls``
+    (arguments as objects, as those templates expect) and a tool message's ``tool_call_id`` / ``name``."""
+    if isinstance(messages, str):
+        return normalized
+    out = []
+    for i, (n, m) in enumerate(zip(normalized, messages)):
+        n = dict(n)
+        if m.get('tool_calls') and n['role'] == 'assistant':
+            n['tool_calls'] = [{'id': c.get('id'), 'type': 'function',
+                                'function': {'name': c['function']['name'],
+                                             'arguments': _args_object(c['function'].get('arguments'), i)}}
+                               for c in _check_calls(m['tool_calls'], i)]
+        if n['role'] == 'tool':
+            n.update({k: m[k] for k in ('tool_call_id', 'name') if isinstance(m.get(k), str)})
+        out.append(n)
+    return out
+
+
+def _args_object(arguments: Any, index: int) -> Any:
+    if isinstance(arguments, dict) or arguments is None:
+        return arguments or {}
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        raise ValueError(f'messages[{index}].tool_calls: arguments must be a JSON object (as text), '
+                         f'got {arguments[:80]!r}') from None
 
 
 def _eos_ids(tokenizer, extra: Optional[Sequence[int]]) -> List[int]:

@@ -162,14 +162,30 @@ class Gateway:
         return next(self._session_ids)
 
     # ------------------------------------------------------------ prompts
-    def encode_prompt(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True) -> List[int]:
+    def tool_format(self, name: Optional[str] = None):
+        """How this model writes tool calls: ``name`` (a parser's name) or, without one (or 'auto'), from the
+        chat template's markers and the model's type (:func:`~lmdeploy.frontend.tool_calls.detect_format`)."""
+        from .tool_calls import detect_format, get_format
+        if name and name != 'auto':
+            return get_format(name)
+        hf_text = getattr(getattr(self.chat_template, 'tokenizer', None), 'chat_template', None)
+        if not isinstance(hf_text, str):  # a builtin template: its own family's
+            return self.chat_template.tool_format
+        return detect_format(hf_text, self.engine.model_config.model_type)
+
+    def encode_prompt(self, prompt: Prompt, do_preprocess: bool = True, sequence_start: bool = True,
+                      tools: Optional[List[dict]] = None, tool_format=None) -> List[int]:
+        """Token ids of a prompt: a string (templated as a user turn unless ``do_preprocess`` is False) or
+        messages; ``tools`` (OpenAI tool objects) are described to the model (see
+        :meth:`~lmdeploy.frontend.chat_template.ChatTemplate.messages2prompt`)."""
         if isinstance(prompt, str):
             check_text(prompt, 'the prompt')
         if isinstance(prompt, str) and not do_preprocess:
             return self.tokenizer.encode(prompt, add_special_tokens=sequence_start)
         if not isinstance(prompt, (str, list)):
             raise TypeError(f'a prompt is a str or a list of messages, got {type(prompt).__name__}')
-        text = self.chat_template.messages2prompt(prompt, sequence_start=sequence_start)
+        text = self.chat_template.messages2prompt(prompt, sequence_start=sequence_start, tools=tools,
+                                                  tool_format=tool_format)
         try:
             check_text(text, 'the templated prompt')
         except ValueError:

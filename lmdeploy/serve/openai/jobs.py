@@ -202,9 +202,17 @@ def _chunk_body(model, with_usage: bool) -> Dict[str, Any]:
     for choice in obj.get('choices') or []:
         delta = choice.get('delta')
         if isinstance(delta, dict):  # as OpenAI: a delta names only what it carries
-            choice['delta'] = {k: v for k, v in delta.items() if v is not None}
+            choice['delta'] = _drop_none(delta)
     if not with_usage:  # OpenAI sends "usage" only with stream_options.include_usage
         obj.pop('usage', None)
+    return obj
+
+
+def _drop_none(obj):
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_none(v) for v in obj]
     return obj
 
 

@@ -124,9 +124,11 @@ def _check_ids(state: ServerState, ids: List[int], param: str) -> List[int]:
     return list(ids)
 
 
-def _encode(state: ServerState, prompt, do_preprocess: bool = True, sequence_start: bool = True) -> List[int]:
+def _encode(state: ServerState, prompt, do_preprocess: bool = True, sequence_start: bool = True, tools=None,
+            tool_format=None) -> List[int]:
     try:
-        return state.gateway.encode_prompt(prompt, do_preprocess=do_preprocess, sequence_start=sequence_start)
+        return state.gateway.encode_prompt(prompt, do_preprocess=do_preprocess, sequence_start=sequence_start,
+                                           tools=tools, tool_format=tool_format)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), 'invalid_value', 'messages' if isinstance(prompt, list) else 'prompt') from None
     except Exception as e:  # a chat template that trips on the input is still the input's fault
@@ -134,18 +136,20 @@ def _encode(state: ServerState, prompt, do_preprocess: bool = True, sequence_sta
 
 
 def _messages(messages) -> Union[str, List[Dict[str, Any]]]:
+    """Request messages as the chat template takes them: role and content, an assistant's ``tool_calls``
+    and a tool result's ``tool_call_id`` / ``name``."""
     if isinstance(messages, str):
         return messages
     out = []
     for m in messages:
         d = m.model_dump(exclude_none=True)
-        if d.get('role') == 'developer':
-            d['role'] = 'system'
-        content = d.get('content')
-        if isinstance(content, list):
-            d['content'] = [p for p in content]
-        d.pop('name', None)
-        out.append({'role': d['role'], 'content': d.get('content')})
+        role = 'system' if d.get('role') == 'developer' else d['role']
+        item = {'role': role, 'content': d.get('content')}
+        if role == 'assistant' and d.get('tool_calls'):
+            item['tool_calls'] = d['tool_calls']
+        if role == 'tool':
+            item.update({k: d[k] for k in ('tool_call_id', 'name') if k in d})
+        out.append(item)
     return out
 
 

@@ -130,9 +130,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1, description='overrides max_tokens')
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    # tools are refused (400); declared so that clients sending them get that clear answer
-    tools: Optional[List[Dict[str, Any]]] = Field(None, description='not supported: must be empty')
-    tool_choice: Union[str, Dict[str, Any], None] = None
+    tools: Optional[List[Dict[str, Any]]] = Field(None, description='functions the model may call: '
+                                                  '{"type": "function", "function": {"name", "description", '
+                                                  '"parameters"}}')
+    tool_choice: Union[str, Dict[str, Any], None] = Field(
+        None, description='"none", "auto" (default with tools), "required" or {"type": "function", "function": '
+        '{"name": ...}}; the last two are enforced by a grammar, so the reply always parses')
+    parallel_tool_calls: Optional[bool] = Field(None, description='with "required": may the reply hold several '
+                                                'calls (default true)')
 
 
 class CompletionRequest(_SamplingFields):
@@ -209,9 +214,21 @@ class ChatChoiceLogprobs(_Model):
     content: Optional[List[ChatLogprob]] = None
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str = Field(description='the JSON text of the arguments, as the model wrote it')
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal['function'] = 'function'
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Model):
     role: str = 'assistant'
     content: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
 
 
 class ChatCompletionChoice(_Model):
@@ -230,9 +247,23 @@ class ChatCompletionResponse(_Model):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(_Model):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Model):
+    """A piece of a streamed call: its first carries id, type and name; the rest, pieces of arguments."""
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal['function']] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(_Model):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[List[DeltaToolCall]] = None
 
 
 class ChatCompletionStreamChoice(_Model):

@@ -13,8 +13,10 @@ class ServerState:
     """What the handlers share; ``app.state.lmdeploy``."""
 
     def __init__(self, gateway, model_name: Optional[str], api_keys: Optional[Sequence[str]],
-                 max_log_len: Optional[int]):
+                 max_log_len: Optional[int], tool_call_parser: Optional[str] = None):
         self.gateway = None
+        self.tool_call_parser = tool_call_parser
+        self._tool_format = None
         self.model_name = model_name
         self.api_key_digests = [hashlib.sha256(k.encode()).digest() for k in (api_keys or []) if k]
         self.max_log_len = max_log_len
@@ -27,8 +29,15 @@ class ServerState:
     def set_gateway(self, gateway):
         """Attach the gateway (an app created with ``gateway=None`` answers 503 until then)."""
         self.gateway = gateway
+        self._tool_format = None
         if not self.model_name:
             self.model_name = gateway.model_name
+
+    def tool_format(self):
+        """How the served model writes tool calls (``--tool-call-parser``, else detected)."""
+        if self._tool_format is None:
+            self._tool_format = self.gateway.tool_format(self.tool_call_parser)
+        return self._tool_format
 
     def key_ok(self, key: Optional[str]) -> bool:
         if not self.api_key_digests:

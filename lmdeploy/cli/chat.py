@@ -28,7 +28,7 @@ import sys
 import threading
 from typing import Optional
 
-from .cli_common import (add_chat_template_arg, add_engine_args, add_log_args, add_model_arg, backend_name,
+from .common import (add_chat_template_arg, add_engine_args, add_log_args, add_model_arg, backend_name,
                          build_engine_config, gen_defaults, parse_chat_template, resolve_model)
 
 PROMPT = '>>> '
@@ -67,7 +67,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def build_gen_config(args):
     """Sampling flags -> GenerationConfig (see the module docstring for the rules)."""
-    from .messages import GenerationConfig
+    from lmdeploy.messages import GenerationConfig
     d = gen_defaults()
     temperature = d['temperature'] if args.temperature is None else args.temperature
     do_sample = bool(args.do_sample) or (args.temperature is not None and args.temperature > 0)
@@ -121,8 +121,8 @@ def run_chat(args, stdout=None) -> int:
         except ImportError:
             pass
 
-    from .api import pipeline
-    from .frontend.pipeline import Session
+    from lmdeploy.api import pipeline
+    from lmdeploy.frontend.pipeline import Session
 
     pipe = pipeline(model_path, backend_config=backend_config, chat_template_config=chat_template_config,
                     log_level=args.log_level)

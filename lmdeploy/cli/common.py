@@ -11,8 +11,8 @@ import os
 import sys
 from typing import Any, Dict, Optional
 
-from .devices.registry import device_choices
-from .messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.devices.registry import device_choices
+from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
 
 BACKENDS = ('pytorch', 'turbomind')
 DTYPES = ('auto', 'float16', 'bfloat16', 'float32')
@@ -107,7 +107,7 @@ def parse_chat_template(value: Optional[str]):
     a builtin template name (ValueError listing them otherwise)."""
     if value is None or value == '':
         return None
-    from .frontend.chat_template import ChatTemplateConfig
+    from lmdeploy.frontend.chat_template import ChatTemplateConfig
     if os.path.isfile(value) or value.lstrip().startswith('{'):
         return ChatTemplateConfig.from_json(value)
     if value.endswith('.json'):
@@ -116,7 +116,7 @@ def parse_chat_template(value: Optional[str]):
 
 
 def resolve_model(model_path: Optional[str]) -> str:
-    from .default_model import resolve_model_path
+    from lmdeploy.default_model import resolve_model_path
     return resolve_model_path(model_path)
 
 

@@ -226,7 +226,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog='python -m lmdeploy.check_env', description=__doc__,
+    parser = argparse.ArgumentParser(prog='python -m lmdeploy.cli.check_env', description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--no-self-test', action='store_true', help='only print the environment')
     args = parser.parse_args(argv)

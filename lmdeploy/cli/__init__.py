@@ -8,8 +8,8 @@
     lmdeploy --version
 
 MODEL is a local Hugging Face directory; omitted, the embedded default model
-(SmolLM2-135M-Instruct) is used. Subcommand modules: ``cli_serve``,
-``cli_chat``, ``check_env``.
+(SmolLM2-135M-Instruct) is used. Subcommand modules: :mod:`.serve`,
+:mod:`.chat`, :mod:`.check_env`; :mod:`.common` holds the flags they share.
 """
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ def _list(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lmdeploy import check_env, cli_chat, cli_serve
+    from . import chat as cli_chat
+    from . import check_env
+    from . import serve as cli_serve
     from lmdeploy.devices.registry import device_choices
     from lmdeploy.version import __version__
     parser = argparse.ArgumentParser(prog='lmdeploy', description='Serve large language models fast.')

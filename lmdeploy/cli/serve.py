@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict
 
-from .cli_common import (add_chat_template_arg, add_engine_args, add_log_args, add_model_arg, backend_name,
+from .common import (add_chat_template_arg, add_engine_args, add_log_args, add_model_arg, backend_name,
                          build_engine_config, parse_chat_template, resolve_model)
 
 
@@ -35,6 +35,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     http.add_argument('--model-name', default=None,
                       help='model name the API reports and accepts (default: the model directory name)')
     add_chat_template_arg(http)
+    http.add_argument('--tool-call-parser', default='auto', choices=tool_parser_choices(),
+                      help='how the model writes tool calls (default: auto, from its chat template and type)')
     add_log_args(http, default='WARNING')
     http.add_argument('--max-log-len', type=int, default=None,
                       help='characters of prompts / token ids to log per request (default: all)')
@@ -42,6 +44,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.set_defaults(func=run_api_server)
     serve.set_defaults(func=lambda args: _serve_help(serve))
     return serve
+
+
+def tool_parser_choices():
+    from lmdeploy.frontend.tool_calls.formats import ALIASES, FORMATS
+    return ['auto'] + sorted(FORMATS) + sorted(ALIASES)
 
 
 def _serve_help(parser) -> int:
@@ -75,7 +82,8 @@ def build_serve_kwargs(args) -> Dict[str, Any]:
                 allow_methods=list(args.allow_methods),
                 allow_headers=list(args.allow_headers),
                 log_level=args.log_level,
-                max_log_len=args.max_log_len)
+                max_log_len=args.max_log_len,
+                tool_call_parser=getattr(args, 'tool_call_parser', None))
 
 
 def run_api_server(args) -> int:

@@ -1,0 +1,188 @@
+"""``POST /v1/chat/completions``: chat with n choices, logprobs, structured output and tool calls.
+
+With ``tools`` (and ``tool_choice`` not "none") the model is told about them and each reply is split
+into text and calls (:mod:`lmdeploy.frontend.tool_calls`): ``message.tool_calls`` and
+``finish_reason: "tool_calls"``, or, streaming, tool-call deltas (a call's first carries id, type and
+name, the rest pieces of its arguments). ``tool_choice`` "required" or a named function puts the reply
+under a grammar that only lets it write calls, so it always parses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import List, Optional
+
+from fastapi import FastAPI, Request
+
+from lmdeploy.frontend.tool_calls import CallDelta, ToolCallParser, assemble
+from lmdeploy.frontend.tool_calls.request import ToolError, ToolRequest, check_tools
+
+from . import protocol as P
+from .errors import APIError, error_body
+from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
+from .params import (_chat_logprobs, _check_model, _check_unsupported, _choices, _encode, _gen_config,
+                     _max_new_tokens, _messages, _shares_prefill, _usage)
+from .runner import Runner
+from .sessions import _Lease
+from .state import ServerState
+
+
+def _tool_request(req: P.ChatCompletionRequest) -> ToolRequest:
+    try:
+        return check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolError as e:
+        raise APIError(400, str(e), 'invalid_value', e.param) from None
+
+
+def _force_calls(state: ServerState, tools: ToolRequest, fmt, gen):
+    """The generation config whose grammar only lets the reply be calls (each function's parameters
+    schema is compiled first, so one that cannot be used is a 400 that names it)."""
+    if gen.response_format is not None:
+        raise APIError(400, 'response_format cannot be combined with tool_choice "required" or a named function',
+                       'invalid_value', 'response_format')
+    from lmdeploy.engine.grammar import GrammarSpec
+    grammars = _grammars(state)
+    for f in tools.functions():
+        try:
+            grammars.compile(GrammarSpec('json_schema', json.dumps(f.get('parameters') or {'type': 'object'})))
+        except ValueError as e:
+            reason = str(e).split('cannot be used: ', 1)[-1]
+            raise APIError(400, f'tools: the parameters of function {f["name"]!r} are not a usable JSON schema: '
+                           f'{reason}', 'invalid_value', 'tools') from None
+    return dataclasses.replace(gen, response_format=tools.response_format(fmt))
+
+
+def _grammars(state: ServerState):
+    try:
+        return state.gateway.grammars()
+    except ValueError as e:  # xgrammar is missing
+        raise APIError(400, f'tool_choice "required" or a named function: {e}', 'unsupported_parameter',
+                       'tool_choice') from None
+
+
+def _finish_reason(reason: Optional[str], calls: int) -> Optional[str]:
+    return 'tool_calls' if calls and reason == 'stop' else reason
+
+
+def _message(text: str, fmt) -> P.ChatResponseMessage:
+    if fmt is None:
+        return P.ChatResponseMessage(content=text)
+    p = ToolCallParser(fmt)
+    content, calls = assemble(p.feed(text) + p.finish())
+    if not calls:
+        return P.ChatResponseMessage(content=content)
+    return P.ChatResponseMessage(content=content or None, tool_calls=[
+        P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
+
+
+def _delta_tool_call(e: CallDelta) -> P.DeltaToolCall:
+    if e.id is not None:
+        return P.DeltaToolCall(index=e.index, id=e.id, type='function',
+                               function=P.DeltaFunctionCall(name=e.name, arguments=e.arguments))
+    return P.DeltaToolCall(index=e.index, function=P.DeltaFunctionCall(arguments=e.arguments))
+
+
+def add_routes(app: FastAPI, runner: Runner, auth, err):
+    state = runner.state
+
+    @app.post('/v1/chat/completions', response_model=P.ChatCompletionResponse, dependencies=auth,
+              responses={**err, 200: {'content': {'text/event-stream': {}}}})
+    async def chat_completions(req: P.ChatCompletionRequest, request: Request):
+        _check_model(state, req.model)
+        _check_unsupported(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, 'top_logprobs needs logprobs=true', 'invalid_value', 'top_logprobs')
+        tools = _tool_request(req)
+        fmt = state.tool_format() if tools.active else None
+        messages = _messages(req.messages)
+        ids = _encode(state, messages, tools=tools.tools if fmt else None, tool_format=fmt)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_new = _max_new_tokens(state, len(ids), max_tokens)
+        top_n = req.top_logprobs or 0
+        gen = _gen_config(state, req, max_new, top_n if req.logprobs else None)
+        if fmt is not None:
+            if tools.forced:
+                gen = _force_calls(state, tools, fmt, gen)
+            if fmt.keeps_special_tokens:  # the call markers are special tokens
+                gen = dataclasses.replace(gen, skip_special_tokens=False)
+        rid = f'chatcmpl-{uuid.uuid4().hex}'
+        runner.log_request(rid, 'chat', messages, ids, gen)
+        n = req.n or 1
+        lease = _Lease(state, req.session_id, exclusive=True)
+        internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(n - 1)]
+        leader = 0 if n > 1 and _shares_prefill(state) else None
+        run, firsts = await runner.start(request, 'chat', lease, [
+            _Job(i, ids, g, sid, stream=bool(req.stream), after=leader if i else None)
+            for i, (g, sid) in enumerate(zip(_choices(gen, n), internal))])
+        created = int(time.time())
+        tt = runner.token_text()
+
+        def usage(results):  # the prompt once, every choice's tokens
+            return _usage(max(r.input_tokens for r in results), sum(r.generated for r in results))
+
+        if not req.stream:
+            results = await runner.collect(request, run, firsts, lease)
+            choices = []
+            for i, r in enumerate(results):
+                message = _message(r.text, fmt)
+                choices.append(P.ChatCompletionChoice(
+                    index=i, message=message, finish_reason=_finish_reason(r.finish_reason, len(message.tool_calls
+                                                                                                 or [])),
+                    logprobs=_chat_logprobs(tt, r.token_ids, r.logprobs, top_n) if req.logprobs else None))
+            return P.ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
+                                            usage=usage(results))
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(delta: P.DeltaMessage, finish_reason=None, logprobs=None, index=0):
+            return P.ChatCompletionStreamResponse(
+                id=rid, created=created, model=state.model_name,
+                choices=[P.ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                                      logprobs=logprobs)])
+
+        text_chunk = _TextChunks(chunk(P.DeltaMessage(content='')), include_usage)
+        parsers: List[Optional[ToolCallParser]] = [ToolCallParser(fmt) if fmt else None for _ in range(n)]
+
+        def tool_chunks(i: int, out):
+            """A choice's output through its parser: text and call deltas, then the finish reason."""
+            events = parsers[i].feed(out.text)
+            if out.finish_reason is not None:
+                events += parsers[i].finish()
+            for e in events:
+                if isinstance(e, str):
+                    yield text_chunk(e, None, i)
+                else:
+                    yield _sse(chunk(P.DeltaMessage(tool_calls=[_delta_tool_call(e)]), index=i), include_usage)
+            if out.finish_reason is not None:
+                yield _sse(chunk(P.DeltaMessage(), _finish_reason(out.finish_reason, parsers[i].calls), index=i),
+                           include_usage)
+
+        async def events():
+            for i in range(n):
+                yield _sse(chunk(P.DeltaMessage(role='assistant', content=''), index=i), include_usage)
+            results = [_Result() for _ in range(n)]
+            async for i, out in run.iterate(firsts):
+                _accumulate(results[i], out)
+                if out.finish_reason == 'error':
+                    yield _sse(error_body(500, f'generation failed: {out.error}', 'internal_error'))
+                    break
+                logprobs = (_chat_logprobs(tt, out.token_ids, out.logprobs, top_n)
+                            if req.logprobs and out.token_ids else None)
+                if parsers[i] is not None:
+                    if logprobs is not None:  # the tokens' logprobs, ahead of what they make
+                        yield _sse(chunk(P.DeltaMessage(), None, logprobs, i), include_usage)
+                    for line in tool_chunks(i, out):
+                        yield line
+                elif logprobs is not None:
+                    yield _sse(chunk(P.DeltaMessage(content=out.text), out.finish_reason, logprobs, i),
+                               include_usage)
+                elif out.text or out.finish_reason is not None:
+                    yield text_chunk(out.text, out.finish_reason, i)
+            if include_usage:
+                yield _sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=state.model_name,
+                                                          choices=[], usage=usage(results)))
+            yield 'data: [DONE]\n\n'
+
+        return runner.stream(events(), run, lease, media_type='text/event-stream', headers=_SSE_HEADERS)

@@ -1,0 +1,108 @@
+"""``POST /v1/completions``: OpenAI's text completions (several prompts, n choices each, logprobs)."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+
+from . import protocol as P
+from .errors import APIError, error_body
+from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
+from .params import (MAX_PROMPTS, _check_ids, _check_model, _check_unsupported, _choices, _completion_logprobs,
+                     _encode, _gen_config, _max_new_tokens, _shares_prefill, _usage)
+from .runner import Runner
+from .sessions import _Lease
+
+
+def add_routes(app: FastAPI, runner: Runner, auth, err):
+    state = runner.state
+
+    # ------------------------------------------------------------ completions
+    @app.post('/v1/completions', response_model=P.CompletionResponse, dependencies=auth,
+              responses={**err, 200: {'content': {'text/event-stream': {}}}})
+    async def completions(req: P.CompletionRequest, request: Request):
+        _check_model(state, req.model)
+        _check_unsupported(req)
+        if req.echo:
+            raise APIError(400, 'echo is not supported', 'unsupported_parameter', 'echo')
+        if req.suffix:
+            raise APIError(400, 'suffix is not supported', 'unsupported_parameter', 'suffix')
+        if req.best_of not in (None, 1):
+            raise APIError(400, 'best_of is not supported: only 1', 'unsupported_parameter', 'best_of')
+        prompt = req.prompt
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, 'the prompt is empty', 'invalid_value', 'prompt')
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f'at most {MAX_PROMPTS} prompts per request', 'invalid_value', 'prompt')
+        if req.session_id not in (None, -1) and len(prompts) > 1:
+            raise APIError(400, 'session_id needs a single prompt', 'invalid_value', 'session_id')
+        all_ids = [_check_ids(state, p, 'prompt') if isinstance(p, list) else _encode(state, p, do_preprocess=False)
+                   for p in prompts]
+        max_news = [_max_new_tokens(state, len(ids), req.max_tokens) for ids in all_ids]
+        top_n = req.logprobs
+        gens = [_gen_config(state, req, m, top_n) for m in max_news]
+        rid = f'cmpl-{uuid.uuid4().hex}'
+        for p, ids, gen in zip(prompts, all_ids, gens):
+            runner.log_request(rid, 'completion', p if isinstance(p, str) else str(p), ids, gen)
+        n = req.n or 1
+        if len(prompts) * n > MAX_PROMPTS:
+            raise APIError(400, f'at most {MAX_PROMPTS} choices per request (prompts x n)', 'invalid_value', 'n')
+        lease = _Lease(state, req.session_id, exclusive=True)
+        internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(len(prompts) * n - 1)]
+        shares = n > 1 and _shares_prefill(state)
+        # choice index = prompt index * n + choice (OpenAI's order); a prompt's later choices wait for its first
+        jobs = [_Job(p * n + c, ids, g, internal[p * n + c], stream=bool(req.stream),
+                     after=p * n if shares and c else None)
+                for p, (ids, gen) in enumerate(zip(all_ids, gens)) for c, g in enumerate(_choices(gen, n))]
+        all_ids = [ids for ids in all_ids for _ in range(n)]
+        prompts = [p for p in prompts for _ in range(n)]
+        run, firsts = await runner.start(request, 'completions', lease, jobs)
+        created = int(time.time())
+        tt = runner.token_text()
+
+        if not req.stream:
+            results = await runner.collect(request, run, firsts, lease)
+            choices = [P.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                                          logprobs=(_completion_logprobs(tt, r.token_ids, r.logprobs, top_n)
+                                                    if top_n is not None else None))
+                       for i, r in enumerate(results)]
+            return P.CompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
+                                        usage=_usage(sum(r.input_tokens for r in results[::n]),
+                                                     sum(r.generated for r in results)))
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        text_chunk = _TextChunks(P.CompletionResponse(id=rid, created=created, model=state.model_name,
+                                                      choices=[P.CompletionChoice(text='')]), include_usage)
+
+        async def events():
+            results = [_Result() for _ in prompts]
+            offsets = [0] * len(prompts)
+            async for i, out in run.iterate(firsts):
+                _accumulate(results[i], out)
+                if out.finish_reason == 'error':
+                    yield _sse(error_body(500, f'generation failed: {out.error}', 'internal_error'))
+                    break
+                logprobs = None
+                if top_n is not None and out.token_ids:
+                    logprobs = _completion_logprobs(tt, out.token_ids, out.logprobs, top_n, offsets[i])
+                    offsets[i] += sum(len(t) for t in logprobs.tokens)
+                if logprobs is not None:
+                    yield _sse(P.CompletionResponse(
+                        id=rid, created=created, model=state.model_name,
+                        choices=[P.CompletionChoice(index=i, text=out.text, logprobs=logprobs,
+                                                    finish_reason=out.finish_reason)]), include_usage)
+                elif out.text or out.finish_reason is not None:
+                    yield text_chunk(out.text, out.finish_reason, i)
+            if include_usage:
+                yield _sse(P.CompletionResponse(id=rid, created=created, model=state.model_name, choices=[],
+                                                usage=_usage(sum(r.input_tokens for r in results[::n]),
+                                                             sum(r.generated for r in results))))
+            yield 'data: [DONE]\n\n'
+
+        return runner.stream(events(), run, lease, lambda: True, media_type='text/event-stream', headers=_SSE_HEADERS)
