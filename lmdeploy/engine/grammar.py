@@ -83,6 +83,16 @@ def _reason(e: Exception) -> str:
     return re.sub(r'^\[[^\]]*\]\s*\S+:\d+:\s*', '', first)
 
 
+def _fill_threads() -> int:
+    """Threads that fill a batch's bitmask: $LMDEPLOY_GRAMMAR_THREADS, else half the cores (the engine's own
+    threads need the rest), up to 8; 0 or 1: on the calling thread, one matcher after another."""
+    import os
+    if os.environ.get('LMDEPLOY_GRAMMAR_THREADS'):
+        return max(0, int(os.environ['LMDEPLOY_GRAMMAR_THREADS']))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 2)
+    return max(1, min(8, cores // 2))
+
+
 class Grammars:
     """Compiles specs for one tokenizer (each distinct spec once: xgrammar's compiler caches)."""
 
@@ -92,6 +102,8 @@ class Grammars:
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(info)
+        self._threads = _fill_threads()
+        self._batch_matcher = None
 
     def compile(self, spec: GrammarSpec):
         try:
@@ -116,6 +128,11 @@ class Grammars:
     def bitmask(self, matchers: List[Any]) -> torch.Tensor:
         """int32 [len(matchers), ceil(vocab / 32)] on the host: bit j of word w allows token 32 w + j."""
         mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(mask, i)
+        if len(matchers) < 8 or self._threads <= 1:
+            for i, m in enumerate(matchers):
+                m.fill_next_token_bitmask(mask, i)
+        else:  # on xgrammar's threads (they run without the interpreter lock)
+            if self._batch_matcher is None:
+                self._batch_matcher = self._xgr.BatchGrammarMatcher(max_threads=self._threads)
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask)
         return mask

@@ -325,8 +325,9 @@ class HFChatTemplate(ChatTemplate):
     def _apply(self, messages, add_generation_prompt=True, tools=None) -> str:
         import jinja2
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            extra = {'tools': tools} if tools else {}
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **extra)
         except jinja2.TemplateError as e:
             raise ValueError(f'chat template rejected the messages: {e}') from e
 

@@ -16,14 +16,15 @@ from typing import List, Optional
 
 from fastapi import FastAPI, Request
 
+from lmdeploy.engine.grammar import GrammarSpec, spec_from_response_format
 from lmdeploy.frontend.tool_calls import CallDelta, ToolCallParser, assemble
 from lmdeploy.frontend.tool_calls.request import ToolError, ToolRequest, check_tools
 
 from . import protocol as P
 from .errors import APIError, error_body
 from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
-from .params import (_chat_logprobs, _check_model, _check_unsupported, _choices, _encode, _gen_config,
-                     _max_new_tokens, _messages, _shares_prefill, _usage)
+from .params import (_chat_logprobs, _check_model, _check_unsupported, _choices, _compile_grammar, _encode,
+                     _gen_config, _max_new_tokens, _messages, _shares_prefill, _usage)
 from .runner import Runner
 from .sessions import _Lease
 from .state import ServerState
@@ -36,30 +37,17 @@ def _tool_request(req: P.ChatCompletionRequest) -> ToolRequest:
         raise APIError(400, str(e), 'invalid_value', e.param) from None
 
 
-def _force_calls(state: ServerState, tools: ToolRequest, fmt, gen):
+async def _force_calls(state: ServerState, tools: ToolRequest, fmt, gen):
     """The generation config whose grammar only lets the reply be calls (each function's parameters
     schema is compiled first, so one that cannot be used is a 400 that names it)."""
     if gen.response_format is not None:
         raise APIError(400, 'response_format cannot be combined with tool_choice "required" or a named function',
                        'invalid_value', 'response_format')
-    from lmdeploy.engine.grammar import GrammarSpec
-    grammars = _grammars(state)
     for f in tools.functions():
-        try:
-            grammars.compile(GrammarSpec('json_schema', json.dumps(f.get('parameters') or {'type': 'object'})))
-        except ValueError as e:
-            reason = str(e).split('cannot be used: ', 1)[-1]
-            raise APIError(400, f'tools: the parameters of function {f["name"]!r} are not a usable JSON schema: '
-                           f'{reason}', 'invalid_value', 'tools') from None
+        schema = json.dumps(f.get('parameters') or {'type': 'object'})
+        await _compile_grammar(state, GrammarSpec('json_schema', schema), 'tools',
+                               f'tools: the parameters of function {f["name"]!r} are not a usable JSON schema')
     return dataclasses.replace(gen, response_format=tools.response_format(fmt))
-
-
-def _grammars(state: ServerState):
-    try:
-        return state.gateway.grammars()
-    except ValueError as e:  # xgrammar is missing
-        raise APIError(400, f'tool_choice "required" or a named function: {e}', 'unsupported_parameter',
-                       'tool_choice') from None
 
 
 def _finish_reason(reason: Optional[str], calls: int) -> Optional[str]:
@@ -104,9 +92,10 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         gen = _gen_config(state, req, max_new, top_n if req.logprobs else None)
         if fmt is not None:
             if tools.forced:
-                gen = _force_calls(state, tools, fmt, gen)
+                gen = await _force_calls(state, tools, fmt, gen)
             if fmt.keeps_special_tokens:  # the call markers are special tokens
                 gen = dataclasses.replace(gen, skip_special_tokens=False)
+        await _compile_grammar(state, spec_from_response_format(gen.response_format))
         rid = f'chatcmpl-{uuid.uuid4().hex}'
         runner.log_request(rid, 'chat', messages, ids, gen)
         n = req.n or 1

@@ -6,11 +6,13 @@ import uuid
 
 from fastapi import FastAPI, Request
 
+from lmdeploy.engine.grammar import spec_from_response_format
+
 from . import protocol as P
 from .errors import APIError, error_body
 from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
-from .params import (MAX_PROMPTS, _check_ids, _check_model, _check_unsupported, _choices, _completion_logprobs,
-                     _encode, _gen_config, _max_new_tokens, _shares_prefill, _usage)
+from .params import (MAX_PROMPTS, _check_ids, _check_model, _check_unsupported, _choices, _compile_grammar,
+                     _completion_logprobs, _encode, _gen_config, _max_new_tokens, _shares_prefill, _usage)
 from .runner import Runner
 from .sessions import _Lease
 
@@ -46,6 +48,7 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         max_news = [_max_new_tokens(state, len(ids), req.max_tokens) for ids in all_ids]
         top_n = req.logprobs
         gens = [_gen_config(state, req, m, top_n) for m in max_news]
+        await _compile_grammar(state, spec_from_response_format(gens[0].response_format))
         rid = f'cmpl-{uuid.uuid4().hex}'
         for p, ids, gen in zip(prompts, all_ids, gens):
             runner.log_request(rid, 'completion', p if isinstance(p, str) else str(p), ids, gen)

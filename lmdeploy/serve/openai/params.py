@@ -1,6 +1,7 @@
 """Request fields turned into engine inputs (prompt ids, GenerationConfig) and outputs into response fields."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
@@ -77,25 +78,42 @@ def _gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional
             spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
             logprobs=logprobs,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
-            response_format=_response_format(state, getattr(req, 'response_format', None)))
+            response_format=_response_format(getattr(req, 'response_format', None)))
     except ValueError as e:
         raise APIError(400, str(e).replace('GenerationConfig.', ''), 'invalid_value') from None
 
 
-def _response_format(state: ServerState, fmt) -> Optional[Dict[str, Any]]:
-    """The request's response_format as a dict, compiled once here so that one that cannot be used is a 400
-    naming the reason (xgrammar caches the compiled grammar for the engine's turn)."""
+def _response_format(fmt) -> Optional[Dict[str, Any]]:
+    """The request's response_format as a dict (None for plain text); a malformed one is a 400. Whether its
+    grammar compiles is :func:`_compile_grammar`'s to say."""
     if fmt is None:
         return None
     from lmdeploy.engine.grammar import spec_from_response_format
     fmt = fmt.model_dump(exclude_none=True)
     try:
         spec = spec_from_response_format(fmt)
-        if spec is not None:
-            state.gateway.grammars().compile(spec)
     except ValueError as e:
         raise APIError(400, str(e), 'invalid_value', 'response_format') from None
     return fmt if spec is not None else None
+
+
+async def _compile_grammar(state: ServerState, spec, param: str = 'response_format', what: str = ''):
+    """Compile a grammar spec on a worker thread (a large schema takes milliseconds to seconds, which the
+    event loop, streaming everyone's tokens, must not wait for); one that cannot be used is a 400 naming the
+    reason. The compiled grammar stays in xgrammar's cache for the engine's turn."""
+    if spec is None:
+        return
+    try:
+        grammars = await asyncio.to_thread(state.gateway.grammars)
+    except ValueError as e:  # xgrammar is missing
+        raise APIError(400, str(e), 'unsupported_parameter', param) from None
+    try:
+        await asyncio.to_thread(grammars.compile, spec)
+    except ValueError as e:
+        message = str(e)
+        if what:
+            message = f'{what}: {message.split("cannot be used: ", 1)[-1]}'
+        raise APIError(400, message, 'invalid_value', param) from None
 
 
 def _max_new_tokens(state: ServerState, num_prompt: int, max_tokens: Optional[int], history: int = 0,
