@@ -13,6 +13,9 @@ from typing import Any, Callable, Dict, List, Literal, Optional
 LogitsProcessor = Callable[[Any, Any], Any]
 
 
+MAX_N = 64  # samples per prompt (GenerationConfig.n)
+
+
 def _check(cond: bool, name: str, msg: str):
     if not cond:
         raise ValueError(f'GenerationConfig.{name} {msg}' if '.' not in name else f'{name} {msg}')
@@ -24,7 +27,9 @@ class GenerationConfig:
 
     ``do_sample=False`` (the default), ``top_k=1`` or ``temperature=0`` decode
     greedily. ``random_seed`` makes sampling reproducible regardless of which
-    other requests share the batch.
+    other requests share the batch. ``n`` samples per prompt (the pipeline
+    returns a list of n Responses for it; sample i draws with
+    ``random_seed + i``).
     """
     n: int = 1
     max_new_tokens: int = 512
@@ -55,7 +60,8 @@ class GenerationConfig:
 
     def validate(self):
         """Raise ValueError naming the first invalid field."""
-        _check(self.n == 1, 'n', f'must be 1, got {self.n}')
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, 'n',
+               f'must be an integer in [1, {MAX_N}], got {self.n!r}')
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, 'max_new_tokens',
                f'must be an integer >= 1, got {self.max_new_tokens!r}')
         _check(0.0 < self.top_p <= 1.0, 'top_p', f'must be in (0, 1], got {self.top_p}')
@@ -230,12 +236,14 @@ class Response:
     last_hidden_state: Any = None
     index: int = 0
     error: Optional[str] = None
+    choice: int = 0  # which of the prompt's n samples (GenerationConfig.n)
 
     def __repr__(self):
         error = f', error={self.error!r}' if self.error else ''
+        choice = f', choice={self.choice}' if self.choice else ''
         return (f'Response(text={self.text!r}, input_token_len={self.input_token_len}, '
                 f'generate_token_len={self.generate_token_len}, finish_reason={self.finish_reason!r}, '
-                f'session_id={self.session_id}, index={self.index}{error})')
+                f'session_id={self.session_id}, index={self.index}{choice}{error})')
 
     @property
     def refused(self) -> bool:

@@ -155,3 +155,60 @@ def test_structured_output_in_python(pipe):
     plain = GenerationConfig(max_new_tokens=12)
     mixed = pipe([q, 'Shanghai is', q], [gens[0], plain, plain])
     assert [r.text for r in mixed] == [pipe(q, gens[0]).text, pipe('Shanghai is', plain).text, pipe(q, plain).text]
+
+
+def test_n_samples_per_prompt(pipe, smollm2_path):
+    """GenerationConfig(n=k): a prompt's result is a list of k Responses (choice 0..k-1), sample i what a
+    single request seeded with seed + i gives; in a batch, prompts with n=1 keep their plain Response;
+    stream_infer's pieces carry the choice and join into infer's texts; chat() refuses n > 1."""
+    sampled = dict(max_new_tokens=8, do_sample=True, temperature=1.0, top_k=0, random_seed=21)
+    rs = pipe('Name a fruit.', GenerationConfig(n=3, **sampled))
+    assert isinstance(rs, list) and [(r.index, r.choice) for r in rs] == [(0, 0), (0, 1), (0, 2)]
+    singles = [pipe('Name a fruit.', GenerationConfig(**dict(sampled, random_seed=21 + i))).text for i in range(3)]
+    assert [r.text for r in rs] == singles
+    assert len({r.session_id for r in rs}) == 3
+    batch = pipe(['Name a fruit.', 'Name a color.'],
+                 [GenerationConfig(n=2, **sampled), GenerationConfig(max_new_tokens=4)])
+    assert [r.text for r in batch[0]] == singles[:2] and isinstance(batch[1], Response)
+    joined = {}
+    for piece in pipe.stream_infer('Name a fruit.', GenerationConfig(n=3, **sampled)):
+        joined[piece.choice] = joined.get(piece.choice, '') + piece.text
+    assert [joined[i] for i in range(3)] == singles
+    with pytest.raises(ValueError, match='n must be 1'):
+        pipe.chat('Hi', gen_config=GenerationConfig(n=2))
+    for bad in (0, 65, 1.5):
+        with pytest.raises(ValueError, match='GenerationConfig.n'):
+            GenerationConfig(n=bad)
+    assert_engine_clean(pipe.engine)
+
+
+def test_n_samples_share_the_prompts_prefill(smollm2_path):
+    """With prefix caching, a prompt's later samples start once its first has output (not once it has
+    finished): the prompt is prefilled about once, and the samples run side by side."""
+    p = pipeline(smollm2_path, backend_config=PytorchEngineConfig(device_type='cpu', session_len=1024,
+                                                                  block_size=16, enable_prefix_caching=True))
+    try:
+        prompt = 'Tell me about the history of the city of Paris, its rivers and its bridges. ' * 3
+        import threading
+        import time
+        running, stop = [0], threading.Event()
+
+        def watch():  # the most samples in the engine at once
+            while not stop.is_set():
+                stats = p.engine.stats()
+                running[0] = max(running[0], stats.num_running + stats.num_waiting)
+                time.sleep(0.002)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        before = p.engine.stats().num_prefix_hit_tokens
+        try:
+            rs = p(prompt, GenerationConfig(n=4, max_new_tokens=32, ignore_eos=True, do_sample=True, random_seed=3))
+        finally:
+            stop.set()
+            watcher.join()
+        hit = p.engine.stats().num_prefix_hit_tokens - before
+        full_blocks = rs[0].input_token_len // 16 * 16
+        assert len(rs) == 4 and hit >= 3 * (full_blocks - 16), (hit, rs[0].input_token_len)
+        assert running[0] == 4  # side by side, not one after another
+    finally:
+        p.close()

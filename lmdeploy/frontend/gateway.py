@@ -203,6 +203,9 @@ class Gateway:
 
     def sampling_params(self, gen: GenerationConfig) -> SamplingParams:
         gen.validate()
+        if gen.n != 1:  # the pipeline and the server expand n into n calls
+            raise ValueError(f'GenerationConfig.n={gen.n}: one generate() call makes one sample; '
+                             'Pipeline.infer / stream_infer take n > 1')
         grammar = spec_from_response_format(gen.response_format)
         if grammar is not None:
             self.grammars().compile(grammar)  # a spec that cannot compile is refused here, with the reason

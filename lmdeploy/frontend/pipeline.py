@@ -6,6 +6,7 @@ submits coroutines of the shared :class:`Gateway` to it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -59,15 +60,51 @@ def _longest_first(gens: List[GenerationConfig]) -> List[int]:
     return sorted(range(len(gens)), key=lambda i: -limit(gens[i]))
 
 
-def _raise_refused(results: List[Response], single: bool):
-    """No silent failures: a refused request raises, naming the prompt and the reason."""
-    bad = [i for i, r in enumerate(results) if r.refused]
+def _raise_refused(responses: List[Response], single: bool, num_prompts: int, results=None):
+    """No silent failures: a refused request raises, naming the prompt and the reason. ``results``: what
+    the call would have returned (``RequestError.responses``)."""
+    bad = [r for r in responses if r.refused]
     if not bad:
         return
-    first = results[bad[0]]
-    where = '' if single else f'prompt {bad[0]} of {len(results)}' + (
-        f' (and {len(bad) - 1} more)' if len(bad) > 1 else '') + ': '
-    raise RequestError(f'{where}{first.error}', results, bad[0])
+    first = bad[0]
+    prompts = sorted({r.index for r in bad})
+    where = '' if single else f'prompt {first.index} of {num_prompts}' + (
+        f' (and {len(prompts) - 1} more)' if len(prompts) > 1 else '') + ': '
+    raise RequestError(f'{where}{first.error}', results if results is not None else responses, first.index)
+
+
+@dataclass
+class _Sample:
+    """One sample to generate: prompt ``index``'s sample ``choice`` of n."""
+    index: int
+    choice: int
+    prompt: Any
+    gen: Any
+    after: Optional[int] = None  # a sample of the same prompt (choice 0) whose first output it waits for
+
+
+def _expand(items: List[Any], gens: List[Any], share_prefill: bool) -> List[_Sample]:
+    """Each prompt's n samples (``GenerationConfig.n``): sample c draws with ``random_seed + c``; with
+    prefix caching the later ones start once the first has its prompt in the cache."""
+    samples = []
+    for i, (p, g) in enumerate(zip(items, gens)):
+        n = g.n if isinstance(g, GenerationConfig) else 1
+        first = len(samples)
+        for c in range(n):
+            gc = g
+            if n > 1:
+                seed = None if g.random_seed is None else (g.random_seed + c) & 0xFFFFFFFF
+                gc = dataclasses.replace(g, n=1, random_seed=seed)
+            samples.append(_Sample(i, c, p, gc, first if c and share_prefill else None))
+    return samples
+
+
+def _group(items: List[Any], gens: List[Any], samples: List[_Sample], responses: List[Response]) -> List[Any]:
+    """Per prompt: its Response, or the list of its n Responses."""
+    out: List[Any] = [[] for _ in items]
+    for sample, resp in zip(samples, responses):
+        out[sample.index].append(resp)
+    return [rs if isinstance(g, GenerationConfig) and g.n > 1 else rs[0] for rs, g in zip(out, gens)]
 
 
 def _log_refused(resp: Response):
@@ -86,8 +123,9 @@ def _reject_unknown(method: str, kwargs: Dict[str, Any]):
 class _Accumulator:
     """Builds a Response out of GenOut increments."""
 
-    def __init__(self, session_id: int, index: int):
-        self.resp = Response(text='', generate_token_len=0, input_token_len=0, session_id=session_id, index=index)
+    def __init__(self, session_id: int, index: int, choice: int = 0):
+        self.resp = Response(text='', generate_token_len=0, input_token_len=0, session_id=session_id, index=index,
+                             choice=choice)
         self._logits: List[Any] = []
         self._hidden: List[Any] = []
 
@@ -155,9 +193,9 @@ class Pipeline:
         raise TypeError('gen_config must be a GenerationConfig or a list of them')
 
     async def _one(self, prompt, gen: GenerationConfig, index: int, do_preprocess: bool, sink=None,
-                   **kwargs) -> Response:
+                   choice: int = 0, **kwargs) -> Response:
         session_id = kwargs.pop('session_id', None) or self.gateway.next_session_id()
-        acc = _Accumulator(session_id, index)
+        acc = _Accumulator(session_id, index, choice)
         if _is_token_ids(prompt):
             prompt, kwargs['input_ids'] = None, prompt
         kwargs.setdefault('stream_text', sink is not None)
@@ -168,10 +206,47 @@ class Pipeline:
                                  input_token_len=resp.input_token_len, session_id=session_id,
                                  finish_reason=out.finish_reason, token_ids=list(out.token_ids),
                                  logprobs=out.logprobs, logits=out.logits, last_hidden_state=out.last_hidden_state,
-                                 index=index, error=out.error)
+                                 index=index, error=out.error, choice=choice)
                 _log_refused(piece)  # (a streaming caller gets it as a Response: said once in the log too)
                 sink(piece)
         return acc.result()
+
+    def _share_prefill(self) -> bool:
+        return bool(getattr(getattr(self.engine, 'config', None), 'enable_prefix_caching', False))
+
+    def _samples(self, items, gens) -> List[_Sample]:
+        return _expand(items, gens, self._share_prefill())
+
+    async def _run_samples(self, samples: List[_Sample], do_preprocess: bool, order: Sequence[int], sink=None,
+                           on_done=None) -> List[Response]:
+        """Every sample, submitted in ``order``; a sample with ``after`` starts once that one has output."""
+        started = [asyncio.Event() for _ in samples]
+        leaders = {s.after for s in samples if s.after is not None}
+
+        async def one(k):
+            s = samples[k]
+            try:
+                if s.after is not None:
+                    await started[s.after].wait()
+                wrapped = sink
+                if k in leaders:  # streamed, so that its first output comes when its prompt is cached
+                    def wrapped(piece, _k=k):
+                        started[_k].set()
+                        if sink is not None:
+                            sink(piece)
+                resp = await self._one(s.prompt, s.gen, s.index, do_preprocess, sink=wrapped, choice=s.choice,
+                                       stream_text=sink is not None or k in leaders)
+            finally:
+                started[k].set()
+            if on_done is not None:
+                on_done()
+            return resp
+
+        done = await asyncio.gather(*(one(k) for k in order))
+        responses: List[Any] = [None] * len(samples)
+        for k, resp in zip(order, done):
+            responses[k] = resp
+        return responses
 
     # ---------------------------------------------------------------- API
     def __call__(self, prompts: Prompts, gen_config=None, do_preprocess: bool = True, use_tqdm: bool = False,
@@ -191,47 +266,40 @@ class Pipeline:
         _reject_unknown('infer', kwargs)
         items, single = normalize_prompts(prompts)
         gens = self._gen_configs(gen_config, len(items))
-        order = _longest_first(gens)
+        samples = self._samples(items, gens)
+        order = _longest_first([x.gen for x in samples])
 
         async def run_all():
             bar = None
             if use_tqdm:
                 from tqdm import tqdm
-                bar = tqdm(total=len(items), desc='generating')
-
-            async def one(i):
-                resp = await self._one(items[i], gens[i], i, do_preprocess)
-                if bar is not None:
-                    bar.update(1)
-                return resp
-
+                bar = tqdm(total=len(samples), desc='generating')
             try:
-                done = await asyncio.gather(*(one(i) for i in order))
+                return await self._run_samples(samples, do_preprocess, order,
+                                               on_done=bar.update if bar is not None else None)
             finally:
                 if bar is not None:
                     bar.close()
-            results = [None] * len(items)
-            for i, resp in zip(order, done):
-                results[i] = resp
-            return results
 
-        results = self._run(run_all())
-        _raise_refused(results, single)
+        responses = self._run(run_all())
+        results = _group(items, gens, samples, responses)
+        _raise_refused(responses, single, len(items), results)
         return results[0] if single else results
 
     def stream_infer(self, prompts: Prompts, gen_config=None, do_preprocess: bool = True,
                      **kwargs) -> Iterator[Response]:
         """Yield increments (``Response.text`` holds the new text; ``index``
-        says which prompt) as they are produced."""
+        says which prompt, ``choice`` which of its n samples) as they are
+        produced."""
         _reject_unknown('stream_infer', kwargs)
         items, _ = normalize_prompts(prompts)
         gens = self._gen_configs(gen_config, len(items))
+        samples = self._samples(items, gens)
         q: queue.Queue = queue.Queue()
 
         async def run_all():
             try:
-                await asyncio.gather(*(self._one(p, g, i, do_preprocess, sink=q.put)
-                                       for i, (p, g) in enumerate(zip(items, gens))))
+                await self._run_samples(samples, do_preprocess, range(len(samples)), sink=q.put)
             finally:
                 q.put(_DONE)
 
@@ -258,6 +326,9 @@ class Pipeline:
         messages = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else list(prompt)
         first = session.step == 0
         gen = gen_config or GenerationConfig()
+        if isinstance(gen, GenerationConfig) and gen.n > 1:
+            raise ValueError('chat() holds one conversation: GenerationConfig.n must be 1 (infer and '
+                             'stream_infer take n > 1)')
 
         async def turn(sink=None):
             return await self._one(messages, gen, 0, True, sink=sink, session_id=session.session_id,
@@ -271,7 +342,7 @@ class Pipeline:
 
         if not stream_response:
             resp = self._run(turn())
-            _raise_refused([resp], True)
+            _raise_refused([resp], True, 1)
             record(resp)
             return session
 

@@ -89,9 +89,11 @@ class _Run:
         self._open = len(jobs)
         self._closed = False
         self._prefilled = {job.index: asyncio.Event() for job in jobs}
+        # a job others wait for streams, so that its first output comes as soon as its prompt is cached
+        leaders = {job.after for job in jobs if job.after is not None}
         self.tasks = [asyncio.ensure_future(self._pump(job, gateway.generate(
             None, job.session_id, job.gen, input_ids=job.input_ids, interactive=job.interactive,
-            stream_text=job.stream))) for job in jobs]
+            stream_text=job.stream or job.index in leaders))) for job in jobs]
 
     async def _pump(self, job: _Job, gen):
         try:
