@@ -12,6 +12,7 @@ quantized cache buys over the copy ceiling.
 
     python benchmark/kv_quant_attn.py                       # batch 64 128 256, contexts 1k to 8k
     python benchmark/kv_quant_attn.py --batch 128 --context 4096 --policy 0 8
+    python benchmark/kv_quant_attn.py --impl triton compiled   # the Triton kernel and csrc/cuda's side by side
 """
 from __future__ import annotations
 
@@ -55,32 +56,43 @@ def main():
     p.add_argument('--ceiling', type=float, default=3.0, help='the copy ceiling in TB/s (an H100 80GB: 3.0)')
     p.add_argument('--tiles', nargs='+', default=[None], type=lambda s: tuple(map(int, s.split(','))),
                    help='decode tiles to sweep, each "tokens,stages,warps" (default: the kernel\'s choice)')
+    p.add_argument('--impl', nargs='+', default=['triton'], choices=['triton', 'compiled'],
+                   help='which kernels: Triton\'s, the compiled one (csrc/cuda; python csrc/build.py first)')
     args = p.parse_args()
     from triton.testing import do_bench_cudagraph
+
+    from lmdeploy.devices.cuda import compiled
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f'decode attention on {torch.cuda.get_device_name()}: {H} heads, {HKV} KV heads, head_dim {D}, '
           f'block {BLOCK}; copy ceiling {args.ceiling} TB/s')
-    print('| batch | context | policy | tiles | us / call | read GB | read TB/s | of ceiling | bf16-equivalent TB/s '
-          '| vs policy 0 |')
-    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+    print('| batch | context | policy | kernel | tiles | us / call | read GB | read TB/s | of ceiling | '
+          'bf16-equivalent TB/s | vs Triton, policy 0 |')
+    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
     for batch in args.batch:
         for context in args.context:
             base = None
-            for policy, tiles in ((p, t) for p in args.policy for t in args.tiles):
+            for policy, tiles, impl in ((p, t, i) for p in args.policy for t in args.tiles for i in args.impl):
+                if impl == 'compiled' and tiles is not None:
+                    continue
                 spec, cache, tables, q, lens = make(batch, context, policy)
                 per_token = spec.bytes_per_block / BLOCK
                 read = batch * context * per_token / 1e9
                 bf16 = batch * context * HKV * D * 2 * 2 / 1e9
-                call = functools.partial(attention.paged_decode_attention, q, cache.k, cache.v, tables, lens,
-                                         D**-0.5, context, num_sms, k_scale_zero=cache.k_scale_zero,
-                                         v_scale_zero=cache.v_scale_zero, tiles=tiles)
+                if impl == 'compiled':
+                    call = functools.partial(compiled.paged_decode_attention, q, cache, tables, lens, D**-0.5,
+                                             context, num_sms)
+                    assert call() is not None, 'the compiled kernel does not take these inputs'
+                else:
+                    call = functools.partial(attention.paged_decode_attention, q, cache.k, cache.v, tables, lens,
+                                             D**-0.5, context, num_sms, k_scale_zero=cache.k_scale_zero,
+                                             v_scale_zero=cache.v_scale_zero, tiles=tiles)
                 us = 1e3 * do_bench_cudagraph(call)
                 torch.cuda.synchronize()
-                base = base or (us if policy == 0 and tiles is None else None)
+                base = base or (us if policy == 0 and tiles is None and impl == 'triton' else None)
                 rate = read / us * 1e6 / 1e3
                 vs = f'{base / us:.2f}x' if base else '-'
                 shown = ','.join(map(str, tiles)) if tiles else 'default'
-                print(f'| {batch} | {context} | {policy} | {shown} | {us:.1f} | {read:.3f} | {rate:.2f} | '
+                print(f'| {batch} | {context} | {policy} | {impl} | {shown} | {us:.1f} | {read:.3f} | {rate:.2f} | '
                       f'{100 * rate / args.ceiling:.0f}% | {bf16 / us * 1e6 / 1e3:.2f} | {vs} |', flush=True)
                 del cache, tables, q, call
                 torch.cuda.empty_cache()

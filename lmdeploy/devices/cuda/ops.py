@@ -1,6 +1,7 @@
-"""NVIDIA GPUs: Triton kernels for the memory-bound ops, cuBLAS (through
-torch) for the GEMMs, torch-on-GPU for sampling (no host round trip per
-request), CUDA graphs for decode steps."""
+"""NVIDIA GPUs: Triton kernels for the memory-bound ops, compiled CUDA
+kernels (csrc/cuda) where they are built and faster (compiled.py), cuBLAS
+(through torch) for the GEMMs, torch-on-GPU for sampling (no host round trip
+per request), CUDA graphs for decode steps."""
 from __future__ import annotations
 
 from typing import Optional
@@ -30,6 +31,11 @@ class CudaOps(DeviceOps):
         self._k_attention, self._k_kv, self._k_norm, self._k_linear = attention, kv_cache, norm, linear
         self._k_rotary, self._k_act, self._k_argmax = rotary, activation, argmax
         self._num_sms = num_sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        # per op, the compiled kernel (csrc/cuda) or the Triton one (compiled.py says how it is chosen)
+        from . import compiled
+        self._compiled = compiled
+        self.kernels = (compiled.choose(torch.cuda.get_device_capability()) if torch.cuda.is_available()
+                        else {op: 'triton' for op in compiled.OPS})
 
     @classmethod
     def is_available(cls) -> bool:
@@ -150,6 +156,11 @@ class CudaOps(DeviceOps):
                                                          v_scale_zero=cache.v_scale_zero)
 
     def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
+        if self.kernels['paged_decode_attention'] == 'compiled':
+            done = self._compiled.paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len,
+                                                         self._num_sms, order, out)
+            if done is not None:
+                return done
         return self._k_attention.paged_decode_attention(q, cache.k, cache.v, block_tables, kv_seqlens, scale,
                                                         max_kv_len, self._num_sms, order, out=out,
                                                         k_scale_zero=cache.k_scale_zero,

@@ -15,12 +15,12 @@ import triton
 import triton.language as tl
 
 from ...cache import rotates_k
+from ..splits import MAX_DECODE_SPLITS, num_decode_splits  # noqa: F401 (tests read them here)
 from . import pdl
 from .kv_cache import hadamard_dot, quant_of
 from .limits import no_respecialising, shared_memory
 
 _LOG2E = 1.4426950408889634
-MAX_DECODE_SPLITS = 64  # batch 1 on an H100 cuts a long context into 64 slices (num_decode_splits)
 
 
 def _codes_ptx(pick: str) -> tl.constexpr:
@@ -391,22 +391,6 @@ def _decode_tiles(q: torch.Tensor, quant: int) -> Tuple[int, int]:
     if q.device.type != 'cuda':
         return 64, 2  # the interpreter: stages are ignored
     return decode_tiles(shared_memory(q.device), q.shape[0], quant)
-
-
-def num_decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
-    """How many slices each sequence's context is cut into: about 16 programs
-    an SM, up to 8 slices (with context lengths as varied as real traffic, a
-    long sequence's single program otherwise sets the kernel's time: on an
-    H100 at batch 32, 57.9 us unsplit against 25.3 us in 8 slices); at least
-    2 programs an SM for the smallest batches (batch 1 on an H100: 32); no
-    slice under 256 tokens. From ~160 sequences on (8 KV heads, 132 SMs),
-    one slice: splitting then costs more than it balances."""
-    programs = batch * num_kv_heads
-    fill = (16 * num_sms) // programs
-    balanced = min(8, 1 << (fill.bit_length() - 1)) if fill else 1
-    want = max((2 * num_sms) // programs, balanced)
-    by_len = max(1, max_kv_len // 256)
-    return min(MAX_DECODE_SPLITS, triton.next_power_of_2(max(1, min(want, by_len))))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms: int = 132,

@@ -1,0 +1,36 @@
+// The Python module lmdeploy.devices.cuda._C: the compiled kernels, called with raw device pointers
+// (tensor.data_ptr()) and the stream (torch.cuda.current_stream().cuda_stream), so that this module
+// depends on no torch headers or ABI; lmdeploy/devices/cuda/compiled.py checks the tensors.
+#include <pybind11/pybind11.h>
+
+#include "ops.h"
+
+namespace py = pybind11;
+using lmdeploy::DecodeArgs;
+
+namespace {
+
+const void* ptr(uintptr_t p) { return reinterpret_cast<const void*>(p); }
+
+void paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scale_zero,
+                            uintptr_t v_scale_zero, uintptr_t partial, uintptr_t out, uintptr_t block_tables,
+                            uintptr_t kv_lens, uintptr_t order, int dtype, int quant_policy, int batch, int num_heads,
+                            int num_kv_heads, int head_dim, int block_size, int num_splits, int64_t stride_qb,
+                            int64_t stride_qh, int64_t stride_ob, int64_t stride_oh, int64_t stride_bt, float scale,
+                            uintptr_t stream) {
+    DecodeArgs a{ptr(q), ptr(k_cache), ptr(v_cache), ptr(k_scale_zero), ptr(v_scale_zero),
+                 reinterpret_cast<void*>(partial), reinterpret_cast<void*>(out), ptr(block_tables), ptr(kv_lens),
+                 ptr(order), dtype, quant_policy, batch, num_heads, num_kv_heads, head_dim, block_size, num_splits,
+                 stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, scale};
+    lmdeploy::paged_decode_attention(a, reinterpret_cast<cudaStream_t>(stream));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "lmdeploy's compiled CUDA kernels (csrc/cuda)";
+    m.attr("MAX_DECODE_SPLITS") = lmdeploy::kMaxDecodeSplits;
+    m.def("decode_attention_supports", &lmdeploy::decode_attention_supports, py::arg("dtype"),
+          py::arg("quant_policy"), py::arg("head_dim"), py::arg("num_heads"), py::arg("num_kv_heads"));
+    m.def("paged_decode_attention", &paged_decode_attention, "DeviceOps.paged_decode_attention on raw pointers");
+}

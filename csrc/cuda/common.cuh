@@ -1,0 +1,49 @@
+// Shared by lmdeploy's compiled CUDA kernels: element types and the loads a lane makes.
+//
+// The kernels take raw device pointers and plain integers (the Python side checks shapes and
+// dtypes), so this code needs no torch headers: only the CUDA toolkit and, for the bindings,
+// pybind11.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace lmdeploy {
+
+// Element types by code: the bindings pass one of these for the query / output dtype.
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Eight 16-bit elements (16 bytes) into floats.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&out)[8]) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = to_float(e[i]);
+}
+
+__device__ __forceinline__ float warp_max(float x, int width) {
+    for (int o = width / 2; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o, width));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x, int width) {
+    for (int o = width / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o, width);
+    return x;
+}
+
+inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace lmdeploy

@@ -1,0 +1,37 @@
+// The compiled kernels' host entry points (what bindings.cpp exposes to Python).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace lmdeploy {
+
+constexpr int kMaxDecodeSplits = 64;  // as the Triton kernel's MAX_DECODE_SPLITS
+
+// DeviceOps.paged_decode_attention's arguments as raw device pointers and sizes. The Python wrapper
+// (lmdeploy/devices/cuda/compiled.py) checks them: q / out [B, H, D] with unit stride in D; caches
+// contiguous [N, S, Hkv, W] (W = D for 16-bit and int8, D / 2 for int4), scale/zero [N, S, Hkv, 2]
+// float16; block_tables int32 [B, *]; kv_lens and order int64 [B]; partial float32
+// [B, H, num_splits, D + 1] when num_splits > 1.
+struct DecodeArgs {
+    const void* q;
+    const void* k_cache;
+    const void* v_cache;
+    const void* k_scale_zero;  // nullptr for a 16-bit cache
+    const void* v_scale_zero;
+    void* partial;
+    void* out;
+    const void* block_tables;
+    const void* kv_lens;
+    const void* order;  // nullptr: rows in order
+    int dtype;          // DType of q and out (and of a 16-bit cache)
+    int quant_policy;   // 0, 8 or 4
+    int batch, num_heads, num_kv_heads, head_dim, block_size, num_splits;
+    int64_t stride_qb, stride_qh, stride_ob, stride_oh, stride_bt;
+    float scale;
+};
+
+bool decode_attention_supports(int dtype, int quant_policy, int head_dim, int num_heads, int num_kv_heads);
+void paged_decode_attention(const DecodeArgs& args, cudaStream_t stream);
+
+}  // namespace lmdeploy

@@ -1,0 +1,108 @@
+"""The compiled CUDA kernels (csrc/cuda, built into the module ``_C``) and which implementation of an op
+the cuda device runs: the compiled kernel or the Triton one.
+
+``LMDEPLOY_CUDA_KERNELS``: ``auto`` (default) uses a compiled kernel where the module is present and the
+kernel was measured faster than Triton's on that GPU generation (:data:`FASTER`); ``triton`` never
+uses them; ``compiled`` uses them wherever they take the inputs (and refuses to start without the
+module). The engine never knows which ran.
+
+The module takes raw pointers; the wrappers here check what it needs (dtypes, contiguity, head
+sizes) and return None for inputs outside it, so the caller falls back to Triton.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .splits import num_decode_splits
+
+MODES = ('auto', 'triton', 'compiled')
+OPS = ('paged_decode_attention', )
+# op -> compute capabilities (major, minor) where the compiled kernel beat Triton's in
+# benchmark/compiled_attention.py (benchmark/RESULTS.md); auto uses it there, and on GPUs Triton does not
+# serve (before sm80 Triton's attention runs without bfloat16 and its tensor-core paths)
+FASTER: Dict[str, Tuple[Tuple[int, int], ...]] = {'paged_decode_attention': ()}
+_BEFORE_TRITON = (8, 0)
+
+_module = None
+_error: Optional[str] = None
+
+
+def module():
+    """The loaded ``_C`` module, or None (:func:`load_error` says why)."""
+    global _module, _error
+    if _module is None and _error is None:
+        try:
+            _module = importlib.import_module('lmdeploy.devices.cuda._C')
+        except ImportError as e:
+            _error = f'{e} (build it: python csrc/build.py)'
+    return _module
+
+
+def load_error() -> Optional[str]:
+    module()
+    return _error
+
+
+def mode() -> str:
+    value = os.environ.get('LMDEPLOY_CUDA_KERNELS', 'auto').strip().lower() or 'auto'
+    if value not in MODES:
+        raise ValueError(f'LMDEPLOY_CUDA_KERNELS must be one of {", ".join(MODES)}, got {value!r}')
+    return value
+
+
+def choose(capability: Tuple[int, int]) -> Dict[str, str]:
+    """op -> 'compiled' or 'triton' on a GPU of this compute capability."""
+    m = mode()
+    if m == 'compiled' and module() is None:
+        raise RuntimeError(f'LMDEPLOY_CUDA_KERNELS=compiled, but the compiled kernels are missing: {load_error()}')
+    if m == 'triton' or module() is None:
+        return {op: 'triton' for op in OPS}
+    if m == 'compiled':
+        return {op: 'compiled' for op in OPS}
+    return {op: 'compiled' if tuple(capability) in FASTER[op] or tuple(capability) < _BEFORE_TRITON else 'triton'
+            for op in OPS}
+
+
+_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
+
+
+def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms, order=None,
+                           out=None) -> Optional[torch.Tensor]:
+    """DeviceOps.paged_decode_attention by the compiled kernel; None where it does not take the inputs."""
+    mod = module()
+    if mod is None or q.dtype not in _DTYPES or q.dim() != 3 or q.stride(-1) != 1:
+        return None
+    bsz, h, d = q.shape
+    k, v = cache.k, cache.v
+    hkv = k.shape[2]
+    policy = cache.quant_policy
+    if not mod.decode_attention_supports(_DTYPES[q.dtype], policy, d, h, hkv):
+        return None
+    if not (k.is_contiguous() and v.is_contiguous() and block_tables.dtype == torch.int32
+            and block_tables.stride(-1) == 1 and kv_seqlens.dtype == torch.int64 and kv_seqlens.is_contiguous()):
+        return None
+    if policy == 0 and k.dtype != q.dtype:
+        return None
+    if policy and not (cache.k_scale_zero.is_contiguous() and cache.v_scale_zero.is_contiguous()):
+        return None
+    if order is not None and not (order.dtype == torch.int64 and order.is_contiguous()):
+        order = None
+    out = torch.empty_like(q) if out is None else out
+    if out.stride(-1) != 1:
+        return None
+    if bsz == 0:
+        return out
+    splits = num_decode_splits(bsz, hkv, max_kv_len, num_sms)
+    part = torch.empty((bsz, h, splits, d + 1) if splits > 1 else (1, ), dtype=torch.float32, device=q.device)
+    ksz = cache.k_scale_zero.data_ptr() if policy else 0
+    vsz = cache.v_scale_zero.data_ptr() if policy else 0
+    mod.paged_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), ksz, vsz, part.data_ptr(), out.data_ptr(),
+                               block_tables.data_ptr(), kv_seqlens.data_ptr(),
+                               0 if order is None else order.data_ptr(), _DTYPES[q.dtype], policy, bsz, h, hkv, d,
+                               k.shape[1], splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                               block_tables.stride(0), float(scale), torch.cuda.current_stream(q.device).cuda_stream)
+    return out

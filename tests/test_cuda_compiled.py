@@ -1,0 +1,146 @@
+"""The compiled CUDA kernels (csrc/cuda) on a GPU: against the reference ops and the Triton kernels, and
+end to end with the compiled kernels forced. Skipped without a GPU or without the built module
+(``python csrc/build.py``); test_csrc_build.py compiles them everywhere nvcc is."""
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+
+from lmdeploy.devices import get_device  # noqa: E402
+from lmdeploy.devices.cache import KVCache  # noqa: E402
+from lmdeploy.devices.cuda import compiled  # noqa: E402
+
+REF = get_device('cpu')
+
+
+@pytest.fixture(scope='module', autouse=True)
+def built():
+    if compiled.module() is None:
+        pytest.skip(f'the compiled kernels are not built: {compiled.load_error()}')
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(int.from_bytes(os.urandom(4), 'little'))
+
+
+def rel_err(out, ref):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(out).all(), 'non-finite output'
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def make_cache(lengths, hkv, d, block_size, dtype, policy):
+    """A cache of the standard layout filled by the reference over shuffled blocks (plus spare ones)."""
+    nblocks = [-(-n // block_size) for n in lengths]
+    total = sum(nblocks) + 3
+    ref = REF.kv_cache_spec(hkv, d, block_size, dtype, policy).allocate(total, 'cpu')
+    for t in ref.tensors().values():
+        t.zero_()
+    perm = torch.randperm(total).tolist()
+    tables = torch.zeros((len(lengths), max(nblocks)), dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        blocks = [perm.pop() for _ in range(nblocks[b])]
+        tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots = torch.tensor([blocks[j // block_size] * block_size + j % block_size for j in range(n)])
+        k = (torch.randn(n, hkv, d) * torch.rand(n, hkv, 1) * 4).to(dtype)  # rows of different ranges
+        REF.fill_kv_cache(k, torch.randn(n, hkv, d).to(dtype), ref, slots)
+    dev = KVCache(*(None if t is None else t.cuda() for t in (ref.k, ref.v)), policy,
+                  *(None if t is None else t.cuda() for t in (ref.k_scale_zero, ref.v_scale_zero)))
+    return ref, dev, tables
+
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize('policy', [0, 8, 4])
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize('h,hkv,d,bs', [(8, 8, 64, 16), (32, 8, 128, 64), (16, 2, 128, 16), (14, 2, 64, 64),
+                                        (12, 6, 128, 16)])
+def test_decode_attention_equals_reference_and_triton(policy, dtype, h, hkv, d, bs):
+    """GQA 1/2/4/7/8, head_dim 64/128, block size 16/64, contexts over many blocks of odd lengths (and one
+    of 0: zeros), one slice and several, rows in order and longest first."""
+    from lmdeploy.devices.cuda.kernels import attention
+    lens_list = [4000, 1, 517, 2049, 64, 333, 0, random.randint(1, 3000)]
+    ref_cache, cache, tables = make_cache([max(1, n) for n in lens_list], hkv, d, bs, dtype, policy)
+    lens = torch.tensor(lens_list)
+    q = torch.randn(len(lens_list), h, d, dtype=dtype, device='cuda')
+    ref = REF.paged_decode_attention(q.cpu().float(), ref_cache, tables, lens, d**-0.5, max(lens_list))
+    longest = torch.tensor(sorted(range(len(lens_list)), key=lambda i: -lens_list[i]), device='cuda')
+    args = (tables.cuda(), lens.cuda(), d**-0.5, max(lens_list))
+    for num_sms in (1, 132):
+        for order in (None, longest):
+            out = compiled.paged_decode_attention(q, cache, *args, num_sms, order)
+            assert out is not None
+            assert rel_err(out, ref) < TOL[dtype] * 3, (num_sms, order is not None)
+            assert out[6].abs().max() == 0  # the empty row
+            tri = attention.paged_decode_attention(q, cache.k, cache.v, *args, num_sms, order,
+                                                   k_scale_zero=cache.k_scale_zero, v_scale_zero=cache.v_scale_zero)
+            assert rel_err(out, tri) < TOL[dtype] * 2
+    into = torch.full_like(q, float('nan'))
+    assert compiled.paged_decode_attention(q, cache, *args, 132, None, out=into) is into
+    assert rel_err(into, ref) < TOL[dtype] * 3
+
+
+def test_unsupported_inputs_fall_back():
+    _, cache, tables = make_cache([40], 2, 96, 16, torch.float16, 0)  # head_dim 96: not compiled
+    q = torch.randn(1, 4, 96, dtype=torch.float16, device='cuda')
+    assert compiled.paged_decode_attention(q, cache, tables.cuda(), torch.tensor([40], device='cuda'), 0.1, 40,
+                                           132) is None
+    _, cache, tables = make_cache([40], 1, 64, 16, torch.float16, 0)  # 16 query heads a KV head: not compiled
+    q = torch.randn(1, 16, 64, dtype=torch.float16, device='cuda')
+    assert compiled.paged_decode_attention(q, cache, tables.cuda(), torch.tensor([40], device='cuda'), 0.1, 40,
+                                           132) is None
+
+
+def test_kernel_choice(monkeypatch):
+    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'triton')
+    assert compiled.choose((9, 0)) == {'paged_decode_attention': 'triton'}
+    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
+    assert compiled.choose((9, 0)) == {'paged_decode_attention': 'compiled'}
+    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'auto')
+    assert compiled.choose((7, 5)) == {'paged_decode_attention': 'compiled'}  # before Triton's sm80 paths
+    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'fast')
+    with pytest.raises(ValueError, match='LMDEPLOY_CUDA_KERNELS'):
+        compiled.choose((9, 0))
+
+
+@pytest.mark.parametrize('shape', ['llama-small', 'qwen2-small'])
+@pytest.mark.parametrize('policy', [0, 8])
+def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatch):
+    """Random-weight Llama and Qwen2 shapes, bf16: greedy tokens with the compiled decode attention equal
+    those with Triton's, or their logits agree within 1e-2 relative error up to where they diverge."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'benchmark'))
+    from engine_utils import submit
+    from random_model import make_model
+
+    from lmdeploy.engine.engine import Engine
+    from lmdeploy.engine.sequence import SamplingParams
+    from lmdeploy.messages import PytorchEngineConfig
+    path = make_model(shape, str(tmp_path / shape), dtype='bfloat16')
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 32000) for _ in range(n)] for n in (1, 7, 200, 1000)]
+    device = get_device('cuda')
+    runs = {}
+    for kind in ('triton', 'compiled'):
+        monkeypatch.setitem(device.kernels, 'paged_decode_attention', kind)
+        engine = Engine(path, PytorchEngineConfig(device_type='cuda', dtype='bfloat16', session_len=2048,
+                                                  cache_max_entry_count=0.1, block_size=64, quant_policy=policy))
+        try:
+            cols = [submit(engine, p, SamplingParams(max_new_tokens=24, output_logits='generation')) for p in prompts]
+            for c in cols:
+                c.wait()
+                assert c.final.error is None, c.final.error
+            runs[kind] = [(c.token_ids, torch.cat([o.logits for o in c.outputs if o.logits is not None]).float())
+                          for c in cols]
+        finally:
+            engine.close()
+    for (tri, tri_logits), (com, com_logits) in zip(runs['triton'], runs['compiled']):
+        same = next((i for i, (a, b) in enumerate(zip(tri, com)) if a != b), len(tri))
+        for i in range(min(same + 1, len(tri))):
+            err = ((com_logits[i] - tri_logits[i]).norm() / tri_logits[i].norm()).item()
+            assert err < 1e-2, (shape, policy, i, err)
