@@ -109,8 +109,7 @@ def test_kernel_choice(monkeypatch):
         compiled.choose((9, 0))
 
 
-@pytest.mark.parametrize('shape', ['llama-small', 'qwen2-small'])
-@pytest.mark.parametrize('policy', [0, 8])
+@pytest.mark.parametrize('shape,policy', [('llama-small', 0), ('llama-small', 8), ('qwen2-small', 0)])
 def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatch):
     """Random-weight Llama and Qwen2 shapes, bf16: greedy tokens with the compiled decode attention equal
     those with Triton's, or their logits agree within 1e-2 relative error up to where they diverge."""
@@ -128,8 +127,9 @@ def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatc
     runs = {}
     for kind in ('triton', 'compiled'):
         monkeypatch.setitem(device.kernels, 'paged_decode_attention', kind)
-        engine = Engine(path, PytorchEngineConfig(device_type='cuda', dtype='bfloat16', session_len=2048,
-                                                  cache_max_entry_count=0.1, block_size=64, quant_policy=policy))
+        config = PytorchEngineConfig(device_type='cuda', dtype='bfloat16', session_len=2048, eager_mode=True,
+                                     cache_max_entry_count=0.1, block_size=64, quant_policy=policy)
+        engine = Engine(path, config)
         try:
             cols = [submit(engine, p, SamplingParams(max_new_tokens=24, output_logits='generation')) for p in prompts]
             for c in cols:

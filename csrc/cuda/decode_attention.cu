@@ -141,13 +141,14 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
     }
 
     const int32_t* table = tables + b * stride_bt;
-    for (int base = start + sub; base < end; base += kSub * kUnroll) {
+    // (the trip count is the block's, not the lane's: lanes of a warp exchange partial dots by shuffles)
+    for (int base = start; base < end; base += kSub * kUnroll) {
         R kraw[kUnroll], vraw[kUnroll];
         float2 ks[kUnroll], vs[kUnroll];
         bool valid[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {  // every load of the step first
-            const int t = base + u * kSub;
+            const int t = base + u * kSub + sub;
             valid[u] = t < end;
             if (valid[u]) {
                 const int64_t slot_id = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
