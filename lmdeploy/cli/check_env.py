@@ -175,6 +175,27 @@ def collect_devices() -> List[Tuple[str, bool, str]]:
     return rows
 
 
+def collect_cuda_kernels() -> List[Tuple[str, str]]:
+    """Whether the compiled CUDA kernels (csrc/cuda) are here, and which kernel each op uses on this GPU."""
+    from lmdeploy.devices.cuda import compiled
+    mod = compiled.module()
+    rows = [('compiled module', f'present ({mod.__file__})' if mod is not None else f'absent: {compiled.load_error()}')]
+    try:
+        mode = compiled.mode()
+    except ValueError as e:
+        return rows + [('LMDEPLOY_CUDA_KERNELS', str(e))]
+    rows.append(('LMDEPLOY_CUDA_KERNELS', mode))
+    try:
+        import torch
+        if torch.cuda.is_available():
+            cap = torch.cuda.get_device_capability()
+            for op, kind in compiled.choose(cap).items():
+                rows.append((op, f'{kind} (sm{cap[0]}{cap[1]})'))
+    except Exception as e:  # a probe never takes check_env down
+        rows.append(('kernel choice', f'unknown ({type(e).__name__}: {e})'))
+    return rows
+
+
 # -------------------------------------------------------------------- main
 def _table(rows, out):
     width = max((len(label) for label, _ in rows), default=0)
@@ -196,6 +217,12 @@ def check_env(out=None, self_test: bool = True) -> int:
         return 1
     print('lmdeploy devices:', file=out)
     _table([(name, note) for name, _, note in devs], out)
+    try:
+        kernels = collect_cuda_kernels()
+    except Exception as e:
+        kernels = [('compiled module', f'cannot tell ({type(e).__name__}: {e})')]
+    print('cuda kernels (Triton, or compiled from csrc/cuda):', file=out)
+    _table(kernels, out)
     out.flush()
     if not self_test:
         return 0
