@@ -10,6 +10,7 @@ the hash of their sources, flags and nvcc version, so an unchanged unit is not c
 module links the CUDA runtime statically and takes raw pointers (see bindings.cpp): it needs no
 torch headers, only nvcc, a C++ compiler and pybind11.
 
+$LMDEPLOY_NVCC_FLAGS adds flags to the kernels' compiles (tuning macros in the sources).
 Architectures: $LMDEPLOY_CUDA_ARCHS (e.g. "75;80;90" or "75,80,90"), else every one of sm70, sm75,
 sm80, sm86, sm89, sm90 that the installed nvcc supports (CUDA 13 dropped sm70: it is skipped with a
 notice), plus PTX of the newest for GPUs after it.
@@ -124,8 +125,9 @@ def build(archs: Optional[Sequence[int]] = None, out_dir: str = PACKAGE_DIR, cac
     units = sorted(f for f in os.listdir(SRC) if f.endswith('.cu'))
     headers = [os.path.join(SRC, h) for h in HEADERS]
     common = ['-O3', '-std=c++17', '-Xcompiler', '-fPIC', '-I', SRC]
+    extra = os.environ.get('LMDEPLOY_NVCC_FLAGS', '').split()  # e.g. tuning macros: -DLMDEPLOY_DECODE_UNROLL=8
     cu_flags = common + ['--expt-relaxed-constexpr', '-lineinfo', '--threads', str(max(1, jobs // len(units))),
-                         *gencode_flags(archs)]
+                         *gencode_flags(archs), *extra]
     import pybind11
     py_flags = common + ['-I', pybind11.get_include(), '-I', sysconfig.get_paths()['include']]
     tasks = []

@@ -21,8 +21,17 @@
 namespace lmdeploy {
 namespace {
 
+// Tuning (H100, benchmark/kv_quant_attn.py --impl compiled; LMDEPLOY_NVCC_FLAGS=-D... to try others):
+// 4 blocks an SM (128 registers a thread) and 2 tokens a step: int8 30 -> 35 % of the copy ceiling,
+// 16-bit 75-81 -> 77-80 %; 8 tokens a step (224 registers) lost 10-20 %.
+#ifndef LMDEPLOY_DECODE_UNROLL
+#define LMDEPLOY_DECODE_UNROLL 2
+#endif
+#ifndef LMDEPLOY_DECODE_MIN_BLOCKS
+#define LMDEPLOY_DECODE_MIN_BLOCKS 4
+#endif
 constexpr int kWarps = 4;
-constexpr int kUnroll = 4;
+constexpr int kUnroll = LMDEPLOY_DECODE_UNROLL;  // tokens a lane group loads before it computes
 
 // What one lane reads of one token's row, before dequantizing.
 template <typename T, int POLICY>
@@ -74,7 +83,7 @@ __device__ __forceinline__ float2 load_sz(const __half* sz, int64_t row) {
 }
 
 template <typename T, int POLICY, int D, int G>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, LMDEPLOY_DECODE_MIN_BLOCKS)
 decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* __restrict__ vc,
               const __half* __restrict__ ksz, const __half* __restrict__ vsz, float* __restrict__ part,
               T* __restrict__ out, const int32_t* __restrict__ tables, const int64_t* __restrict__ kv_lens,

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig, RequestError, Response
+from lmdeploy.messages import MAX_N, GenerationConfig, PytorchEngineConfig, RequestError, Response
 
 from .chat_template import ChatTemplateConfig
 from .gateway import Gateway, GenOut
@@ -83,12 +83,18 @@ class _Sample:
     after: Optional[int] = None  # a sample of the same prompt (choice 0) whose first output it waits for
 
 
+def _num_samples(gen: Any) -> int:
+    """``GenerationConfig.n`` where it is valid; else 1, and the gateway refuses the request with the reason."""
+    n = getattr(gen, 'n', 1) if isinstance(gen, GenerationConfig) else 1
+    return n if isinstance(n, int) and 1 <= n <= MAX_N else 1
+
+
 def _expand(items: List[Any], gens: List[Any], share_prefill: bool) -> List[_Sample]:
     """Each prompt's n samples (``GenerationConfig.n``): sample c draws with ``random_seed + c``; with
     prefix caching the later ones start once the first has its prompt in the cache."""
     samples = []
     for i, (p, g) in enumerate(zip(items, gens)):
-        n = g.n if isinstance(g, GenerationConfig) else 1
+        n = _num_samples(g)
         first = len(samples)
         for c in range(n):
             gc = g
@@ -104,7 +110,7 @@ def _group(items: List[Any], gens: List[Any], samples: List[_Sample], responses:
     out: List[Any] = [[] for _ in items]
     for sample, resp in zip(samples, responses):
         out[sample.index].append(resp)
-    return [rs if isinstance(g, GenerationConfig) and g.n > 1 else rs[0] for rs, g in zip(out, gens)]
+    return [rs if _num_samples(g) > 1 else rs[0] for rs, g in zip(out, gens)]
 
 
 def _log_refused(resp: Response):
