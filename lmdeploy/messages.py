@@ -140,6 +140,9 @@ class PytorchEngineConfig:
     # run the engine loop in a process of its own (no interpreter lock shared with the caller's threads);
     # None: the API server does, pipeline() runs it in-process
     engine_process: Optional[bool] = None
+    # tp > 1: how the other ranks run: 'mp' (processes of this machine) or 'ray' (Ray actors, on the machines
+    # of a Ray cluster); None: 'mp'
+    distributed_executor_backend: Optional[str] = None
     # accepted for LMDeploy compatibility; no effect here
     num_cpu_blocks: int = 0
     thread_safe: bool = False
@@ -177,6 +180,8 @@ class PytorchEngineConfig:
                f'must be None, True or False, got {self.engine_process!r}')
         _check(self.quant_policy in (0, 4, 8), name + 'quant_policy',
                f'must be 0, 4 or 8, got {self.quant_policy!r}')
+        _check(self.distributed_executor_backend in (None, 'mp', 'ray'), name + 'distributed_executor_backend',
+               f"must be None, 'mp' or 'ray', got {self.distributed_executor_backend!r}")
 
 
 @dataclass

@@ -111,6 +111,36 @@ class DeviceOps:
                              f'KV cache); it implements {list(self.quant_policies)}')
         return standard_spec(num_kv_heads, head_dim, block_size, dtype, quant_policy)
 
+    # ------------------------------------------------------ tensor parallelism
+    # One process per rank, each on its own device; they talk through a torch.distributed process group
+    # (the default group, one member per rank) of this backend: 'gloo' here and on the cpu, 'nccl' on cuda.
+    collective_backend: str = 'gloo'
+    # the Ray resource one rank reserves (e.g. 'GPU'); None: only a CPU
+    ray_resource: Optional[str] = None
+
+    def set_device_index(self, index: int) -> None:
+        """Make this machine's device ``index`` the one :meth:`torch_device` names (before anything is
+        allocated). Devices with one device per machine ignore it."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns it."""
+        import torch.distributed as dist
+        dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` (same shape on each), stacked in rank order: [world, *x.shape]."""
+        import torch.distributed as dist
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.stack(parts)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` into every rank's ``x`` (same shape and dtype everywhere), in place."""
+        import torch.distributed as dist
+        dist.broadcast(x, src)
+        return x
+
     # the device's memory is the host's RAM (the cpu): the KV cache is capped by cpu_kv_cache_cap_gb
     memory_is_host_ram: bool = False
 

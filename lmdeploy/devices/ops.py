@@ -79,3 +79,15 @@ def sample(logits, seeds, offsets):
 
 def argmax(logits):
     return _ops(logits).argmax(logits)
+
+
+def all_reduce(x):
+    return _ops(x).all_reduce(x)
+
+
+def all_gather(x):
+    return _ops(x).all_gather(x)
+
+
+def broadcast(x, src=0):
+    return _ops(x).broadcast(x, src)

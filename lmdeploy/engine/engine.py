@@ -23,16 +23,14 @@ from lmdeploy.devices import get_device
 from lmdeploy.messages import PytorchEngineConfig
 
 from .block_manager import BlockManager
-from .model_config import DTYPES, ModelConfig, load_model_config
-from .model_runner import ModelRunner, kv_cache_spec, profile_peak_memory
+from .model_config import ModelConfig, load_model_config
+from .parallel import start_workers
+from .rank import build_rank
 from .sampler import needs_host_history, sample_tokens, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import EngineOutput, SamplingParams, SeqStatus, Sequence
-from .weights import load_model
 
 logger = logging.getLogger('lmdeploy')
-
-MAX_MIXED_TOKENS = 2048
 
 
 
@@ -80,40 +78,32 @@ class Engine:
         ``on_loop``: called on the engine thread after each pass of its loop (a step, or commands handled),
         e.g. to send the outputs the pass made in one message."""
         self.config = config = config or PytorchEngineConfig()
-        if config.tp != 1:
-            raise NotImplementedError(f'tp={config.tp}: tensor parallelism is not implemented yet; use tp=1')
         self.model_path = model_path
         self._grammars = None  # structured output: made on the first request with a grammar
         self.device = get_device(config.device_type)
         self.model_config: ModelConfig = model_config or load_model_config(model_path)
-        self.dtype = self._pick_dtype()
-        self.model = load_model(model_path, self.model_config, self.dtype, self.device.torch_device())
         self.block_size = config.block_size
-        self.session_len = self._session_len()
-        self.max_batch_size = config.max_batch_size or self.device.default_max_batch_size
-        # the device lays out the cache (and refuses a quantization it lacks, here at start-up)
         self.quant_policy = config.quant_policy
-        self.kv_spec = kv_cache_spec(self.device, self.model_config, self.block_size, self.dtype, self.quant_policy)
-        if self.device.profile_memory:
-            # a prefill step also carries a token for each decoding sequence
-            profile_peak_memory(self.model, self.model_config, self.device, self.dtype,
-                                min(config.max_prefill_token_num, self.session_len) + self.max_batch_size,
-                                self.block_size, self.max_batch_size, self.quant_policy)
-        self.num_blocks = self._num_blocks()
+        # tp > 1: this process is rank 0 of the tensor-parallel ranks; the others start now and build alongside
+        self.workers = start_workers(model_path, config, self.model_config, self.device) if config.tp > 1 else None
+        try:
+            rank = build_rank(model_path, config, self.model_config, self.device)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+        self.model, self.dtype, self.kv_spec, self.num_blocks = rank.model, rank.dtype, rank.kv_spec, rank.num_blocks
+        self.session_len, self.max_batch_size = rank.session_len, rank.max_batch_size
         logger.info('KV cache: %d blocks of %d tokens = %d tokens (quant_policy %d, %.1f MiB per block over %d layers)',
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.quant_policy,
-                    self._bytes_per_block() / (1 << 20), self.model_config.num_layers)
+                    rank.bytes_per_block / (1 << 20), self.model_config.num_layers)
         prefix = config.enable_prefix_caching
         if prefix and self.model_config.rope.type == 'dynamic':
             logger.warning('prefix caching is off: dynamic NTK rotary makes cached keys depend on length')
             prefix = False
         self.block_manager = BlockManager(self.num_blocks, self.block_size, prefix)
-        # steps with prompt rows are recorded up to this many tokens (larger ones are long prefills, where the
-        # device's work dwarfs the host's)
-        max_mixed_tokens = min(MAX_MIXED_TOKENS, config.max_prefill_token_num + self.max_batch_size)
-        self.runner = ModelRunner(self.model, self.model_config, self.device, self.dtype, self.num_blocks,
-                                  self.block_size, self.max_batch_size, config.eager_mode, self.session_len,
-                                  max_mixed_tokens, self.quant_policy)
+        # the runner: this process's own, or one that has the other ranks run each step along with it
+        self.runner = rank.runner if self.workers is None else self.workers.driver(rank.runner)
         self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
                                    self._finish_too_long, mix_prefill_decode=not self.runner.uses_graphs,
                                    prefill_interval=config.prefill_interval)
@@ -145,38 +135,6 @@ class Engine:
         atexit.register(gc.unfreeze)  # let interpreter shutdown collect them as usual
         self._thread = threading.Thread(target=self._loop, name='lmdeploy-engine', daemon=True)
         self._thread.start()
-
-    # --------------------------------------------------------------- sizing
-    def _pick_dtype(self) -> torch.dtype:
-        name = self.config.dtype
-        dtype = self.device.default_dtype(self.model_config.dtype) if name == 'auto' else DTYPES[name]
-        if not self.device.supports_dtype(dtype):
-            raise ValueError(f'dtype {dtype} is not supported on device {self.device.name!r}')
-        return dtype
-
-    def _bytes_per_block(self) -> int:
-        """A block of every layer's cache."""
-        return self.kv_spec.bytes_per_block * self.model_config.num_layers
-
-    def _num_blocks(self) -> int:
-        if self.config.num_gpu_blocks > 0:
-            return self.config.num_gpu_blocks
-        budget = self.device.memory_available() * self.config.cache_max_entry_count
-        if self.device.memory_is_host_ram:
-            budget = min(budget, self.config.cpu_kv_cache_cap_gb * (1 << 30))
-        num = int(budget // self._bytes_per_block())
-        if num < 1:
-            raise RuntimeError('not enough free memory for a single KV block; lower block_size or free memory')
-        return num
-
-    def _session_len(self) -> int:
-        session_len = self.config.session_len or self.model_config.max_position_embeddings
-        window = self.model_config.sliding_window
-        if window and window < session_len:
-            logger.warning(f'sliding-window attention is not implemented: session_len capped at the window '
-                           f'({window})')
-            session_len = window
-        return session_len
 
     # ----------------------------------------------------------- public API
     def submit(self, req: EngineRequest):
@@ -216,13 +174,16 @@ class Engine:
 
     def is_alive(self) -> bool:
         """True while the engine accepts and runs requests."""
-        return not self._stopping and self._thread.is_alive()
+        return (not self._stopping and self._thread.is_alive()
+                and (self.workers is None or self.workers.error() is None))
 
     def close(self):
         if not self._stopping:
             self._stopping = True
             self._inbox.put(('stop', None))
             self._thread.join(timeout=10)
+            if self.workers is not None:
+                self.workers.close()
 
     # ----------------------------------------------------------------- loop
     def _loop(self):
@@ -476,7 +437,7 @@ class Engine:
             if p.output_last_hidden_state == 'all':
                 extra['hidden'] = chunk.float().cpu()
             if p.output_logits == 'all' or p.prompt_loss:
-                logits = self.runner.logits(chunk).float()
+                logits = self.runner.logits(chunk, range(offset, offset + len(chunk))).float()
                 if p.output_logits == 'all':
                     extra['logits'] = logits.cpu()
                 if p.prompt_loss:
@@ -495,10 +456,11 @@ class Engine:
         flight (read back while the next step runs); requests whose sampling
         or outputs need the host are settled now."""
         seqs = [s for s, _ in done]
-        last_hidden = self.runner.rows(hidden, [r for _, r in done])
+        rows = [r for _, r in done]
+        last_hidden = self.runner.rows(hidden, rows)
         plain = all(s.params.plain_greedy for s in seqs)
         settle_now = bool(extras) or (not plain and any(needs_host_history(s) for s in seqs))
-        logits = self.runner.logits(last_hidden)
+        logits = self.runner.logits(last_hidden, rows)
         if settle_now or not plain:
             logits = logits.float()  # sampling, penalties and logprobs work in float32; argmax needs not
         tokens = sample_tokens(logits, seqs, self._grammars)

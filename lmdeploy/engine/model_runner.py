@@ -1,7 +1,7 @@
 """Packs a scheduled batch into tensors, runs the model, owns the KV cache."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -12,15 +12,30 @@ from lmdeploy.devices.interface import DeviceOps
 from .graph_runner import GraphRunner
 from .model_config import ModelConfig
 from .nn import StepContext
+from .nn.parallel import head_shard, tensor_parallel
 from .piecewise import PiecewiseRunner
 from .scheduler import ScheduledBatch
 from .transfer import int64_tensor, tensor_on, to_device
 
 
+class StepMeta(NamedTuple):
+    """The sizes that go with a step's packed inputs."""
+    is_decode: int
+    num_tokens: int
+    n_prev: int  # tokens that are placeholders for the step in flight
+    bsz: int
+    width: int  # block table columns
+    num_decode: int
+    max_q_len: int
+    max_kv_len: int
+
+
 def kv_cache_spec(device: DeviceOps, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                   quant_policy: int = 0) -> KVCacheSpec:
-    """One layer's cache as the device lays it out (every layer's is alike)."""
-    return device.kv_cache_spec(cfg.num_kv_heads, cfg.head_dim, block_size, dtype, quant_policy)
+    """One layer's cache of this rank's KV heads as the device lays it out (every layer's is alike)."""
+    tp = tensor_parallel()
+    _, kv_heads = head_shard(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
+    return device.kv_cache_spec(len(kv_heads), cfg.head_dim, block_size, dtype, quant_policy)
 
 
 class ModelRunner:
@@ -55,13 +70,14 @@ class ModelRunner:
     def _eager_forward(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
-    def build_inputs(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor] = None):
-        """One host list -> one host-to-device copy. A decode step's metadata
-        is all computed on the host (a small batch would otherwise spend more
-        time in tiny derivation kernels than in its copy); a prefill step's
-        per-token positions and slots are derived on the device. A
-        placeholder token ``-1 - row`` is taken from ``prev_tokens[row]``
-        (the sampled tokens of the step still in flight) on the device."""
+    def pack_inputs(self, batch: ScheduledBatch, with_prev: bool) -> Tuple[List[int], StepMeta]:
+        """A step's inputs as one host list of integers and a few sizes (which
+        :meth:`unpack_inputs` turns into tensors after one host-to-device copy).
+        A decode step's metadata is all computed on the host (a small batch
+        would otherwise spend more time in tiny derivation kernels than in its
+        copy); a prefill step's per-token positions and slots are derived on
+        the device. ``with_prev``: placeholder tokens ``-1 - row`` stand for
+        the sampled tokens of the step still in flight."""
         seqs, counts = batch.seqs, batch.num_new_tokens
         bsz, bs = len(seqs), self.block_size
         if batch.is_decode:
@@ -73,7 +89,7 @@ class ModelRunner:
                 tokens.extend(seq.token_ids[start:start + n])
         num_tokens = len(tokens)
         flat, n_prev = list(tokens), 0
-        if prev_tokens is not None:
+        if with_prev:
             src = [-1 - t if t < 0 else -1 for t in tokens]  # row in prev_tokens, or -1
             n_prev = num_tokens - src.count(-1)
             if n_prev:
@@ -96,19 +112,30 @@ class ModelRunner:
         for seq in seqs:
             flat += seq.block_ids
             flat += [0] * (width - len(seq.block_ids))
-        dev = to_device(int64_tensor(flat), self.torch_device)
+        meta = StepMeta(int(batch.is_decode), num_tokens, n_prev, bsz, width, num_decode, max(counts),
+                        max(c + n for c, n in zip(starts, counts)))
+        return flat, meta
+
+    def unpack_inputs(self, dev: torch.Tensor, meta: StepMeta, prev_tokens: Optional[torch.Tensor] = None):
+        """(input ids, positions, StepContext) from the packed inputs on the device. A placeholder token is
+        taken from ``prev_tokens[row]`` on the device; without ``prev_tokens`` it is left as 0 (a rank
+        other than the first gets the resolved ids from it)."""
+        is_decode, num_tokens, n_prev, bsz, width, num_decode, max_q_len, max_kv_len = meta
+        bs = self.block_size
         fields = [num_tokens] * (2 if n_prev else 1)
-        fields += [bsz] * (5 if batch.is_decode else 2) + [num_decode, bsz, bsz * width]
+        fields += [bsz] * (5 if is_decode else 2) + [num_decode, bsz, bsz * width]
         parts = list(dev.split(fields))
         ids = parts.pop(0)
         if n_prev:
             rows = parts.pop(0)
-            if n_prev == num_tokens:
+            if prev_tokens is None:
+                pass
+            elif n_prev == num_tokens:
                 ids = prev_tokens.index_select(0, rows)
             else:
                 ids = torch.where(rows >= 0, prev_tokens.index_select(0, rows.clamp(min=0)), ids)
         tables = parts.pop().view(bsz, width)
-        if batch.is_decode:
+        if is_decode:
             positions, kv_lens, slots, q_lens, q_start, order, rope_lens = parts
         else:
             q_lens, computed, order, rope = parts
@@ -118,17 +145,24 @@ class ModelRunner:
             slots = tables[seq_idx, positions // bs] * bs + positions % bs
             kv_lens = computed + q_lens
             rope_lens = rope[seq_idx]
-        ctx = StepContext(is_decode=batch.is_decode, q_start_loc=q_start, q_seqlens=q_lens, kv_seqlens=kv_lens,
+        ctx = StepContext(is_decode=bool(is_decode), q_start_loc=q_start, q_seqlens=q_lens, kv_seqlens=kv_lens,
                           block_tables=tables.to(torch.int32), slot_mapping=slots,
-                          rope_lens=rope_lens, max_q_len=max(counts),
-                          max_kv_len=max(c + n for c, n in zip(starts, counts)), kv_caches=self.kv_caches,
-                          num_decode=0 if batch.is_decode else num_decode, decode_order=order)
+                          rope_lens=rope_lens, max_q_len=max_q_len, max_kv_len=max_kv_len, kv_caches=self.kv_caches,
+                          num_decode=0 if is_decode else num_decode, decode_order=order)
         return ids, positions, ctx
+
+    def build_inputs(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor] = None):
+        flat, meta = self.pack_inputs(batch, prev_tokens is not None)
+        return self.unpack_inputs(to_device(int64_tensor(flat), self.torch_device), meta, prev_tokens)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states [T, hidden] of every token of the batch."""
-        input_ids, positions, ctx = self.build_inputs(batch, prev_tokens)
+        return self.run(*self.build_inputs(batch, prev_tokens))
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The step as recorded (whole, or in pieces) where it fits, else eagerly."""
         if self.graphs is not None and self.graphs.fits(input_ids, ctx):
             return self.graphs(input_ids, positions, ctx)
         if not ctx.is_decode and self.pieces is not None and self.pieces.fits(input_ids.shape[0]):
@@ -143,7 +177,9 @@ class ModelRunner:
         return hidden[tensor_on(rows, self.torch_device, torch.int64)]
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Logits of ``hidden``, which holds rows ``rows`` of the step's hidden states (all when None): the
+        tensor-parallel runner has the other ranks compute the same rows)."""
         return self.model.compute_logits(hidden)
 
 

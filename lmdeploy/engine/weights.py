@@ -10,6 +10,8 @@ import torch
 
 from .model_config import ModelConfig
 from .models import get_model_class
+from .nn.loading import CheckpointTensor
+from .nn.parallel import check_splits, tensor_parallel
 
 
 def safetensors_files(model_path: str) -> List[str]:
@@ -24,20 +26,22 @@ def safetensors_files(model_path: str) -> List[str]:
     return files
 
 
-def iter_weights(model_path: str, dtype: torch.dtype, device: torch.device) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_weights(model_path: str, dtype: torch.dtype, device: torch.device) -> Iterator[Tuple[str, CheckpointTensor]]:
+    """Every checkpoint tensor, unread: each layer reads only the part its rank holds."""
     from safetensors import safe_open
     for path in safetensors_files(model_path):
         with safe_open(path, framework='pt', device='cpu') as f:
             for name in f.keys():
-                tensor = f.get_tensor(name)
-                if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                yield name, tensor.to(device)
+                yield name, CheckpointTensor(f.get_slice(name), dtype, device)
 
 
 def load_model(model_path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Construct the model for ``cfg`` on ``device`` in ``dtype`` and load it."""
+    """Construct the model for ``cfg`` on ``device`` in ``dtype`` and load it (this rank's shard under tensor
+    parallelism: nn/parallel.py)."""
     cls = get_model_class(cfg)
+    tp = tensor_parallel()
+    if tp.size > 1:
+        check_splits(cfg.num_heads, cfg.num_kv_heads, tp.size)
     with torch.device('meta'):
         model = cls(cfg)
     model.to_empty(device=device)

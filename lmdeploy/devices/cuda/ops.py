@@ -21,6 +21,8 @@ class CudaOps(DeviceOps):
     supports_graphs = True
     supports_graph_pieces = True
     profile_memory = True
+    collective_backend = 'nccl'
+    ray_resource = 'GPU'
     # the reference's plain-torch sampling ops already run well on a GPU
     _torch = ReferenceOps()
 
@@ -36,6 +38,9 @@ class CudaOps(DeviceOps):
         self._compiled = compiled
         self.kernels = (compiled.choose(torch.cuda.get_device_capability()) if torch.cuda.is_available()
                         else {op: 'triton' for op in compiled.OPS})
+
+    def set_device_index(self, index: int) -> None:
+        torch.cuda.set_device(index)
 
     @classmethod
     def is_available(cls) -> bool:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..nn import MergedLinear
+from ..nn.loading import CheckpointTensor
 
 
 class CausalLM(nn.Module):
@@ -45,29 +46,34 @@ class CausalLM(nn.Module):
         if self.tied:
             self.lm_head.tie(self.model.embed_tokens)
 
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
-        """Copy checkpoint tensors in; raise if one is missing or unknown."""
+    def load_weights(self, weights: Iterable[Tuple[str, CheckpointTensor]]):
+        """Copy checkpoint tensors in (each layer takes its rank's part); raise if one is missing or unknown."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: Set[Tuple[str, str]] = set()
-        for name, tensor in weights:
+        for name, src in weights:
+            if isinstance(src, torch.Tensor):
+                src = CheckpointTensor(src)
             if any(name.endswith(s) for s in self.ignored_weights):
                 continue
             if name == 'lm_head.weight' and self.tied:
                 continue
-            for fused, part, shard in self.stacked_params:
+            shard = ''
+            for fused, part, shard_name in self.stacked_params:
                 if f'.{part}.' in name:
-                    mod_name, pname = name.replace(f'.{part}.', f'.{fused}.').rsplit('.', 1)
-                    self.get_submodule(mod_name).load_shard(pname, shard, tensor)
-                    loaded.add((f'{mod_name}.{pname}', shard))
+                    name, shard = name.replace(f'.{part}.', f'.{fused}.'), shard_name
                     break
+            if name not in params:
+                raise ValueError(f'checkpoint tensor {name!r} has no place in {type(self).__name__}')
+            mod_name, pname = name.rsplit('.', 1) if '.' in name else ('', name)
+            module = self.get_submodule(mod_name)
+            if hasattr(module, 'load_param'):
+                module.load_param(pname, shard, src)
             else:
-                if name not in params:
-                    raise ValueError(f'checkpoint tensor {name!r} has no place in {type(self).__name__}')
                 param = params[name]
-                if param.shape != tensor.shape:
-                    raise ValueError(f'{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}')
-                param.data.copy_(tensor)
-                loaded.add((name, ''))
+                if param.shape != src.shape:
+                    raise ValueError(f'{name}: checkpoint shape {src.shape} != {tuple(param.shape)}')
+                param.data.copy_(src.take())
+            loaded.add((name, shard))
         missing = self._expected_keys() - loaded
         if missing:
             names = sorted(f'{n}[{s}]' if s else n for n, s in missing)

@@ -10,22 +10,27 @@ import torch
 from torch import nn
 
 from ..model_config import ModelConfig
-from ..nn import (LMHead, Linear, MergedLinear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul, StepContext,
-                  VocabEmbedding)
+from ..nn import (LMHead, MergedLinear, PagedAttention, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
+                  StepContext, VocabEmbedding)
+from ..nn.parallel import head_shard, split_range, tensor_parallel
 from .base import CausalLM
 
 
 class LlamaAttention(nn.Module):
+    """Under tensor parallelism the rank holds some heads (nn/parallel.py)."""
     qkv_bias_default = False
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
+        tp = tensor_parallel()
+        heads, kv_heads = head_shard(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
+        d = self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = len(heads), len(kv_heads)
+        q_rows, kv_rows = range(heads.start * d, heads.stop * d), range(kv_heads.start * d, kv_heads.stop * d)
+        self.split_sizes = [len(q_rows), len(kv_rows), len(kv_rows)]
         qkv_bias = cfg.attention_bias or self.qkv_bias_default
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {'q': q_size, 'k': kv_size, 'v': kv_size}, bias=qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {'q': q_rows, 'k': kv_rows, 'v': kv_rows}, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(q_rows, cfg.hidden_size, bias=cfg.attention_bias)
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
@@ -44,10 +49,11 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {'gate': size, 'up': size}, bias=cfg.mlp_bias)
+        tp = tensor_parallel()
+        rows = split_range(cfg.intermediate_size, tp.rank, tp.size)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {'gate': rows, 'up': rows}, bias=cfg.mlp_bias)
         self.act = SiluAndMul()
-        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(self.act.of_projection(self.gate_up_proj, x))

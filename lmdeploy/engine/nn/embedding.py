@@ -1,28 +1,55 @@
+"""Token embedding and LM head, split over the vocabulary under tensor
+parallelism: each rank holds ``ceil(V / tp)`` rows (the last rank's tail is
+padding), the embedding sums the ranks' lookups and the head gathers their
+logits."""
+from __future__ import annotations
+
 import torch
 from torch import nn
 
 from lmdeploy.devices import ops
 
+from .loading import CheckpointTensor
+from .parallel import tensor_parallel
 
-class VocabEmbedding(nn.Module):
+
+class _VocabShard(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+        tp = tensor_parallel()
+        self.vocab_size, self.tp = vocab_size, tp.size
+        per = -(-vocab_size // tp.size)
+        self.rows = range(min(tp.rank * per, vocab_size), min((tp.rank + 1) * per, vocab_size))
+        self.weight = nn.Parameter(torch.empty(per if tp.size > 1 else vocab_size, dim), requires_grad=False)
+
+    def load_param(self, param_name: str, shard: str, src: CheckpointTensor):
+        if src.shape[0] != self.vocab_size:
+            raise ValueError(f'{param_name}: checkpoint has {src.shape[0]} rows, expected {self.vocab_size}')
+        self.weight.data[:len(self.rows)].copy_(src.take(self.rows))
+        self.weight.data[len(self.rows):].zero_()
+
+
+class VocabEmbedding(_VocabShard):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return ops.embedding(ids, self.weight)
+        if self.tp == 1:
+            return ops.embedding(ids, self.weight)
+        local = ids - self.rows.start
+        mine = (local >= 0) & (local < len(self.rows))
+        x = ops.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return ops.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
 
-class LMHead(nn.Module):
+class LMHead(_VocabShard):
     """hidden -> vocab logits; may share its weight with the embedding."""
-
-    def __init__(self, vocab_size: int, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
 
     def tie(self, embedding: VocabEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return ops.linear(hidden, self.weight)
+        logits = ops.linear(hidden, self.weight)
+        if self.tp == 1:
+            return logits
+        parts = ops.all_gather(logits)  # [tp, T, per]
+        return parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, :self.vocab_size].contiguous()

@@ -1,19 +1,26 @@
 """Linear layers whose parameters load straight from Hugging Face names.
 
 Fused layers (q|k|v, gate|up) keep one weight and accept the separate
-checkpoint tensors through ``load_shard``.
+checkpoint tensors through ``load_param``. Under tensor parallelism
+(nn/parallel.py) a :class:`MergedLinear` holds some rows of each checkpoint
+tensor (column parallel) and a :class:`RowParallelLinear` some columns, its
+partial outputs summed over the ranks.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from lmdeploy.devices import ops
 
+from .loading import CheckpointTensor
+from .parallel import tensor_parallel
+
 
 class Linear(nn.Module):
+    """y = x W^T + b, whole on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -25,20 +32,45 @@ class Linear(nn.Module):
 
 
 class MergedLinear(Linear):
-    """Several projections of one input stacked along the output dim."""
+    """Several projections of one input stacked along the output dim; of each
+    checkpoint tensor (shard) this rank holds the given rows."""
 
-    def __init__(self, in_features: int, shard_sizes: Dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(shard_sizes.values()), bias)
+    def __init__(self, in_features: int, shards: Dict[str, Union[int, range]], bias: bool = False):
+        rows = {name: r if isinstance(r, range) else range(r) for name, r in shards.items()}
+        super().__init__(in_features, sum(len(r) for r in rows.values()), bias)
+        self.checkpoint_rows = rows
         self.shard_offsets: Dict[str, slice] = {}
         start = 0
-        for name, size in shard_sizes.items():
-            self.shard_offsets[name] = slice(start, start + size)
-            start += size
-        self.split_sizes: Sequence[int] = list(shard_sizes.values())
+        for name, r in rows.items():
+            self.shard_offsets[name] = slice(start, start + len(r))
+            start += len(r)
+        self.split_sizes: Sequence[int] = [len(r) for r in rows.values()]
 
-    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor):
+    def load_param(self, param_name: str, shard: str, src: CheckpointTensor):
         param: Optional[torch.Tensor] = getattr(self, param_name)
-        rows = self.shard_offsets[shard]
-        if tensor.shape[0] != rows.stop - rows.start:
-            raise ValueError(f'shard {shard!r} has {tensor.shape[0]} rows, expected {rows.stop - rows.start}')
-        param.data[rows].copy_(tensor)
+        rows = self.checkpoint_rows[shard]
+        if src.shape[0] < rows.stop:
+            raise ValueError(f'shard {shard!r} has {src.shape[0]} rows, expected {rows.stop}')
+        param.data[self.shard_offsets[shard]].copy_(src.take(rows))
+
+
+class RowParallelLinear(Linear):
+    """y = sum over ranks of x_r W_r^T, + b: the rank holds input features ``cols``
+    (its x is the matching slice, e.g. its attention heads' outputs)."""
+
+    def __init__(self, cols: range, out_features: int, bias: bool = False):
+        super().__init__(len(cols), out_features, bias)
+        self.cols = cols
+        self.tp = tensor_parallel().size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return ops.linear(x, self.weight, self.bias)
+        y = ops.all_reduce(ops.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load_param(self, param_name: str, shard: str, src: CheckpointTensor):
+        if param_name == 'bias':
+            self.bias.data.copy_(src.take())
+        else:
+            self.weight.data.copy_(src.take(cols=self.cols))

@@ -1,0 +1,86 @@
+"""Tensor parallelism (tp > 1): rank 0 is the engine's own process; the other
+ranks are workers (worker.py) started by a launcher (launch.py: processes of
+this machine, or Ray actors); rank 0 drives them (driver.py) over the
+device's process group (channel.py, group.py). The model's layers hold their
+rank's shard (nn/parallel.py)."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from lmdeploy.messages import PytorchEngineConfig
+
+from ..model_config import ModelConfig
+from ..nn.parallel import check_splits, set_tensor_parallel
+from .group import free_port, host_group, leave_group
+from .launch import LAUNCHERS
+from .worker import WorkerSpec
+
+logger = logging.getLogger('lmdeploy')
+
+_START_TIMEOUT_S = 600.0  # for every rank to check in (they import torch and reach the rendezvous)
+_STOP_TIMEOUT_S = 10.0
+
+
+class Workers:
+    """The ranks other than this process's, from start to stop."""
+
+    def __init__(self, launcher, world: int):
+        self.launcher = launcher
+        self.world = world
+        self._driver = None
+        self._closed = False
+
+    def error(self) -> Optional[str]:
+        """Why a rank is gone, or None while all run."""
+        return 'the engine was closed' if self._closed else self.launcher.gone()
+
+    def pids(self):
+        return self.launcher.pids()
+
+    def driver(self, runner):
+        from .driver import ParallelRunner
+        self._driver = ParallelRunner(runner, self)
+        return self._driver
+
+    def close(self):
+        """Stop the ranks (call once the engine runs no more steps)."""
+        if self._closed:
+            return
+        try:
+            if self._driver is not None:
+                self._driver.stop()
+        except Exception as e:  # a rank already gone: the broadcast fails, the ranks are killed below
+            logger.warning('stopping the tensor-parallel ranks: %s', e)
+        self._closed = True
+        self.launcher.stop(_STOP_TIMEOUT_S)
+        leave_group()
+        set_tensor_parallel(0, 1)
+
+
+def start_workers(model_path: str, config: PytorchEngineConfig, model_config: ModelConfig, device) -> Workers:
+    """Start ranks 1..tp-1 and form the group with them; this process becomes rank 0."""
+    world = config.tp
+    check_splits(model_config.num_heads, model_config.num_kv_heads, world)
+    backend = config.distributed_executor_backend or 'mp'
+    if backend not in LAUNCHERS:
+        raise ValueError(f'distributed_executor_backend must be one of {sorted(LAUNCHERS)}, got {backend!r}')
+    launcher = LAUNCHERS[backend](device)
+    workers = Workers(launcher, world)
+    try:
+        if hasattr(launcher, 'reserve'):
+            launcher.reserve(world)
+        index = launcher.rank0_device_index()
+        if index is not None:
+            device.set_device_index(index)
+        port = free_port()
+        for rank in range(1, world):
+            launcher.start(WorkerSpec(model_path, config, model_config, rank, world, launcher.host, port, None,
+                                      logging.getLogger('lmdeploy').getEffectiveLevel()))
+        host_group(device.collective_backend, launcher.host, port, world, launcher.gone, _START_TIMEOUT_S)
+        set_tensor_parallel(0, world)
+    except BaseException:
+        workers.close()
+        raise
+    logger.info('tensor parallelism: %d ranks (%s, %s)', world, backend, device.collective_backend)
+    return workers

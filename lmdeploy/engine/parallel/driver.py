@@ -1,0 +1,59 @@
+"""Rank 0's runner under tensor parallelism: before each step (and each
+logits call) it broadcasts what to run, then runs its own shard; the
+collectives inside the model line up because every rank runs the same calls
+in the same order. Sampling happens here only."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..model_runner import ModelRunner
+from ..scheduler import ScheduledBatch
+from ..transfer import int64_tensor, tensor_on, to_device
+from . import channel
+
+
+class RankLost(RuntimeError):
+    """A tensor-parallel rank is gone: no step can run any more."""
+
+
+class ParallelRunner:
+
+    def __init__(self, runner: ModelRunner, workers):
+        self.runner = runner
+        self.workers = workers
+        self.channel = channel.Channel(runner.device)
+        self.uses_graphs = runner.uses_graphs
+        self.kv_caches = runner.kv_caches
+
+    def _check(self):
+        why = self.workers.error()
+        if why:
+            raise RankLost(f'tensor parallelism lost a rank: {why}; the engine cannot run steps any more')
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check()
+        r = self.runner
+        flat, meta = r.pack_inputs(batch, prev_tokens is not None)
+        dev = to_device(int64_tensor(flat), r.torch_device)
+        ids, positions, ctx = r.unpack_inputs(dev, meta, prev_tokens)
+        # the others get the inputs with the input ids resolved (the tokens in flight are only here)
+        self.channel.send(channel.FORWARD, meta, torch.cat([dev, ids.to(torch.int64)]))
+        return r.run(ids, positions, ctx)
+
+    def rows(self, hidden: torch.Tensor, rows):
+        return self.runner.rows(hidden, rows)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        self._check()
+        rows = range(hidden.shape[0]) if rows is None else rows
+        self.channel.send(channel.LOGITS, (), tensor_on(list(rows), self.runner.torch_device, torch.int64))
+        return self.runner.logits(hidden)
+
+    def stop(self):
+        """Tell the other ranks to exit (when none is gone)."""
+        if self.workers.error() is None:
+            self.channel.send(channel.STOP)

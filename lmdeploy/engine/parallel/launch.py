@@ -1,0 +1,158 @@
+"""Starting the ranks other than rank 0: as processes of this machine ('mp'),
+or as Ray actors on the machines of a Ray cluster ('ray').
+
+A launcher starts one worker per spec, says whether one is gone (and why),
+and stops them: a clean stop waits for them to exit, then kills what is left."""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+from .worker import WorkerSpec
+
+_WORKER = 'from lmdeploy.engine.parallel.worker import main; main()'
+
+
+class ProcessLauncher:
+    """One fresh interpreter per rank (nothing of the user's ``__main__`` re-runs in it), on this machine's
+    device ``rank``; each exits with the process that started it."""
+    host = '127.0.0.1'
+
+    def __init__(self, device):
+        self.procs: List[subprocess.Popen] = []
+
+    def rank0_device_index(self) -> Optional[int]:
+        return 0
+
+    def start(self, spec: WorkerSpec):
+        spec.device_index = spec.rank
+        proc = subprocess.Popen([sys.executable, '-c', _WORKER], stdin=subprocess.PIPE)
+        proc.stdin.write(pickle.dumps(spec))
+        proc.stdin.close()
+        self.procs.append(proc)
+
+    def gone(self) -> Optional[str]:
+        for rank, proc in enumerate(self.procs, 1):
+            code = proc.poll()
+            if code is not None:
+                return f'rank {rank} (pid {proc.pid}) exited with code {code}'
+        return None
+
+    def pids(self) -> List[int]:
+        return [p.pid for p in self.procs]
+
+    def stop(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class RayLauncher:
+    """One Ray actor per rank, in a placement group whose first bundle (rank 0's device) is on this
+    machine; the actors' devices are the ones Ray assigns them."""
+
+    def __init__(self, device):
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+        except ImportError as e:
+            raise ImportError("distributed_executor_backend='ray' needs the ray package: "
+                              "pip install 'lmdeploy[ray]'") from e
+        self._ray = ray
+        if not ray.is_initialized():
+            # RAY_ADDRESS (or a cluster started with `ray start` on this machine) is joined; else a local one starts
+            ray.init(address=os.environ.get('RAY_ADDRESS'), ignore_reinit_error=True)
+        self.host = ray.util.get_node_ip_address()
+        self.resource = device.ray_resource
+        self.actors, self.refs = [], []
+        self.pg = None
+        self._placeholder = None
+        self._placement_group = placement_group
+
+    def reserve(self, world: int):
+        unit = {'CPU': 1, self.resource: 1} if self.resource else {'CPU': 1}
+        bundles = [dict(unit) for _ in range(world)]
+        bundles[0][f'node:{self.host}'] = 0.001  # rank 0 is this process
+        self.pg = self._placement_group(bundles, strategy='PACK')
+        self._ray.get(self.pg.ready(), timeout=float(os.environ.get('LMDEPLOY_RAY_TIMEOUT', 120)))
+
+    def _options(self, bundle: int) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        opts = {'num_cpus': 1, 'scheduling_strategy': PlacementGroupSchedulingStrategy(self.pg, bundle)}
+        if self.resource == 'GPU':
+            opts['num_gpus'] = 1
+        elif self.resource:
+            opts['resources'] = {self.resource: 1}
+        return opts
+
+    def rank0_device_index(self) -> Optional[int]:
+        """The device Ray set aside for rank 0 on this machine, held by a placeholder actor."""
+        if not self.resource:
+            return None
+        self._placeholder = _actor_class(self._ray).options(**self._options(0)).remote()
+        ids = self._ray.get(self._placeholder.device_ids.remote(self.resource))
+        return int(ids[0])
+
+    def start(self, spec: WorkerSpec):
+        spec.device_index = 0 if self.resource else None  # Ray makes the assigned device the only visible one
+        actor = _actor_class(self._ray).options(**self._options(spec.rank)).remote()
+        self.actors.append(actor)
+        self.refs.append(actor.run.remote(spec))
+
+    def gone(self) -> Optional[str]:
+        ready, _ = self._ray.wait(self.refs, timeout=0)
+        for ref in ready:
+            rank = self.refs.index(ref) + 1
+            try:
+                self._ray.get(ref)
+                why = 'stopped'
+            except Exception as e:  # the actor died or its loop raised
+                why = f'failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+            return f'rank {rank} (Ray actor) {why}'
+        return None
+
+    def pids(self) -> List[int]:
+        return []
+
+    def stop(self, timeout: float):
+        if self.refs:
+            self._ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout)
+        for actor in self.actors + ([self._placeholder] if self._placeholder is not None else []):
+            self._ray.kill(actor)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(self.pg)
+
+
+_ACTOR = None
+
+
+def _actor_class(ray):
+    global _ACTOR
+    if _ACTOR is None:
+
+        class RankActor:
+
+            def run(self, spec: WorkerSpec):
+                from lmdeploy.log import configure
+
+                from .worker import serve
+                configure(spec.log_level, f' (rank {spec.rank})')
+                serve(spec)
+
+            def device_ids(self, resource: str):
+                return ray.get_runtime_context().get_accelerator_ids()[resource]
+
+        _ACTOR = ray.remote(RankActor)
+    return _ACTOR
+
+
+LAUNCHERS = {'mp': ProcessLauncher, 'ray': RayLauncher}
