@@ -40,7 +40,11 @@ def add_engine_args(parser: argparse.ArgumentParser):
                    'built-in ones) (default: %(default)s)')
     g.add_argument('--dtype', default=d['dtype'], choices=DTYPES,
                    help="weights / activations dtype; 'auto' lets the device choose (default: %(default)s)")
-    g.add_argument('--tp', type=int, default=d['tp'], help='tensor parallel size (default: %(default)s)')
+    g.add_argument('--tp', type=int, default=d['tp'],
+                   help='tensor parallel size: split the model over this many devices (default: %(default)s)')
+    g.add_argument('--distributed-executor-backend', default=None, choices=('mp', 'ray'),
+                   help="with --tp > 1, how the other ranks run: 'mp' (processes of this machine, the default) "
+                   "or 'ray' (Ray actors, on the machines of a Ray cluster; pip install 'lmdeploy[ray]')")
     g.add_argument('--session-len', type=int, default=d['session_len'],
                    help="most tokens in one session, prompt plus output (default: the model's "
                    'max_position_embeddings)')
@@ -96,7 +100,8 @@ def build_engine_config(args) -> PytorchEngineConfig:
                                eager_mode=bool(args.eager_mode),
                                quant_policy=args.quant_policy,
                                max_prefill_token_num=args.max_prefill_token_num,
-                               engine_process=getattr(args, 'engine_process', None))
+                               engine_process=getattr(args, 'engine_process', None),
+                               distributed_executor_backend=getattr(args, 'distributed_executor_backend', None))
 
 
 def parse_chat_template(value: Optional[str]):

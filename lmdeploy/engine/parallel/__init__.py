@@ -30,10 +30,18 @@ class Workers:
         self.world = world
         self._driver = None
         self._closed = False
+        self._failed: Optional[str] = None
 
     def error(self) -> Optional[str]:
         """Why a rank is gone, or None while all run."""
+        if self._failed:
+            return self._failed
         return 'the engine was closed' if self._closed else self.launcher.gone()
+
+    def fail(self, why: str):
+        """The ranks cannot go on together: stop them now."""
+        self._failed = why
+        self.launcher.stop(0)
 
     def pids(self):
         return self.launcher.pids()

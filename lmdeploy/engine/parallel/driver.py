@@ -4,6 +4,7 @@ collectives inside the model line up because every rank runs the same calls
 in the same order. Sampling happens here only."""
 from __future__ import annotations
 
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -32,9 +33,29 @@ class ParallelRunner:
         if why:
             raise RankLost(f'tensor parallelism lost a rank: {why}; the engine cannot run steps any more')
 
+    def _explain(self, e: Exception):
+        """After a failed step or logits call. A collective that failed because a rank died says so (the
+        backend's own message names only a socket; the rank's exit may take a moment to show). Any other
+        failure leaves the ranks out of step (some wait in a collective this rank never reaches): they are
+        stopped, and no step runs any more."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            self._check()
+            time.sleep(0.05)
+        self.workers.fail(f'rank 0 failed a step ({type(e).__name__}: {e}), which leaves the ranks out of step')
+
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         self._check()
+        try:
+            return self._forward(batch, prev_tokens)
+        except RankLost:
+            raise
+        except Exception as e:
+            self._explain(e)
+            raise
+
+    def _forward(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor]) -> torch.Tensor:
         r = self.runner
         flat, meta = r.pack_inputs(batch, prev_tokens is not None)
         dev = to_device(int64_tensor(flat), r.torch_device)
@@ -50,8 +71,11 @@ class ParallelRunner:
     def logits(self, hidden: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         self._check()
         rows = range(hidden.shape[0]) if rows is None else rows
-        self.channel.send(channel.LOGITS, (), tensor_on(list(rows), self.runner.torch_device, torch.int64))
-        return self.runner.logits(hidden)
+        try:
+            self.channel.send(channel.LOGITS, (), tensor_on(list(rows), self.runner.torch_device, torch.int64))
+            return self.runner.logits(hidden)
+        except Exception as e:
+            self._explain(e)
 
     def stop(self):
         """Tell the other ranks to exit (when none is gone)."""

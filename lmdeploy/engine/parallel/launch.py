@@ -127,9 +127,12 @@ class RayLauncher:
             self._ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout)
         for actor in self.actors + ([self._placeholder] if self._placeholder is not None else []):
             self._ray.kill(actor)
+        self._placeholder = None
+        self.actors = []  # self.refs stay: gone() keeps saying why the ranks are gone
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(self.pg)
+            self.pg = None
 
 
 _ACTOR = None

@@ -1,0 +1,263 @@
+"""Tensor parallelism on the CPU (gloo): tp > 1 gives tp=1's greedy tokens in
+float32, each rank holds only its shard, ranks run as processes ('mp') or
+Ray actors, and a lost rank fails requests clearly and leaves no process."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from engine_utils import assert_engine_clean, generate_all, greedy, submit
+
+from lmdeploy.engine.engine import Engine
+from lmdeploy.engine.nn.parallel import head_shard, set_tensor_parallel, split_range, tensor_parallel
+from lmdeploy.messages import PytorchEngineConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(tp=1, **kw):
+    return PytorchEngineConfig(device_type='cpu', dtype='float32', tp=tp, num_gpu_blocks=48, block_size=16, **kw)
+
+
+def _prompts(seed=None, n=4):
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 1000) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+def _run(path, prompts, tp=1, new_tokens=10, **kw):
+    engine = Engine(path, _config(tp, **kw))
+    try:
+        out = generate_all(engine, prompts, greedy(new_tokens))
+        assert_engine_clean(engine)
+        pids = engine.workers.pids() if engine.workers else []
+    finally:
+        engine.close()
+    return out, pids
+
+
+def _gone(pid, timeout=10.0) -> bool:
+    """The process has exited (a zombie not yet reaped counts as gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f'/proc/{pid}/stat') as f:
+                if f.read().split()[2] in ('Z', 'X'):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# --------------------------------------------------------------------------- splits
+@pytest.mark.parametrize('heads,kv,tp', [(4, 2, 2), (4, 2, 4), (9, 3, 2), (9, 3, 3), (32, 8, 8), (64, 8, 16),
+                                         (12, 4, 3), (8, 1, 4)])
+def test_head_shards_cover_every_head_once_with_its_kv_head(heads, kv, tp):
+    group = heads // kv
+    owners = {}
+    for rank in range(tp):
+        q, kvr = head_shard(heads, kv, rank, tp)
+        assert len(q) >= 1 and len(kvr) >= 1
+        for h in q:
+            assert h not in owners, f'query head {h} on ranks {owners[h]} and {rank}'
+            owners[h] = rank
+            assert h // group in kvr, f'rank {rank} holds query head {h} but not its KV head {h // group}'
+        # a rank's KV heads serve only its own query heads: the local GQA grouping is the global one
+        assert len(q) == len(kvr) * group or (kv < tp and len(kvr) == 1)
+    assert sorted(owners) == list(range(heads))
+
+
+@pytest.mark.parametrize('heads,kv,tp', [(4, 2, 3), (4, 4, 8), (6, 2, 8)])
+def test_impossible_head_splits_are_refused(heads, kv, tp):
+    with pytest.raises(ValueError, match='tp='):
+        for rank in range(tp):
+            head_shard(heads, kv, rank, tp)
+
+
+def test_split_range_partitions():
+    for n in (1, 7, 128, 1536):
+        for size in range(1, 6):
+            parts = [split_range(n, r, size) for r in range(size)]
+            assert [i for p in parts for i in p] == list(range(n))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+# --------------------------------------------------------------------------- tokens
+@pytest.mark.parametrize('name,tp', [('llama', 2), ('qwen2', 2), ('qwen3', 2), ('llama_tied', 4)])
+def test_tp_greedy_equals_tp1(name, tp, tiny_model_factory):
+    """llama_tied at tp=4: 2 KV heads replicated on 2 ranks each, the tied embedding split like the head."""
+    path = tiny_model_factory(name)
+    prompts = _prompts()
+    want, _ = _run(path, prompts)
+    got, pids = _run(path, prompts, tp=tp)
+    assert got == want
+    assert len(pids) == tp - 1 and all(_gone(p) for p in pids)
+
+
+def test_smollm2_uneven_splits_equal_tp1(smollm2_path):
+    """9 query heads / 3 KV heads: tp=2 splits them 3+6 / 1+2 (uneven)."""
+    prompts = _prompts(n=3)
+    want, _ = _run(smollm2_path, prompts, new_tokens=8)
+    got, _ = _run(smollm2_path, prompts, tp=2, new_tokens=8)
+    assert got == want
+
+
+def test_tp_with_int8_kv_cache(tiny_model_factory):
+    path = tiny_model_factory('qwen2')
+    prompts = _prompts()
+    want, _ = _run(path, prompts, quant_policy=8)
+    got, _ = _run(path, prompts, tp=2, quant_policy=8)
+    assert got == want
+
+
+def test_rank_holds_only_its_shard(tiny_model_factory):
+    path = tiny_model_factory('llama')
+    whole = Engine(path, _config())
+    engine = Engine(path, _config(tp=2))
+    try:
+        full = {n: p.shape for n, p in whole.model.named_parameters()}
+        mine = {n: p.shape for n, p in engine.model.named_parameters()}
+        cfg = engine.model_config
+        d = cfg.head_dim
+        assert mine['model.layers.0.self_attn.qkv_proj.weight'][0] == (cfg.num_heads + 2 * cfg.num_kv_heads) * d // 2
+        assert mine['model.layers.0.mlp.down_proj.weight'][1] == cfg.intermediate_size // 2
+        assert mine['model.embed_tokens.weight'][0] == -(-cfg.vocab_size // 2)
+        big = [n for n in full if 'norm' not in n]
+        assert sum(mine[n].numel() for n in big) <= 0.51 * sum(full[n].numel() for n in big)
+        # its KV cache holds its KV heads only
+        assert engine.kv_spec.bytes_per_block * 2 == whole.kv_spec.bytes_per_block
+    finally:
+        engine.close()
+        whole.close()
+    assert tensor_parallel().size == 1  # a later tp=1 engine in this process builds whole layers
+
+
+def test_checkpoint_slice_reads_rows_and_columns(tiny_model_factory):
+    from safetensors import safe_open
+
+    from lmdeploy.engine.nn.loading import CheckpointTensor
+    from lmdeploy.engine.weights import safetensors_files
+    path = safetensors_files(tiny_model_factory('llama'))[0]
+    with safe_open(path, framework='pt') as f:
+        name = 'model.layers.0.self_attn.q_proj.weight'
+        whole = f.get_tensor(name)
+        src = CheckpointTensor(f.get_slice(name))
+        assert src.shape == tuple(whole.shape)
+        assert src.take(range(16, 48)).equal(whole[16:48])
+        assert src.take(cols=range(8, 40)).equal(whole[:, 8:40])
+        assert src.take().equal(whole)
+
+
+# --------------------------------------------------------------------------- serving paths
+def test_pipeline_tp2_in_an_engine_process(smollm2_path):
+    """What `lmdeploy serve api_server --tp 2` runs: the engine process drives the other rank."""
+    from lmdeploy import GenerationConfig, pipeline
+    pipe = pipeline(smollm2_path, backend_config=PytorchEngineConfig(device_type='cpu', tp=2, engine_process=True,
+                                                                       session_len=512, num_gpu_blocks=16))
+    try:
+        r = pipe('What is the capital of France?', GenerationConfig(max_new_tokens=12, do_sample=False))
+    finally:
+        pipe.close()
+    assert 'Paris' in r.text
+
+
+def test_cli_flags_reach_the_config():
+    from lmdeploy.cli.common import add_engine_args, build_engine_config
+    import argparse
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = build_engine_config(p.parse_args(['--tp', '2', '--distributed-executor-backend', 'ray', '--device', 'cpu']))
+    assert cfg.tp == 2 and cfg.distributed_executor_backend == 'ray'
+    with pytest.raises(ValueError, match='distributed_executor_backend'):
+        PytorchEngineConfig(distributed_executor_backend='slurm')
+
+
+def test_unsplittable_model_is_refused_at_start(tiny_model_factory):
+    with pytest.raises(ValueError, match='tp=3'):
+        Engine(tiny_model_factory('llama'), _config(tp=3))  # 2 KV heads cannot go over 3 ranks
+    assert tensor_parallel().size == 1
+
+
+# --------------------------------------------------------------------------- failures and shutdown
+def test_killed_rank_fails_requests_clearly(tiny_model_factory):
+    engine = Engine(tiny_model_factory('qwen2'), _config(tp=2))
+    try:
+        cols = [submit(engine, [5, 6, 7, 8 + i], greedy(400)) for i in range(3)]
+        deadline = time.monotonic() + 60
+        while sum(len(c.token_ids) for c in cols) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (pid, ) = engine.workers.pids()
+        os.kill(pid, signal.SIGKILL)
+        for c in cols:
+            c.wait(30)
+            assert c.final.finish_reason == 'error' and 'rank 1' in c.final.error, c.final.error
+            assert len(c.token_ids) < 400
+        assert not engine.is_alive()
+        late = submit(engine, [1, 2, 3], greedy(4)).wait(30)
+        assert late.final.finish_reason == 'error' and 'lost a rank' in late.final.error
+    finally:
+        engine.close()
+    assert _gone(pid)
+
+
+def test_workers_exit_with_their_parent(tiny_model_factory, tmp_path):
+    """The engine's process killed outright (no clean-up runs): its workers still exit."""
+    script = textwrap.dedent(f'''
+        import sys, time
+        from lmdeploy.engine.engine import Engine
+        from lmdeploy.messages import PytorchEngineConfig
+        e = Engine({tiny_model_factory('llama')!r}, PytorchEngineConfig(device_type='cpu', dtype='float32', tp=2,
+                   num_gpu_blocks=16, block_size=16))
+        print(*e.workers.pids(), flush=True)
+        time.sleep(120)
+    ''')
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    proc = subprocess.Popen([sys.executable, '-c', script], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 1 and not _gone(pids[0], 0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _gone(pids[0], 10), 'the worker outlived the engine process'
+
+
+# --------------------------------------------------------------------------- Ray
+@pytest.fixture(scope='module')
+def local_ray():
+    if os.environ.get('CI') not in ('true', '1'):
+        pytest.importorskip('ray')
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_executor_equals_tp1(local_ray, tiny_model_factory):
+    path = tiny_model_factory('qwen3')
+    prompts = _prompts()
+    want, _ = _run(path, prompts)
+    got, _ = _run(path, prompts, tp=2, distributed_executor_backend='ray')
+    assert got == want
+    # the placement group and the actor are released: the next engine gets the same resources
+    assert local_ray.available_resources().get('CPU') == 2.0 or _wait_cpus(local_ray, 2.0)
+
+
+def _wait_cpus(ray, n, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ray.available_resources().get('CPU') == n:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_set_tensor_parallel_rejects_bad_rank():
+    with pytest.raises(ValueError):
+        set_tensor_parallel(2, 2)
