@@ -161,6 +161,8 @@ def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_le
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     caches = [KVCache(torch.randn(shape, dtype=dtype, device=dev), torch.randn(shape, dtype=dtype, device=dev))]
     runner = types.SimpleNamespace(block_size=block_size, torch_device=dev, kv_caches=caches)
+    runner.pack_inputs = types.MethodType(ModelRunner.pack_inputs, runner)
+    runner.unpack_inputs = types.MethodType(ModelRunner.unpack_inputs, runner)
     most = max(max_batch_size, max(s.tokens for s in steps))
     x = torch.randn(most, cfg.hidden_size, dtype=dtype, device=dev)
     res = torch.randn_like(x)

@@ -93,8 +93,8 @@ def test_unpicklable_request_fails_with_a_reason(proc):
 def test_start_up_failure_is_raised_in_the_parent(tmp_path, llama):
     with pytest.raises(Exception, match='config.json|No such file|not found|does not exist'):
         EngineProcess(str(tmp_path / 'missing'), _config())
-    with pytest.raises(NotImplementedError, match='tensor parallelism'):  # the child's own exception
-        EngineProcess(llama, _config(tp=2))
+    with pytest.raises(ValueError, match='tp=3'):  # the child's own exception: 2 KV heads do not go over 3 ranks
+        EngineProcess(llama, _config(tp=3))
 
 
 def test_dead_engine_fails_requests_instead_of_hanging(llama):
