@@ -230,23 +230,38 @@ def test_workers_exit_with_their_parent(tiny_model_factory, tmp_path):
 
 # --------------------------------------------------------------------------- Ray
 @pytest.fixture(scope='module')
-def local_ray():
+def two_node_ray():
+    """A Ray cluster of two nodes (two raylets on this machine, one CPU each: as two machines would be)."""
     if os.environ.get('CI') not in ('true', '1'):
         pytest.importorskip('ray')
     import ray
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True, head_node_args={'num_cpus': 1, 'include_dashboard': False})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
     yield ray
     ray.shutdown()
+    cluster.shutdown()
 
 
-def test_ray_executor_equals_tp1(local_ray, tiny_model_factory):
+def test_ray_executor_across_nodes_equals_tp1(two_node_ray, tiny_model_factory):
+    ray = two_node_ray
     path = tiny_model_factory('qwen3')
     prompts = _prompts()
     want, _ = _run(path, prompts)
-    got, _ = _run(path, prompts, tp=2, distributed_executor_backend='ray')
+    engine = Engine(path, _config(tp=2, distributed_executor_backend='ray'))
+    try:
+        placed = ray.util.placement_group_table(engine.workers.launcher.pg)['bundles_to_node_id']
+        got = generate_all(engine, prompts, greedy(10))
+        assert_engine_clean(engine)
+    finally:
+        engine.close()
     assert got == want
-    # the placement group and the actor are released: the next engine gets the same resources
-    assert local_ray.available_resources().get('CPU') == 2.0 or _wait_cpus(local_ray, 2.0)
+    # one CPU a node: the two ranks' bundles are on two nodes (which one holds rank 0's is not fixed here:
+    # rank 0's bundle asks for this machine's IP, and both nodes have it)
+    assert placed[0] != placed[1]
+    assert _wait_cpus(ray, 2.0), 'the placement group and the actor were not released'
 
 
 def _wait_cpus(ray, n, timeout=10.0):
