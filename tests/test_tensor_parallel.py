@@ -276,3 +276,43 @@ def _wait_cpus(ray, n, timeout=10.0):
 def test_set_tensor_parallel_rejects_bad_rank():
     with pytest.raises(ValueError):
         set_tensor_parallel(2, 2)
+
+
+def test_server_with_tp2_answers_and_ctrl_c_leaves_no_process(smollm2_path):
+    """`lmdeploy serve api_server --tp 2`: the server, its engine process and the other rank; Ctrl-C ends all."""
+    httpx = pytest.importorskip('httpx')
+    pytest.importorskip('fastapi')
+    import psutil
+
+    from lmdeploy.engine.parallel.group import free_port
+    port = free_port('127.0.0.1')
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    cmd = [sys.executable, '-m', 'lmdeploy', 'serve', 'api_server', smollm2_path, '--server-name', '127.0.0.1',
+           '--server-port', str(port), '--device', 'cpu', '--tp', '2', '--session-len', '512',
+           '--cache-max-entry-count', '0.01']
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f'http://127.0.0.1:{port}'
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(url + '/health', timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, 'the server did not become healthy'
+            time.sleep(0.2)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert len(family) >= 2  # the engine process and rank 1 (under it)
+        body = {'model': httpx.get(url + '/v1/models').json()['data'][0]['id'], 'max_tokens': 12, 'temperature': 0,
+                'messages': [{'role': 'user', 'content': 'What is the capital of France?'}]}
+        answer = httpx.post(url + '/v1/chat/completions', json=body, timeout=60).json()
+        assert 'Paris' in answer['choices'][0]['message']['content']
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert all(_gone(p.pid) for p in family), [p.pid for p in family if not _gone(p.pid, 0)]
