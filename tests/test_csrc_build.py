@@ -28,9 +28,10 @@ def test_every_kernel_compiles_for_every_default_architecture(tmp_path):
     code = ('import importlib.util, sys; spec = importlib.util.spec_from_file_location("_C", sys.argv[1]); '
             'm = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); '
             'print(m.MAX_DECODE_SPLITS, m.decode_attention_supports(1, 8, 128, 32, 8), '
-            'm.decode_attention_supports(1, 8, 96, 32, 8))')
+            'm.decode_attention_supports(1, 8, 96, 32, 8), m.rotary_fill_supports(0, 4, 128), '
+            'm.rotary_fill_supports(0, 4, 96))')
     out = subprocess.run([sys.executable, '-c', code, path], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ['64', 'True', 'False']
+    assert out.split() == ['64', 'True', 'False', 'True', 'False']
     # objects are cached by content: a second build compiles nothing
     said = []
     build.build(archs, out_dir=str(tmp_path / 'out'), cache_dir=str(tmp_path / 'cache'), log=said.append)
@@ -52,7 +53,7 @@ def test_without_the_module_the_device_runs_on_triton(monkeypatch):
     if importlib.util.find_spec('lmdeploy.devices.cuda._C') is not None:
         pytest.skip('the module is built here')
     assert compiled.module() is None and 'csrc/build.py' in compiled.load_error()
-    assert compiled.choose((9, 0)) == {'paged_decode_attention': 'triton'}
+    assert compiled.choose((9, 0)) == {op: 'triton' for op in ('paged_decode_attention', 'rotary_fill_kv')}
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
     with pytest.raises(RuntimeError, match='compiled kernels are missing'):
         compiled.choose((9, 0))

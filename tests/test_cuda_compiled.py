@@ -97,13 +97,63 @@ def test_unsupported_inputs_fall_back():
                                            132) is None
 
 
+@pytest.mark.parametrize('policy', [0, 8, 4])
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize('h,hkv,d', [(8, 8, 64), (32, 8, 128), (14, 2, 64), (4, 1, 256)])
+def test_rotary_fill_kv_equals_reference_and_triton(policy, dtype, h, hkv, d):
+    """Rotated q and k to rounding; the cache as the reference writes the returned k and v: the same codes
+    (a rounding tie may land one code off), float16 scales and zeros equal (int4 K: rotated by a transform
+    in another order, so within ulps); negative slots write nothing; strided q/k/v (views of one qkv)."""
+    from lmdeploy.devices.cache import unpack_int4
+    from lmdeploy.devices.cuda.kernels import kv_cache
+    t, bs, nblocks = 37, 16, 5
+    qkv = torch.randn(t, (h + 2 * hkv) * d, dtype=dtype, device='cuda')
+    qkv[:, h * d:(h + hkv) * d] *= torch.rand(t, 1, device='cuda').to(dtype) * 5  # k rows of different ranges
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], dim=-1))
+    slots = torch.randperm(nblocks * bs, device='cuda')[:t]
+    slots[::7] = -1
+    angles = torch.rand(t, d // 2, device='cuda') * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    spec = REF.kv_cache_spec(hkv, d, bs, dtype, policy)
+    ref, got, tri = spec.allocate(nblocks, 'cpu'), spec.allocate(nblocks, 'cuda'), spec.allocate(nblocks, 'cuda')
+    for c in (ref, got, tri):
+        for x in c.tensors().values():
+            x.zero_()
+    done = compiled.rotary_fill_kv(q, k, v, cos, sin, got, slots)
+    assert done is not None
+    oq, ok = done
+    rq, rk = REF.rotary_fill_kv(q.cpu(), k.cpu(), v.cpu(), cos.cpu(), sin.cpu(),
+                                spec.allocate(nblocks, 'cpu'), slots.cpu())
+    assert rel_err(oq, rq) < TOL[dtype] * 2 and rel_err(ok, rk) < TOL[dtype] * 2
+    tq, tk = kv_cache.rotary_fill_kv(q, k, v, cos, sin, tri.k, tri.v, slots, tri.k_scale_zero, tri.v_scale_zero)
+    assert rel_err(oq, tq) < TOL[dtype] and rel_err(ok, tk) < TOL[dtype]
+    REF.fill_kv_cache(ok.cpu(), v.cpu(), ref, slots.cpu())
+    for name in ('k', 'v'):
+        a, b = getattr(got, name).cpu(), getattr(ref, name)
+        if policy == 0:
+            assert torch.equal(a, b)
+            continue
+        if policy == 4:
+            a, b = unpack_int4(a), unpack_int4(b)
+        assert (a.int() - b.int()).abs().max() <= 1 and (a != b).float().mean() < 0.02
+        sz, ref_sz = getattr(got, f'{name}_scale_zero').cpu(), getattr(ref, f'{name}_scale_zero')
+        if policy == 4 and name == 'k':
+            assert torch.allclose(sz.float(), ref_sz.float(), rtol=2e-3, atol=1e-4)
+        else:
+            assert torch.equal(sz, ref_sz)
+    written = set(slots[slots >= 0].tolist())
+    untouched = [s for s in range(nblocks * bs) if s not in written]
+    assert (got.k.cpu().flatten(0, 1)[untouched] == 0).all()
+
+
 def test_kernel_choice(monkeypatch):
+    both = ('paged_decode_attention', 'rotary_fill_kv')
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'triton')
-    assert compiled.choose((9, 0)) == {'paged_decode_attention': 'triton'}
+    assert compiled.choose((9, 0)) == {op: 'triton' for op in both}
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
-    assert compiled.choose((9, 0)) == {'paged_decode_attention': 'compiled'}
+    assert compiled.choose((9, 0)) == {op: 'compiled' for op in both}
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'auto')
-    assert compiled.choose((7, 5)) == {'paged_decode_attention': 'compiled'}  # before Triton's sm80 paths
+    assert compiled.choose((7, 5)) == {op: 'compiled' for op in both}  # before Triton's sm80 paths
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'fast')
     with pytest.raises(ValueError, match='LMDEPLOY_CUDA_KERNELS'):
         compiled.choose((9, 0))
@@ -111,8 +161,9 @@ def test_kernel_choice(monkeypatch):
 
 @pytest.mark.parametrize('shape,policy', [('llama-small', 0), ('llama-small', 8), ('qwen2-small', 0)])
 def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatch):
-    """Random-weight Llama and Qwen2 shapes, bf16: greedy tokens with the compiled decode attention equal
-    those with Triton's, or their logits agree within 1e-2 relative error up to where they diverge."""
+    """Random-weight Llama and Qwen2 shapes, bf16: greedy tokens with the compiled kernels (decode attention,
+    rotary + cache fill) equal those with Triton's, or their logits agree within 1e-2 relative error up to
+    where they diverge."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'benchmark'))
     from engine_utils import submit
     from random_model import make_model
@@ -126,7 +177,8 @@ def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatc
     device = get_device('cuda')
     runs = {}
     for kind in ('triton', 'compiled'):
-        monkeypatch.setitem(device.kernels, 'paged_decode_attention', kind)
+        for op in compiled.OPS:
+            monkeypatch.setitem(device.kernels, op, kind)
         config = PytorchEngineConfig(device_type='cuda', dtype='bfloat16', session_len=2048, eager_mode=True,
                                      cache_max_entry_count=0.1, block_size=64, quant_policy=policy)
         engine = Engine(path, config)

@@ -7,6 +7,7 @@
 
 namespace py = pybind11;
 using lmdeploy::DecodeArgs;
+using lmdeploy::RotaryFillArgs;
 
 namespace {
 
@@ -25,6 +26,20 @@ void paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, u
     lmdeploy::paged_decode_attention(a, reinterpret_cast<cudaStream_t>(stream));
 }
 
+void* mut(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+void rotary_fill_kv(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t cos, uintptr_t sin,
+                    uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scale_zero,
+                    uintptr_t v_scale_zero, int dtype, int quant_policy, int rotate_k, int num_tokens, int num_heads,
+                    int num_kv_heads, int head_dim, int64_t stride_qt, int64_t stride_qh, int64_t stride_kt,
+                    int64_t stride_kh, int64_t stride_vt, int64_t stride_vh, int64_t stride_cos, uintptr_t stream) {
+    RotaryFillArgs a{ptr(q), ptr(k), ptr(v), mut(out), ptr(cos), ptr(sin), ptr(slots), mut(k_cache), mut(v_cache),
+                     mut(k_scale_zero), mut(v_scale_zero), dtype, quant_policy, rotate_k, num_tokens, num_heads,
+                     num_kv_heads, head_dim, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cos};
+    lmdeploy::rotary_fill_kv(a, reinterpret_cast<cudaStream_t>(stream));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -33,4 +48,7 @@ PYBIND11_MODULE(_C, m) {
     m.def("decode_attention_supports", &lmdeploy::decode_attention_supports, py::arg("dtype"),
           py::arg("quant_policy"), py::arg("head_dim"), py::arg("num_heads"), py::arg("num_kv_heads"));
     m.def("paged_decode_attention", &paged_decode_attention, "DeviceOps.paged_decode_attention on raw pointers");
+    m.def("rotary_fill_supports", &lmdeploy::rotary_fill_supports, py::arg("dtype"), py::arg("quant_policy"),
+          py::arg("head_dim"));
+    m.def("rotary_fill_kv", &rotary_fill_kv, "DeviceOps.rotary_fill_kv on raw pointers");
 }

@@ -31,6 +31,29 @@ struct DecodeArgs {
     float scale;
 };
 
+// DeviceOps.rotary_fill_kv's arguments. q [T, H, D], k / v [T, Hkv, D] with unit stride in D; out
+// [T, H + Hkv, D] contiguous (rotated q, then rotated k); cos / sin float32 [T, D] (row stride given);
+// slots int64 [T] (negative: not written); caches as DecodeArgs describes them.
+struct RotaryFillArgs {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    const void* cos;
+    const void* sin;
+    const void* slots;
+    void* k_cache;
+    void* v_cache;
+    void* k_scale_zero;  // nullptr for a 16-bit cache
+    void* v_scale_zero;
+    int dtype, quant_policy, rotate_k;
+    int num_tokens, num_heads, num_kv_heads, head_dim;
+    int64_t stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos;
+};
+
+bool rotary_fill_supports(int dtype, int quant_policy, int head_dim);
+void rotary_fill_kv(const RotaryFillArgs& args, cudaStream_t stream);
+
 bool decode_attention_supports(int dtype, int quant_policy, int head_dim, int num_heads, int num_kv_heads);
 void paged_decode_attention(const DecodeArgs& args, cudaStream_t stream);
 

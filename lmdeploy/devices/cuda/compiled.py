@@ -20,11 +20,11 @@ import torch
 from .splits import num_decode_splits
 
 MODES = ('auto', 'triton', 'compiled')
-OPS = ('paged_decode_attention', )
+OPS = ('paged_decode_attention', 'rotary_fill_kv')
 # op -> compute capabilities (major, minor) where the compiled kernel beat Triton's in
 # benchmark/compiled_attention.py (benchmark/RESULTS.md); auto uses it there, and on GPUs Triton does not
 # serve (before sm80 Triton's attention runs without bfloat16 and its tensor-core paths)
-FASTER: Dict[str, Tuple[Tuple[int, int], ...]] = {'paged_decode_attention': ()}
+FASTER: Dict[str, Tuple[Tuple[int, int], ...]] = {'paged_decode_attention': (), 'rotary_fill_kv': ()}
 _BEFORE_TRITON = (8, 0)
 
 _module = None
@@ -106,3 +106,37 @@ def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len
                                k.shape[1], splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                                block_tables.stride(0), float(scale), torch.cuda.current_stream(q.device).cuda_stream)
     return out
+
+
+def rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """DeviceOps.rotary_fill_kv by the compiled kernel (rotated q and k as views of one buffer, as the Triton
+    kernel returns them); None where it does not take the inputs."""
+    from lmdeploy.devices.cache import rotates_k
+    mod = module()
+    if mod is None or q.dtype not in _DTYPES or not (k.dtype == v.dtype == q.dtype) or q.dim() != 3:
+        return None
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    policy = cache.quant_policy
+    if not mod.rotary_fill_supports(_DTYPES[q.dtype], policy, d):
+        return None
+    if any(x.stride(-1) != 1 for x in (q, k, v)) or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+        return None
+    if policy == 0 and cache.k.dtype != q.dtype:
+        return None
+    if policy and not (cache.k_scale_zero.is_contiguous() and cache.v_scale_zero.is_contiguous()):
+        return None
+    if slot_mapping.dtype != torch.int64:
+        return None
+    out = torch.empty((t, h + hkv, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out[:, :h], out[:, h:]
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    slots = slot_mapping.contiguous()
+    ksz = cache.k_scale_zero.data_ptr() if policy else 0
+    vsz = cache.v_scale_zero.data_ptr() if policy else 0
+    mod.rotary_fill_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                       slots.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), ksz, vsz, _DTYPES[q.dtype], policy,
+                       int(rotates_k(policy, d)), t, h, hkv, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                       v.stride(0), v.stride(1), cos.stride(0), torch.cuda.current_stream(q.device).cuda_stream)
+    return out[:, :h], out[:, h:]

@@ -150,6 +150,10 @@ class CudaOps(DeviceOps):
         self._k_kv.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale_zero, cache.v_scale_zero)
 
     def rotary_fill_kv(self, q, k, v, cos, sin, cache, slot_mapping):
+        if self.kernels['rotary_fill_kv'] == 'compiled':
+            done = self._compiled.rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping)
+            if done is not None:
+                return done
         return self._k_kv.rotary_fill_kv(q, k, v, cos, sin, cache.k, cache.v, slot_mapping, cache.k_scale_zero,
                                          cache.v_scale_zero)
 
