@@ -1,7 +1,7 @@
 // DeviceOps.rotary_fill_kv: rotary embedding of a step's q and k, and k / v written into their paged
 // cache slots (quantized there for a quantized cache), in one pass over q, k and v.
 //
-// One block per token, one warp per head (the query heads, then the KV heads). A lane holds the
+// One warp per (token, head) (the query heads, then the KV heads), a few warps a block. A lane holds the
 // rotary pairs (x[p], x[p + D/2]) for p = lane + 32 r: the pair that rotate_half mixes is also the
 // pair that int4 packs into one byte (element j low, j + D/2 high), so neither needs a shuffle. The
 // int4 cache stores K in the Hadamard basis (devices/cache.py): a Walsh-Hadamard transform over the
@@ -109,7 +109,9 @@ __global__ void __launch_bounds__(kRotaryWarps * 32) rotary_fill_kernel(RotaryFi
     const float* cos = static_cast<const float*>(args.cos) + t * args.stride_cos;
     const float* sin = static_cast<const float*>(args.sin) + t * args.stride_cos;
     T* out = static_cast<T*>(args.out) + static_cast<int64_t>(t) * heads * d;
-    for (int j = threadIdx.x / 32; j < heads; j += kRotaryWarps) {
+    // a warp a head: short blocks, many of them, so the loads of many heads are in flight at once
+    const int j = blockIdx.y * kRotaryWarps + threadIdx.x / 32;
+    if (j < heads) {
         const bool is_q = j < args.num_heads;
         const int kv = j - args.num_heads;
         const T* x = is_q ? static_cast<const T*>(args.q) + t * args.stride_qt + j * args.stride_qh
@@ -127,7 +129,7 @@ __global__ void __launch_bounds__(kRotaryWarps * 32) rotary_fill_kernel(RotaryFi
             a[r] = to_float(y1);
             b[r] = to_float(y2);
         }
-        if (is_q || slot < 0) continue;
+        if (is_q || slot < 0) return;
         const int64_t row = slot * args.num_kv_heads + kv;
         if (args.rotate_k) hadamard_rows<R>(a, b, lane, d);
         store_row<T, R>(a, b, args.k_cache, args.k_scale_zero, row, d, args.quant_policy, lane);
@@ -143,7 +145,8 @@ __global__ void __launch_bounds__(kRotaryWarps * 32) rotary_fill_kernel(RotaryFi
 
 template <typename T>
 void launch(const RotaryFillArgs& args, cudaStream_t stream) {
-    const dim3 grid(args.num_tokens), block(kRotaryWarps * 32);
+    const dim3 grid(args.num_tokens, ceil_div(args.num_heads + args.num_kv_heads, kRotaryWarps));
+    const dim3 block(kRotaryWarps * 32);
     switch (args.head_dim) {
         case 64: rotary_fill_kernel<T, 1><<<grid, block, 0, stream>>>(args); break;
         case 128: rotary_fill_kernel<T, 2><<<grid, block, 0, stream>>>(args); break;
