@@ -316,3 +316,25 @@ def test_server_with_tp2_answers_and_ctrl_c_leaves_no_process(smollm2_path):
             proc.kill()
             proc.wait()
     assert all(_gone(p.pid) for p in family), [p.pid for p in family if not _gone(p.pid, 0)]
+
+
+def test_engine_process_reports_a_lost_rank(tiny_model_factory):
+    """Under the server the engine runs in its own process: when it loses a rank, the parent stops
+    taking requests (the server's /health then answers 503) and says why."""
+    import psutil
+
+    from lmdeploy.engine.process import EngineProcess
+    proc = EngineProcess(tiny_model_factory('llama'), _config(tp=2))
+    try:
+        (worker, ) = psutil.Process(proc.pid).children()
+        assert submit(proc, [5, 6, 7], greedy(3)).wait(30).final.finish_reason == 'length'
+        worker.kill()
+        deadline = time.monotonic() + 10
+        while proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not proc.is_alive()
+        late = submit(proc, [1, 2, 3], greedy(4)).wait(30)
+        assert late.final.finish_reason == 'error' and 'rank 1' in late.final.error, late.final.error
+    finally:
+        proc.close()
+    assert _gone(worker.pid)

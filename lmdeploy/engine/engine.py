@@ -177,6 +177,14 @@ class Engine:
         return (not self._stopping and self._thread.is_alive()
                 and (self.workers is None or self.workers.error() is None))
 
+    def why_stopped(self) -> Optional[str]:
+        """Why the engine stopped running steps without being closed (None while it runs, or once closed)."""
+        if self._stopping:
+            return None
+        if self.workers is not None and self.workers.error():
+            return self.workers.error()
+        return None if self._thread.is_alive() else 'the engine loop stopped'
+
     def close(self):
         if not self._stopping:
             self._stopping = True

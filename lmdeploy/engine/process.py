@@ -139,6 +139,10 @@ class EngineProcess:
                             cb = self._callbacks.pop(rid) if out.finished else self._callbacks.get(rid)
                         if cb is not None:
                             cb(out)
+                elif kind == 'dead':  # the engine cannot run steps any more (e.g. it lost a tensor-parallel rank)
+                    logger.error('the engine stopped: %s', msg[1])
+                    with self._lock:
+                        self._dead = msg[1]
                 elif kind == 'reply':
                     _, cid, ok, value = msg
                     with self._lock:
@@ -328,10 +332,24 @@ def child_main(fd: int) -> int:
     except OSError:  # the parent went away while the model loaded
         engine.close()
         return 0
+    threading.Thread(target=_report_death, args=(engine, send), name='lmdeploy-engine-watch', daemon=True).start()
     _relay(conn, engine, outbox, send)
     engine.close()
     flush()
     return 0
+
+
+def _report_death(engine, send):
+    """Tell the parent once the engine stops running steps on its own (not closed), so that it refuses new
+    requests instead of handing them to an engine that fails each one."""
+    while engine.is_alive():
+        time.sleep(0.5)
+    why = engine.why_stopped()
+    if why:
+        try:
+            send(('dead', why))
+        except OSError:
+            pass
 
 
 def _relay(conn: Connection, engine, outbox: list, send):
