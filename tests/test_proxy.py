@@ -87,6 +87,11 @@ def metric_sum(url: str, name: str) -> float:
     return total
 
 
+def in_flight(nodes) -> float:
+    """Requests the nodes say they are handling now."""
+    return sum(metric_sum(n.url, 'lmdeploy_api_requests_in_flight') for n in nodes if n.p.poll() is None)
+
+
 def status(proxy) -> dict:
     r = httpx.get(proxy + '/nodes/status', headers=AUTH, timeout=10)
     assert r.status_code == 200, r.text
@@ -208,15 +213,20 @@ def test_stream_passes_through_as_generated(cluster):
     proxy, _, nodes = cluster
     expected = chat(proxy, max_tokens=24, ignore_eos=True).json()['choices'][0]['message']['content']
     body = dict(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0, ignore_eos=True, stream=True)
+    _wait(lambda: in_flight(nodes) == 0, 10, 'the nodes idle')
     with httpx.stream('POST', proxy + '/v1/chat/completions', json=body, headers=AUTH, timeout=120) as r:
         assert r.status_code == 200 and r.headers['content-type'].startswith('text/event-stream')
         lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith('data: '))
-        # the first chunk is here while its node is still generating: nothing was buffered
-        running = sum(metric_sum(n.url, 'lmdeploy_api_requests_in_flight') for n in nodes)
+        head = []
+        for line in lines:  # up to the first chunk with text
+            head.append(line)
+            if '"content": "' in line and '"content": ""' not in line:
+                break
+        # the first text is here while its node is still generating: nothing was buffered
+        running = in_flight(nodes)
         rest = list(lines)
     assert running == 1
-    text, roles, errors, done = read_stream([first, *rest])
+    text, roles, errors, done = read_stream([*head, *rest])
     assert done and not errors and roles == 1
     assert text == expected and 'Paris' in text
 
@@ -256,6 +266,24 @@ def test_generate_session_stays_on_its_node(cluster):
     assert sum(metric_sum(n.url, 'lmdeploy_num_idle_sessions') for n in nodes) == 0
 
 
+def test_client_gone_cancels_the_nodes_request(cluster):
+    proxy, _, nodes = cluster
+    long = dict(model=MODEL, messages=QUESTION, max_tokens=900, temperature=0, ignore_eos=True)  # minutes on cpu
+    _wait(lambda: in_flight(nodes) == 0, 10, 'the nodes idle')
+    with httpx.stream('POST', proxy + '/v1/chat/completions', json=dict(long, stream=True), headers=AUTH,
+                      timeout=120) as r:
+        lines = r.iter_lines()  # kept: a generator that is collected closes the connection
+        next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
+        assert in_flight(nodes) == 1
+    # the stream closed after its first chunk: the proxy closes its connection to the node, which stops
+    _wait(lambda: in_flight(nodes) == 0, 10, 'the stream stopped on its node')
+    with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up waiting
+        httpx.post(proxy + '/v1/chat/completions', json=long, headers=AUTH, timeout=1.5)
+    _wait(lambda: in_flight(nodes) == 0, 10, 'the request stopped on its node')
+    for n in nodes:
+        assert metric_sum(n.url, 'lmdeploy_num_requests_running') == 0
+
+
 def test_unknown_model_is_a_404(cluster):
     proxy, _, _ = cluster
     r = httpx.post(proxy + '/v1/chat/completions', json=dict(model='nope', messages=QUESTION), headers=AUTH)
@@ -274,7 +302,8 @@ def test_refused_connection_is_retried_on_another_node(cluster):
     app = create_app(strategy='min_expected_latency', health_interval=3600)
     with TestClient(app) as c:
         assert c.post('/nodes/add', json={'url': dead, 'models': [MODEL], 'speed': 1e6}).status_code == 200
-        assert c.post('/nodes/add', json={'url': nodes[0].url}).json()['node']['models'] == [MODEL]  # asked
+        real = c.post('/nodes/add', json={'url': nodes[0].url, 'speed': 1}).json()['node']
+        assert real['models'] == [MODEL]  # not given: asked of the node
         before = metric_sum(nodes[0].url, 'lmdeploy_requests_total')
         r = c.post('/v1/chat/completions', json=dict(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0))
         assert r.status_code == 200 and r.headers['x-lmdeploy-node'] == nodes[0].url
