@@ -99,12 +99,14 @@ def status(proxy) -> dict:
 
 
 @pytest.fixture(scope='module')
-def cluster(smollm2_path):
+def cluster(smollm2_path, tmp_path_factory):
     port = _free_port()
     proxy_url = f'http://127.0.0.1:{port}'
+    state_file = str(tmp_path_factory.mktemp('proxy') / 'nodes.json')
     proxy = Proc([sys.executable, '-m', 'lmdeploy', 'serve', 'proxy', '--server-name', '127.0.0.1', '--server-port',
                   str(port), '--api-keys', KEY, '--strategy', 'min_expected_latency', '--health-interval', '1',
-                  '--drop-after', '2', '--log-level', 'INFO'])
+                  '--drop-after', '2', '--log-level', 'INFO', '--state-file', state_file])
+    proxy.state_file = state_file
     nodes = []
     try:
         _wait(lambda: httpx.get(proxy_url + '/health', timeout=2).status_code in (200, 503), 60, 'proxy up', [proxy])
@@ -166,6 +168,9 @@ def test_nodes_registered_with_their_models(cluster):
     r = httpx.get(proxy + '/v1/models', headers=AUTH)
     assert r.status_code == 200 and [m['id'] for m in r.json()['data']] == [MODEL]
     assert httpx.get(proxy + '/health').json()['healthy_nodes'] == 2
+    with open(cluster[1].state_file) as f:  # what a restarted proxy would start from
+        saved = json.load(f)['nodes']
+    assert sorted(e['url'] for e in saved) == sorted(n.url for n in nodes) and saved[0]['models'] == [MODEL]
 
 
 @pytest.mark.parametrize('headers', [{}, {'Authorization': 'Bearer wrong'}, {'Authorization': KEY}])
@@ -363,3 +368,7 @@ def test_graceful_shutdown_deregisters(cluster):
     err = r.json()['error']
     assert err['code'] == 'no_available_node' and err['type'] == 'service_unavailable_error'
     assert httpx.get(proxy + '/health').status_code == 503
+    with open(proxy_proc.state_file) as f:
+        assert json.load(f)['nodes'] == []
+    proxy_proc.p.send_signal(signal.SIGTERM)
+    assert proxy_proc.p.wait(30) == 0

@@ -249,3 +249,60 @@ def test_503_node_is_skipped_and_broken_stream_is_not_replayed(fake_nodes):
         assert breaks.app.state.calls == 1  # not replayed
         st = {n['url']: n for n in c.get('/nodes/status').json()['nodes']}
         assert st[breaks.url]['failed'] == 1 and st[breaks.url]['state'] == 'unreachable'
+
+
+# ------------------------------------------------------------------------ an api_server's registration
+class _ProxyThread:
+    """The proxy app on uvicorn in a thread, with its lifespan (its HTTP client and health check)."""
+
+    def __init__(self, app):
+        import threading
+
+        import uvicorn
+        self.server = uvicorn.Server(uvicorn.Config(app, host='127.0.0.1', port=0, log_level='critical'))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        import time
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), 'the proxy did not start'
+            time.sleep(0.02)
+        self.url = f'http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}'
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_registration_with_and_without_the_key(caplog, monkeypatch):
+    import httpx
+
+    from lmdeploy.serve.proxy.app import create_app
+    from lmdeploy.serve.proxy.register import ENV_KEY, ProxyLink
+    key = f'sk-{random.getrandbits(64):x}'
+    table_app = create_app(api_keys=[key], health_interval=3600)
+    proxy = _ProxyThread(table_app)
+    try:
+        node = 'http://10.1.2.3:23333'
+        listed = lambda: [n['url'] for n in httpx.get(proxy.url + '/nodes/status',  # noqa: E731
+                                                    headers={'Authorization': f'Bearer {key}'}).json()['nodes']]
+        caplog.set_level('WARNING', logger='lmdeploy')
+        monkeypatch.delenv(ENV_KEY, raising=False)
+        assert not ProxyLink(proxy.url, node, ['m']).register(attempts=3, delay=0.01)  # no key: refused at once
+        assert not ProxyLink(proxy.url, node, ['m'], api_key='wrong').register(attempts=3, delay=0.01)
+        assert listed() == []
+        assert 'could not register with the proxy' in caplog.text and 'HTTP 401' in caplog.text
+        monkeypatch.setenv(ENV_KEY, key)  # the key from the environment
+        link = ProxyLink(proxy.url, node, ['m'])
+        assert link.register() and listed() == [node]
+        assert link.deregister() and listed() == []
+        assert not link.deregister()  # once
+        # a proxy that is not there: a warning after the attempts, nothing raised
+        caplog.clear()
+        gone = ProxyLink('http://127.0.0.1:9', node, ['m'], api_key=key, timeout=1)
+        assert not gone.register(attempts=2, delay=0.01)
+        assert 'could not register' in caplog.text and 'ConnectError' in caplog.text
+        with pytest.raises(ValueError, match='proxy-url'):
+            ProxyLink('127.0.0.1:8000', node)
+    finally:
+        proxy.stop()

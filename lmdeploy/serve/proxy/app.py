@@ -186,5 +186,8 @@ def serve(server_name: str = '0.0.0.0', server_port: int = 8000, *, strategy: st
     uv_level = 'info' if log_level.upper() == 'DEBUG' else 'warning'  # uvicorn's access log: only when debugging
     logger.warning('proxy on http://%s:%d (strategy %s, %d node(s))', server_name, server_port, strategy,
                    len(table.nodes))
-    uvicorn.run(app, host=server_name, port=server_port, log_level=uv_level, timeout_graceful_shutdown=30)
-    return 0
+    from lmdeploy.serve.openai.uvicorn_server import _make_server_class
+    config = uvicorn.Config(app, host=server_name, port=server_port, log_level=uv_level, timeout_graceful_shutdown=30)
+    server = _make_server_class()(config)  # SIGTERM / SIGINT: finish the running streams, then return 0
+    server.run()
+    return 0 if server.started else 1
