@@ -86,7 +86,8 @@ def create_app(table: Optional[NodeTable] = None, *, strategy: str = 'min_expect
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False) as client:
+        # nodes are reached directly: an HTTP_PROXY meant for the outside world must not sit in between
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False, trust_env=False) as client:
             app.state.forwarder = Forwarder(table, strategy, client, random.Random(seed))
             checker = HealthChecker(table, client, health_interval, drop_after)
             task = asyncio.create_task(checker.run())

@@ -60,7 +60,7 @@ class ProxyLink:
     def _post(self, path: str, body: dict):
         import httpx
         headers = {'Authorization': f'Bearer {self.api_key}'} if self.api_key else {}
-        return httpx.post(self.proxy_url + path, json=body, headers=headers, timeout=self.timeout)
+        return httpx.post(self.proxy_url + path, json=body, headers=headers, timeout=self.timeout, trust_env=False)
 
     def register(self, attempts: int = 10, delay: float = 1.0) -> bool:
         """Add this node to the proxy; True when it answered 200. Stops early once :meth:`deregister` ran."""
