@@ -1,6 +1,7 @@
 """``lmdeploy`` command line.
 
     lmdeploy serve api_server [MODEL] [--server-port 23333] [--device auto] ...   OpenAI-compatible server
+    lmdeploy serve proxy [--server-port 8000] [--strategy min_expected_latency]   one address, several servers
     lmdeploy chat [MODEL] [--device auto] [--temperature T] ...                    interactive terminal chat
     lmdeploy generate [PROMPT ...] [--model PATH] [--device cpu] [--max-new-tokens N]
     lmdeploy check_env                                                             environment + op self-test
@@ -9,7 +10,7 @@
 
 MODEL is a local Hugging Face directory; omitted, the embedded default model
 (SmolLM2-135M-Instruct) is used. Subcommand modules: :mod:`.serve`,
-:mod:`.chat`, :mod:`.check_env`; :mod:`.common` holds the flags they share.
+:mod:`.chat`, :mod:`.check_env`, :mod:`.proxy`; :mod:`.common` holds the flags they share.
 """
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ from .common import (add_chat_template_arg, add_engine_args, add_log_args, add_m
 
 def add_parser(sub) -> argparse.ArgumentParser:
     serve = sub.add_parser('serve', help='serve a model over HTTP',
-                           description='Serve a model. Subcommands: api_server (OpenAI-compatible REST API).')
-    serve_sub = serve.add_subparsers(dest='serve_command', metavar='{api_server}')
+                           description='Serve a model. Subcommands: api_server (OpenAI-compatible REST API), '
+                           'proxy (one address in front of several api_servers).')
+    serve_sub = serve.add_subparsers(dest='serve_command', metavar='{api_server,proxy}')
     p = serve_sub.add_parser('api_server', help='OpenAI-compatible REST API server',
                              description='Serve MODEL with an OpenAI-compatible REST API '
                              '(/v1/models, /v1/chat/completions, /v1/completions, ...).')
@@ -41,9 +42,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
     http.add_argument('--max-log-len', type=int, default=None,
                       help='characters of prompts / token ids to log per request (default: all)')
     add_engine_args(p)
+    add_proxy_link_args(p)
     p.set_defaults(func=run_api_server)
+    from .proxy import add_proxy_parser
+    add_proxy_parser(serve_sub)
     serve.set_defaults(func=lambda args: _serve_help(serve))
     return serve
+
+
+def add_proxy_link_args(p):
+    g = p.add_argument_group('proxy (lmdeploy serve proxy)')
+    g.add_argument('--proxy-url', default=None,
+                   help='register with this proxy once listening, e.g. http://HOST:8000 (and leave it on shutdown)')
+    g.add_argument('--proxy-api-key', default=None,
+                   help="the proxy's API key for registering (default: $LMDEPLOY_PROXY_API_KEY)")
+    g.add_argument('--node-url', default=None,
+                   help='the URL the proxy reaches this server at (default: from --server-name/--server-port; '
+                   "0.0.0.0 becomes this machine's address towards the proxy)")
 
 
 def tool_parser_choices():
@@ -83,7 +98,18 @@ def build_serve_kwargs(args) -> Dict[str, Any]:
                 allow_headers=list(args.allow_headers),
                 log_level=args.log_level,
                 max_log_len=args.max_log_len,
-                tool_call_parser=getattr(args, 'tool_call_parser', None))
+                tool_call_parser=getattr(args, 'tool_call_parser', None),
+                **proxy_link_kwargs(args))
+
+
+def proxy_link_kwargs(args) -> Dict[str, Any]:
+    """``--proxy-url`` and its companions -> ``serve()``'s keyword arguments (none without a proxy)."""
+    url = getattr(args, 'proxy_url', None)
+    if not url:
+        return {}
+    if not url.startswith(('http://', 'https://')):
+        raise ValueError(f'--proxy-url must be http(s)://HOST:PORT, got {url!r}')
+    return dict(proxy_url=url, proxy_api_key=args.proxy_api_key, node_url=args.node_url)
 
 
 def run_api_server(args) -> int:

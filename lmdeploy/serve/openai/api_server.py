@@ -146,7 +146,8 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
           allow_methods: Sequence[str] = ('*', ), allow_headers: Sequence[str] = ('*', ),
           log_level: str = 'WARNING', max_log_len: Optional[int] = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, drain_timeout: Optional[float] = DEFAULT_DRAIN_TIMEOUT,
-          tool_call_parser: Optional[str] = None) -> int:
+          tool_call_parser: Optional[str] = None, proxy_url: Optional[str] = None,
+          proxy_api_key: Optional[str] = None, node_url: Optional[str] = None) -> int:
     """Load the model and serve it until SIGTERM / SIGINT; returns 0 after draining.
 
     model_path: a local Hugging Face directory; None or 'default': the
@@ -169,6 +170,12 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
         are cancelled; None: wait for them however long.
     tool_call_parser: how the model writes tool calls ('qwen', 'llama3',
         'internlm2'); None or 'auto': detected.
+    proxy_url: a ``lmdeploy serve proxy`` to register with once listening (and
+        to leave when draining); failing to register is a warning, not an error.
+    proxy_api_key: the proxy's API key (default: $LMDEPLOY_PROXY_API_KEY).
+    node_url: the URL the proxy reaches this server at (default: from
+        server_name and server_port; a wildcard host becomes this machine's
+        address towards the proxy).
     """
     import uvicorn
 
@@ -209,8 +216,15 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
             uv_level = 'warning'
         config = uvicorn.Config(app, host=server_name, port=server_port, log_level=uv_level, lifespan='off',
                                 timeout_graceful_shutdown=drain_timeout, **ssl_kwargs)
-        server = _make_server_class()(config, on_exit=lambda: setattr(state, 'draining', True))
         scheme = 'https' if ssl else 'http'
+        link = _proxy_link(proxy_url, proxy_api_key, node_url, server_name, server_port, scheme, state.model_name)
+
+        def on_exit():
+            state.draining = True
+            if link is not None:  # the proxy stops sending new requests while the running ones finish
+                link.deregister_in_background()
+
+        server = _make_server_class()(config, on_exit=on_exit)
         engine = gateway.engine
         logger.warning('serving %s on %s://%s:%d (KV cache: %d tokens, quant_policy %d)', state.model_name, scheme,
                        server_name, server_port, engine.num_blocks * engine.block_size, engine.quant_policy)
@@ -219,13 +233,27 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
         # then under load (H100, 35 req/s: TTFT p99 355 ms, all of it from such stalls)
         gc.collect()
         gc.freeze()
-        server.run()
+        if link is not None:
+            link.register_when_listening(server)
+        try:
+            server.run()
+        finally:
+            if link is not None:
+                link.leave()
         if not server.started:
             return 1
         logger.warning('drained; bye')
         return 0
     finally:
         gateway.close()
+
+
+def _proxy_link(proxy_url, api_key, node_url, server_name, server_port, scheme, model_name):
+    if not proxy_url:
+        return None
+    from lmdeploy.serve.proxy.register import ProxyLink, own_url
+    return ProxyLink(proxy_url, node_url or own_url(server_name, server_port, proxy_url, scheme), [model_name],
+                     api_key)
 
 
 # ----------------------------------------------------------------- __main__
@@ -252,6 +280,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument('--drain-timeout', type=float, default=DEFAULT_DRAIN_TIMEOUT)
     p.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=None)
     p.add_argument('--tool-call-parser', default=None)
+    p.add_argument('--proxy-url', default=None)
+    p.add_argument('--proxy-api-key', default=None)
+    p.add_argument('--node-url', default=None)
     args = p.parse_args(argv)
     config = PytorchEngineConfig(device_type=args.device, session_len=args.session_len,
                                  max_batch_size=args.max_batch_size,
@@ -260,7 +291,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     return serve(args.model_path, server_name=args.server_name, server_port=args.server_port, backend_config=config,
                  chat_template_config=args.chat_template, model_name=args.model_name, api_keys=args.api_keys,
                  log_level=args.log_level, max_log_len=args.max_log_len, drain_timeout=args.drain_timeout,
-                 tool_call_parser=args.tool_call_parser)
+                 tool_call_parser=args.tool_call_parser, proxy_url=args.proxy_url,
+                 proxy_api_key=args.proxy_api_key, node_url=args.node_url)
 
 
 if __name__ == '__main__':
