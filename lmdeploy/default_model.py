@@ -212,10 +212,19 @@ def default_model_path() -> str:
 def resolve_model_path(model_path: str | None) -> str:
     """Map ``model_path`` onto a local model directory.
 
-    ``None`` and the default model's aliases give :func:`default_model_path`;
-    an existing local directory is returned as is (absolute).
+    ``None`` gives ``$LMDEPLOY_MODEL`` when that directory holds a model (a
+    container's mounted ``/models``), else :func:`default_model_path`; so do
+    the default model's aliases; an existing local directory is returned as
+    is (absolute).
     """
     if model_path is None:
+        mounted = os.environ.get('LMDEPLOY_MODEL')
+        if mounted and os.path.isfile(os.path.join(mounted, 'config.json')):
+            return os.path.abspath(mounted)
+        if mounted:
+            import logging
+            logging.getLogger('lmdeploy').warning('no model in $LMDEPLOY_MODEL (%s has no config.json): serving the '
+                                                  'embedded default model %s', mounted, DEFAULT_MODEL_NAME)
         return default_model_path()
     model_path = os.fspath(model_path)
     if model_path in DEFAULT_MODEL_ALIASES:
