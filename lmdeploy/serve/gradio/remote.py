@@ -1,0 +1,86 @@
+"""The chat page's backend for a running ``lmdeploy serve api_server``: its native ``/generate`` endpoint,
+which keeps an interactive session's KV cache between turns under a client-chosen session id, streams
+newline-delimited JSON, and takes ``cancel`` / ``end_session`` requests for the same id."""
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Iterator, Optional
+
+from .backend import ChatBackend, ChatSession, ChatSettings
+
+
+class RemoteBackend(ChatBackend):
+
+    def __init__(self, url: str, api_key: Optional[str] = None, timeout: float = 600.0):
+        import httpx
+        self.url = url.rstrip('/')
+        headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
+        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10))
+
+    def check(self):
+        """Fail early, with the reason, when nothing serves at the URL."""
+        r = self._client.get('/v1/models')
+        if r.status_code != 200:
+            raise RuntimeError(f'{self.url}/v1/models answered {r.status_code}: {r.text[:200]}')
+        return [m['id'] for m in r.json().get('data', [])]
+
+    def stream(self, session: ChatSession, message: str, settings: ChatSettings) -> Iterator[str]:
+        settings.check()
+        if session.generating:
+            raise ValueError('this conversation is already generating an answer')
+        if session.session_id is None:  # ids in the server's client namespace: random, so tabs never collide
+            session.session_id = secrets.randbelow(1 << 30) + 1
+        first = session.turns == 0
+        body = dict(prompt=self.first_messages(message, settings, first), session_id=session.session_id,
+                    interactive_mode=True, stream=True, request_output_len=settings.max_new_tokens,
+                    temperature=settings.temperature, top_p=settings.top_p, top_k=0)
+        session.generating, session.error, finished = True, None, False
+        reason: Optional[str] = None
+        try:
+            with self._client.stream('POST', '/generate', json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    reason, session.error = 'error', _error_text(r.text, r.status_code)
+                else:
+                    for line in r.iter_lines():
+                        if not line.strip():
+                            continue
+                        data = json.loads(line)
+                        if 'error' in data:
+                            reason, session.error = 'error', _error_text(line, 500)
+                            break
+                        session.input_tokens = data.get('input_tokens', session.input_tokens)
+                        session.generated_tokens = data.get('tokens', session.generated_tokens)
+                        reason = data.get('finish_reason') or reason
+                        if data.get('text'):
+                            yield data['text']
+            finished = True
+        finally:
+            session.generating = False
+            if not finished:  # closing the stream ends the server's turn (and its interactive session)
+                reason = 'error' if reason is None else reason
+            session.finish_reason = reason
+            if reason == 'error' or not finished:
+                session.session_id, session.turns = None, 0
+            else:
+                session.turns += 1
+
+    def stop(self, session: ChatSession):
+        if session.session_id is not None:
+            self._client.post('/generate', json={'session_id': session.session_id, 'cancel': True})
+
+    def reset(self, session: ChatSession):
+        if session.session_id is not None:
+            self._client.post('/generate', json={'session_id': session.session_id, 'end_session': True})
+        session.session_id, session.turns = None, 0
+
+    def close(self):
+        self._client.close()
+
+
+def _error_text(body: str, status: int) -> str:
+    try:
+        return json.loads(body)['error']['message']
+    except (ValueError, KeyError, TypeError):
+        return f'HTTP {status}: {body[:200]}'

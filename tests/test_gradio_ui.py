@@ -1,0 +1,311 @@
+"""``lmdeploy serve gradio``'s chat page in a real headless Chromium (Debian's chromium + chromedriver,
+driven by selenium): streaming, history kept in the engine session, stop, reset, two tabs at once, and the
+remote mode in front of an api_server. What the page claims is checked against the engine itself.
+
+Skipped only where Chromium (or gradio / selenium) is missing and ``CI`` is not set."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+
+import pytest
+
+CHROMIUM = '/usr/bin/chromium'
+CHROMEDRIVER = '/usr/bin/chromedriver'
+FLAGS = ('--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+         '--disable-background-networking', '--disable-component-update', '--disable-sync',
+         '--window-size=1280,1100')
+QUESTION = 'What is the capital of France?'
+LONG = 'Write a very long story about a dragon who learns to fly, with many chapters.'
+
+
+def _need(module: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        if os.environ.get('CI'):
+            pytest.fail(f'{module} is missing under CI (the test extra installs it)')
+        pytest.skip(f'{module} is not installed')
+
+
+def _need_chromium():
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
+    if missing:
+        if os.environ.get('CI'):
+            pytest.fail(f'{missing} missing under CI (.ci/run installs chromium and chromium-driver)')
+        pytest.skip(f'{missing} not installed (apt-get install -y chromium chromium-driver)')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def _artifact_dir() -> str:
+    d = os.environ.get('CI_ARTIFACTS') or os.path.join(tempfile.gettempdir(), 'lmdeploy-gradio-test')
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _wait(cond, timeout: float, what: str, step: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f'timed out ({timeout} s) waiting for {what}')
+        time.sleep(step)
+
+
+def _spy(cls):
+    """The backend class, recording each turn's (session, message, settings): how the test finds the
+    engine session a tab uses, and checks that the page's sliders reached it."""
+
+    class Spy(cls):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.calls = []
+
+        def stream(self, session, message, settings):
+            self.calls.append((session, message, settings))
+            return super().stream(session, message, settings)
+
+    return Spy
+
+
+def _launch(page):
+    port = _free_port()
+    page.queue()
+    page.launch(server_name='127.0.0.1', server_port=port, prevent_thread_lock=True, share=False, quiet=True,
+                footer_links=[])
+    return f'http://127.0.0.1:{port}'
+
+
+@pytest.fixture(scope='module')
+def browser():
+    _need_chromium()
+    _need('gradio')
+    _need('selenium')
+    os.environ.setdefault('GRADIO_ANALYTICS_ENABLED', 'False')
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in FLAGS:
+        opts.add_argument(flag)
+    profile = tempfile.mkdtemp(prefix='lmdeploy-chromium-')
+    opts.add_argument(f'--user-data-dir={profile}')
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+class Tab:
+    """The chat page in one browser tab."""
+
+    def __init__(self, driver, url: str):
+        from selenium.webdriver.common.by import By
+        self.d, self.By = driver, By
+        self.handle = driver.current_window_handle
+        driver.get(url)
+        _wait(lambda: driver.find_elements(By.CSS_SELECTOR, '#message textarea'), 60, 'the page')
+
+    def focus(self):
+        self.d.switch_to.window(self.handle)
+
+    def el(self, css):
+        return self.d.find_element(self.By.CSS_SELECTOR, css)
+
+    def set_number(self, elem_id: str, value):
+        from selenium.webdriver.common.keys import Keys
+        box = self.el(f'#{elem_id} input[type=number]')
+        box.clear()
+        box.send_keys(str(value), Keys.TAB)
+
+    def send(self, text: str):
+        self.el('#message textarea').send_keys(text)
+        self.el('#send').click()
+
+    def answer(self) -> str:
+        return self.d.execute_script(
+            "const b = document.querySelectorAll('#chatbot [data-testid=bot]');"
+            "return b.length ? b[b.length - 1].innerText : '';")
+
+    def num_answers(self) -> int:
+        return len(self.d.find_elements(self.By.CSS_SELECTOR, '#chatbot [data-testid=bot]'))
+
+    def status(self) -> str:
+        return self.el('#status').text
+
+    def finish(self, timeout: float = 90):
+        """Poll until the turn ends; -> (final answer, the distinct partial answers seen before)."""
+        seen = []
+
+        def done():
+            text = self.answer()
+            if text and (not seen or seen[-1] != text):
+                seen.append(text)
+            status = self.status()
+            return status and 'generating' not in status and status != 'ready'
+
+        _wait(done, timeout, 'the answer', step=0.03)
+        final = self.answer()
+        return final, [t for t in seen if t != final]
+
+
+# ------------------------------------------------------------------ local model
+@pytest.fixture(scope='module')
+def local(smollm2_path, browser):
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.serve.gradio.local import LocalBackend
+    from lmdeploy.serve.gradio.page import build_page
+    config = PytorchEngineConfig(device_type='cpu', session_len=4096, num_gpu_blocks=96)
+    backend = _spy(LocalBackend).from_model(smollm2_path, config)
+    url = _launch(build_page(backend))
+    yield backend, url
+    backend.close()
+
+
+def _engine_tokens(engine, session_id):
+    assert engine.wait_idle(30)
+    seq = engine.scheduler.idle.get(session_id)
+    assert seq is not None, f'the engine holds no session {session_id}'
+    return list(seq.token_ids)
+
+
+def test_chat_streams_and_keeps_history(local, browser):
+    backend, url = local
+    engine = backend.engine
+    tab = Tab(browser, url)
+    tab.set_number('temperature', 0)
+    tab.send(QUESTION)
+    final, partial = tab.finish()
+    assert 'Paris' in final, final
+    assert partial and all(final.startswith(p.rstrip()) and len(p) < len(final) for p in partial), \
+        ('no partial answer streamed in before the end', partial, final)
+    session, message, settings = backend.calls[-1]
+    assert message == QUESTION and settings.temperature == 0  # the slider reached the engine
+    first = _engine_tokens(engine, session.session_id)
+    assert session.finish_reason == 'stop'
+
+    tab.send('Repeat your answer in one word.')
+    final2, _ = tab.finish()
+    assert final2 and tab.num_answers() == 2
+    assert backend.calls[-1][0] is session and session.turns == 2
+    second = _engine_tokens(engine, session.session_id)
+    # the engine session grew by the new turn, and its tokens still start with the first turn's
+    assert len(second) > len(first) and second[:len(first)] == first
+    assert 'capital of France' in backend.pipeline.tokenizer.decode(second)
+    assert session.input_tokens > len(first)  # the second prompt, as the engine counted it, held the first turn
+    print(f'\nturn 1: {len(first)} tokens in the engine session; turn 2: {len(second)}; streamed '
+          f'{len(partial)} partial answers before the first one ended')
+
+
+def test_two_tabs_stop_and_reset(local, browser):
+    backend, url = local
+    engine = backend.engine
+    for s in [c[0] for c in backend.calls]:  # free the earlier test's sessions: this one counts its own
+        backend.reset(s)
+    assert engine.wait_idle(30)
+    _wait(lambda: engine.stats().num_idle_sessions == 0, 5, 'earlier sessions to be freed')
+    a = Tab(browser, url)
+    browser.switch_to.new_window('tab')
+    b = Tab(browser, url)
+    tabs = {}
+    for tab in (a, b):
+        tab.focus()
+        tab.set_number('max_new_tokens', 1500)
+        tab.send(LONG)
+        def started():
+            return backend.calls and backend.calls[-1][1] == LONG and \
+                all(backend.calls[-1][0] is not s for s in tabs.values())
+
+        _wait(started, 10, 'the turn to start')
+        tabs[tab.handle] = backend.calls[-1][0]
+    sa, sb = tabs[a.handle], tabs[b.handle]
+    assert sa is not sb and sa.session_id != sb.session_id
+    # both tabs generate at once, each in its own engine session
+    _wait(lambda: engine.stats().num_running == 2, 20, 'two sequences running together')
+    _wait(lambda: len(b.answer()) > 40, 30, "tab b's answer to grow")
+
+    # stop in tab b: its generation ends within a second, tab a's goes on
+    b.el('#stop').click()
+    t0 = time.monotonic()
+    _wait(lambda: not sb.generating and engine.stats().num_running == 1, 1.0, "tab b's generation to end")
+    engine_s = time.monotonic() - t0
+    _wait(lambda: 'stopped' in b.status(), 2.0, "tab b's page to say stopped")
+    assert sb.finish_reason == 'abort' and 0 < sb.generated_tokens < 1500 and sa.generating
+    text = b.answer()
+    time.sleep(0.3)
+    assert b.answer() == text  # nothing more streams in
+
+    a.focus()
+    shot = os.path.join(_artifact_dir(), 'gradio_chat.png')
+    a.el('#stop').click()
+    t1 = time.monotonic()
+    _wait(lambda: not sa.generating and engine.stats().num_running == 0, 1.0, "tab a's generation to end")
+    stop_a = time.monotonic() - t1
+    _wait(lambda: 'stopped' in a.status(), 2.0, "tab a's page to say stopped")
+    browser.save_screenshot(shot)
+    print(f'\nstop: tab b ended {engine_s * 1000:.0f} ms after the click, tab a {stop_a * 1000:.0f} ms; '
+          f'screenshot: {shot}')
+    assert engine.wait_idle(10) and engine.stats().num_idle_sessions == 2
+
+    # reset frees the tab's engine session (and only that one)
+    ids = (sa.session_id, sb.session_id)
+    a.el('#reset').click()
+    _wait(lambda: ids[0] not in engine.scheduler.idle, 2.0, "tab a's session to be freed")
+    assert ids[1] in engine.scheduler.idle and a.num_answers() == 0
+    b.focus()
+    b.el('#reset').click()
+    _wait(lambda: ids[1] not in engine.scheduler.idle, 2.0, "tab b's session to be freed")
+    assert engine.wait_idle(10)
+    stats = engine.stats()
+    assert stats.num_idle_sessions == 0 and stats.num_free_blocks == stats.num_blocks, stats
+    engine.check_invariants()
+    browser.close()
+    browser.switch_to.window(a.handle)
+
+
+# ----------------------------------------------------------------- remote mode
+def test_remote_page_over_api_server(smollm2_path, browser):
+    _need('fastapi')
+    import httpx
+    from lmdeploy.frontend.gateway import Gateway
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.serve.gradio.page import build_page
+    from lmdeploy.serve.gradio.remote import RemoteBackend
+    from lmdeploy.serve.openai.api_server import BackgroundServer, create_app
+    gateway = Gateway(smollm2_path, PytorchEngineConfig(device_type='cpu', session_len=2048, num_gpu_blocks=32))
+    server = BackgroundServer(create_app(gateway)).start()
+    backend = _spy(RemoteBackend)(server.url)
+    try:
+        assert backend.check()
+        tab = Tab(browser, _launch(build_page(backend)))
+        tab.set_number('temperature', 0)
+        tab.send(QUESTION)
+        final, partial = tab.finish()
+        assert 'Paris' in final and partial, (final, partial)
+
+        def metric(name):
+            for line in httpx.get(server.url + '/metrics').text.splitlines():
+                if line.startswith(name + ' '):
+                    return float(line.split()[1])
+            raise KeyError(name)
+
+        assert gateway.engine.wait_idle(10)
+        assert metric('lmdeploy_num_idle_sessions') == 1  # the server kept the tab's session for its next turn
+        tab.el('#reset').click()
+        _wait(lambda: metric('lmdeploy_num_idle_sessions') == 0, 3.0, 'the server to free the session')
+        assert metric('lmdeploy_kv_cache_blocks_free') == metric('lmdeploy_kv_cache_blocks_total')
+    finally:
+        backend.close()
+        server.stop()
+        gateway.close()
