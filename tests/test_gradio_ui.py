@@ -75,14 +75,17 @@ def _spy(cls):
             self.calls.append((session, message, settings))
             return super().stream(session, message, settings)
 
+        def stop(self, session):
+            self.stopped_at = time.monotonic()
+            return super().stop(session)
+
     return Spy
 
 
 def _launch(page):
     port = _free_port()
     page.queue()
-    page.launch(server_name='127.0.0.1', server_port=port, prevent_thread_lock=True, share=False, quiet=True,
-                footer_links=[])
+    page.launch(server_name='127.0.0.1', server_port=port, prevent_thread_lock=True, share=False, quiet=True)
     return f'http://127.0.0.1:{port}'
 
 
@@ -240,6 +243,7 @@ def test_two_tabs_stop_and_reset(local, browser):
     t0 = time.monotonic()
     _wait(lambda: not sb.generating and engine.stats().num_running == 1, 1.0, "tab b's generation to end")
     engine_s = time.monotonic() - t0
+    print(f'\nstop reached the backend {(backend.stopped_at - t0) * 1000:.0f} ms after the click')
     _wait(lambda: 'stopped' in b.status(), 2.0, "tab b's page to say stopped")
     assert sb.finish_reason == 'abort' and 0 < sb.generated_tokens < 1500 and sa.generating
     text = b.answer()
@@ -305,7 +309,71 @@ def test_remote_page_over_api_server(smollm2_path, browser):
         tab.el('#reset').click()
         _wait(lambda: metric('lmdeploy_num_idle_sessions') == 0, 3.0, 'the server to free the session')
         assert metric('lmdeploy_kv_cache_blocks_free') == metric('lmdeploy_kv_cache_blocks_total')
+
+        # stop through the server (the backend class directly): the stream ends within a second
+        import threading
+        from lmdeploy.serve.gradio.backend import ChatSession, ChatSettings
+        session, pieces = ChatSession(), []
+        worker = threading.Thread(target=lambda: pieces.extend(
+            backend.stream(session, LONG, ChatSettings(max_new_tokens=1500))))
+        worker.start()
+        _wait(lambda: len(pieces) > 5 and metric('lmdeploy_num_requests_running') == 1, 30, 'the answer to start')
+        backend.stop(session)
+        t0 = time.monotonic()
+        worker.join(1.0)
+        took = time.monotonic() - t0
+        assert not worker.is_alive(), 'the remote stream did not end within a second of stop'
+        assert session.finish_reason == 'abort' and 0 < session.generated_tokens < 1500 and session.turns == 1
+        print(f'\nremote stop: the stream ended {took * 1000:.0f} ms after the cancel')
+        backend.reset(session)
+        _wait(lambda: metric('lmdeploy_num_idle_sessions') == 0, 3.0, 'the server to free the session')
+        gateway.engine.check_invariants()
     finally:
         backend.close()
         server.stop()
         gateway.close()
+
+
+# ------------------------------------------------------------ the real command
+def test_cli_serves_the_page(smollm2_path, browser):
+    """``lmdeploy serve gradio`` (MODEL omitted: the embedded default model) serves a page that answers;
+    Ctrl-C stops it."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import httpx
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = _free_port()
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED='False')
+    env['PYTHONPATH'] = repo + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')
+    cmd = [sys.executable, '-m', 'lmdeploy', 'serve', 'gradio', '--server-name', '127.0.0.1', '--server-port',
+           str(port), '--device', 'cpu', '--session-len', '1024', '--cache-max-entry-count', '0.01']
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    url = f'http://127.0.0.1:{port}'
+
+    def up():
+        assert proc.poll() is None, f'exited with {proc.returncode}:\n' + ''.join(output)
+        try:
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        _wait(up, 120, 'the page', step=0.2)
+        tab = Tab(browser, url)
+        tab.set_number('temperature', 0)
+        tab.send(QUESTION)
+        final, partial = tab.finish()
+        assert 'Paris' in final and partial, (final, partial, ''.join(output))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) in (0, 130), ''.join(output)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        reader.join(10)

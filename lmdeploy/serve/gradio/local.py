@@ -54,7 +54,7 @@ class LocalBackend(ChatBackend):
                 self.pipeline.gateway.cancel(session.session_id)
                 reason = reason or 'abort'
             session.finish_reason = reason
-            if reason == 'error':  # the engine did not keep the session: start over
+            if reason == 'error' or session.error:  # refused (e.g. too long): the engine kept nothing, start over
                 self._forget(session)
             else:
                 session.turns += 1

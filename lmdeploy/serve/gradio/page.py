@@ -123,7 +123,7 @@ def run(target: Optional[str] = None, server_name: str = '0.0.0.0', server_port:
     page = build_page(backend, title)
     page.queue()
     page.launch(server_name=server_name, server_port=server_port, share=False, inbrowser=inbrowser,
-                prevent_thread_lock=not block, quiet=not block, footer_links=[])
+                prevent_thread_lock=not block, quiet=not block)
     if block:
         backend.close()
     return page, backend

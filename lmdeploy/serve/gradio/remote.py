@@ -20,7 +20,11 @@ class RemoteBackend(ChatBackend):
 
     def check(self):
         """Fail early, with the reason, when nothing serves at the URL."""
-        r = self._client.get('/v1/models')
+        import httpx
+        try:
+            r = self._client.get('/v1/models')
+        except httpx.HTTPError as e:
+            raise RuntimeError(f'cannot reach the api_server at {self.url}: {e}') from e
         if r.status_code != 200:
             raise RuntimeError(f'{self.url}/v1/models answered {r.status_code}: {r.text[:200]}')
         return [m['id'] for m in r.json().get('data', [])]
@@ -61,7 +65,7 @@ class RemoteBackend(ChatBackend):
             if not finished:  # closing the stream ends the server's turn (and its interactive session)
                 reason = 'error' if reason is None else reason
             session.finish_reason = reason
-            if reason == 'error' or not finished:
+            if reason == 'error' or session.error or not finished:
                 session.session_id, session.turns = None, 0
             else:
                 session.turns += 1
