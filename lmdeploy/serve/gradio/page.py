@@ -2,16 +2,22 @@
 
 Each browser tab gets its own :class:`_Tab` state (Gradio copies a State's initial value per tab), so its
 own engine session; the chat event streams with no concurrency limit, so tabs chat at once; stop and
-reset bypass Gradio's queue, so they act while the tab's answer is still streaming."""
-from __future__ import annotations
+reset bypass Gradio's queue, so they act while the tab's answer is still streaming. A tab that closes
+frees its engine session at once (Gradio's unload event; Gradio itself drops a closed tab's state only
+an hour later).
 
+No ``from __future__ import annotations`` here: Gradio finds the ``gr.Request`` parameter by its
+annotation, which must be the class itself."""
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from .backend import ChatBackend, ChatSession, ChatSettings
 
 TITLE = 'LMDeploy chat'
+UPDATE_S = 0.05  # the shortest time between two updates of a streaming answer
 
 
 @dataclass
@@ -38,8 +44,13 @@ def build_page(backend: ChatBackend, title: str = TITLE, defaults: Optional[Chat
     """The ``gr.Blocks`` of the chat page (not launched)."""
     import gradio as gr
     d = defaults or ChatSettings()
+    open_tabs: Dict[str, _Tab] = {}  # Gradio's session hash -> the tab's state, to free it on unload
+    lock = threading.Lock()
 
-    def chat(message: str, tab: _Tab, max_new_tokens, temperature, top_p, system_prompt):
+    def chat(message: str, tab: _Tab, max_new_tokens, temperature, top_p, system_prompt, request: gr.Request):
+        if request is not None and request.session_hash:
+            with lock:
+                open_tabs[request.session_hash] = tab
         if not message or not message.strip() or tab.session.generating:
             yield message, tab.history, _status(tab.session)
             return
@@ -50,9 +61,14 @@ def build_page(backend: ChatBackend, title: str = TITLE, defaults: Optional[Chat
         try:
             turn = backend.stream(tab.session, message, settings)
             yield '', tab.history, 'generating...'
+            shown = time.monotonic()
             for piece in turn:
                 answer['content'] += piece
-                yield '', tab.history, 'generating...'
+                # at most UPDATE_S between updates: each one re-sends the conversation, and a page that
+                # falls behind the engine would go on streaming after Stop
+                if time.monotonic() - shown >= UPDATE_S:
+                    shown = time.monotonic()
+                    yield '', tab.history, 'generating...'
         except ValueError as e:  # a setting out of range: said on the page, nothing sent
             tab.session.error = str(e)
         if not answer['content']:
@@ -68,8 +84,14 @@ def build_page(backend: ChatBackend, title: str = TITLE, defaults: Optional[Chat
         tab.session = ChatSession()
         return [], 'conversation reset: the engine session is freed'
 
-    def forget(tab: Any):  # the tab closed: free its engine session
+    def forget(tab: Any):  # Gradio dropped the tab's state: free its engine session (if still held)
         if isinstance(tab, _Tab):
+            backend.reset(tab.session)
+
+    def closed(request: gr.Request):  # the tab closed or reloaded: free its engine session now
+        with lock:
+            tab = open_tabs.pop(getattr(request, 'session_hash', None), None)
+        if tab is not None:
             backend.reset(tab.session)
 
     with gr.Blocks(title=title) as page:
@@ -98,6 +120,7 @@ def build_page(backend: ChatBackend, title: str = TITLE, defaults: Optional[Chat
             trigger(chat, inputs, outputs, concurrency_limit=None, show_progress='hidden')
         stop_btn.click(stop, [tab], None, queue=False)
         reset_btn.click(reset, [tab], [chatbot, status], queue=False)
+        page.unload(closed)
     return page
 
 
