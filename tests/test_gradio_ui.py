@@ -6,6 +6,7 @@ Skipped only where Chromium (or gradio / selenium) is missing and ``CI`` is not 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -349,6 +350,17 @@ def test_remote_page_over_api_server(smollm2_path, browser, say):
         backend.reset(session)
         _wait(lambda: metric('lmdeploy_num_idle_sessions') == 0, 3.0, 'the server to free the session')
         gateway.engine.check_invariants()
+
+        # a message the server refuses (longer than session_len): the reason, and a fresh start
+        refused = ChatSession()
+        long_text = ' '.join(random.choice(['apple', 'river', 'stone']) for _ in range(2500))
+        assert list(backend.stream(refused, long_text, ChatSettings(max_new_tokens=8))) == []
+        assert 'context length' in refused.error and refused.session_id is None, refused
+        server.stop()
+        gone = ChatSession()  # the server has gone away: said, not raised
+        assert list(backend.stream(gone, QUESTION, ChatSettings())) == []
+        assert 'failed' in gone.error and gone.session_id is None, gone
+        backend.reset(gone)
     finally:
         backend.close()
         server.stop()

@@ -4,10 +4,13 @@ newline-delimited JSON, and takes ``cancel`` / ``end_session`` requests for the 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from typing import Iterator, Optional
 
 from .backend import ChatBackend, ChatSession, ChatSettings
+
+logger = logging.getLogger('lmdeploy')
 
 
 class RemoteBackend(ChatBackend):
@@ -30,6 +33,7 @@ class RemoteBackend(ChatBackend):
         return [m['id'] for m in r.json().get('data', [])]
 
     def stream(self, session: ChatSession, message: str, settings: ChatSettings) -> Iterator[str]:
+        import httpx
         settings.check()
         if session.generating:
             raise ValueError('this conversation is already generating an answer')
@@ -42,49 +46,64 @@ class RemoteBackend(ChatBackend):
         session.generating, session.error, finished = True, None, False
         reason: Optional[str] = None
         try:
-            with self._client.stream('POST', '/generate', json=body) as r:
-                if r.status_code != 200:
-                    r.read()
-                    reason, session.error = 'error', _error_text(r.text, r.status_code)
-                else:
-                    for line in r.iter_lines():
-                        if not line.strip():
-                            continue
-                        data = json.loads(line)
-                        if 'error' in data:
-                            reason, session.error = 'error', _error_text(line, 500)
-                            break
-                        session.input_tokens = data.get('input_tokens', session.input_tokens)
-                        session.generated_tokens = data.get('tokens', session.generated_tokens)
-                        reason = data.get('finish_reason') or reason
-                        if data.get('text'):
-                            yield data['text']
+            try:
+                for data in self._generate(body):
+                    if 'error' in data:
+                        reason, session.error = 'error', _error_text(data)
+                        break
+                    session.input_tokens = data.get('input_tokens', session.input_tokens)
+                    session.generated_tokens = data.get('tokens', session.generated_tokens)
+                    reason = data.get('finish_reason') or reason
+                    if data.get('text'):
+                        yield data['text']
+            except (httpx.HTTPError, ValueError) as e:  # the server went away, or answered outside its API
+                reason, session.error = 'error', f'the api_server at {self.url} failed: {type(e).__name__}: {e}'
             finished = True
         finally:
             session.generating = False
-            if not finished:  # closing the stream ends the server's turn (and its interactive session)
-                reason = 'error' if reason is None else reason
-            session.finish_reason = reason
+            session.finish_reason = reason if finished else (reason or 'abort')
+            # a refused turn, or a stream closed early (the server then ends the session): start over
             if reason == 'error' or session.error or not finished:
                 session.session_id, session.turns = None, 0
             else:
                 session.turns += 1
 
+    def _generate(self, body) -> Iterator[dict]:
+        """``/generate``'s streamed lines, parsed; a refused request as one ``{'error': ...}``."""
+        with self._client.stream('POST', '/generate', json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                try:
+                    data = json.loads(r.text)
+                except ValueError:
+                    data = {}
+                yield data if isinstance(data, dict) and 'error' in data else \
+                    {'error': {'message': f'HTTP {r.status_code}: {r.text[:200]}'}}
+                return
+            for line in r.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
+
     def stop(self, session: ChatSession):
         if session.session_id is not None:
-            self._client.post('/generate', json={'session_id': session.session_id, 'cancel': True})
+            self._post({'session_id': session.session_id, 'cancel': True})
 
     def reset(self, session: ChatSession):
         if session.session_id is not None:
-            self._client.post('/generate', json={'session_id': session.session_id, 'end_session': True})
+            self._post({'session_id': session.session_id, 'end_session': True})
         session.session_id, session.turns = None, 0
+
+    def _post(self, body):
+        import httpx
+        try:
+            self._client.post('/generate', json=body)
+        except httpx.HTTPError as e:  # nothing to free on a server that is gone; say so in the log
+            logger.warning('api_server %s: %s failed: %s', self.url, list(body)[1], e)
 
     def close(self):
         self._client.close()
 
 
-def _error_text(body: str, status: int) -> str:
-    try:
-        return json.loads(body)['error']['message']
-    except (ValueError, KeyError, TypeError):
-        return f'HTTP {status}: {body[:200]}'
+def _error_text(data: dict) -> str:
+    err = data.get('error')
+    return str(err.get('message', err)) if isinstance(err, dict) else str(err)
