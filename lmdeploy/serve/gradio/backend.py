@@ -66,7 +66,7 @@ class ChatBackend:
         pass
 
     @staticmethod
-    def first_messages(message: str, settings: ChatSettings, first: bool):
+    def turn_messages(message: str, settings: ChatSettings, first: bool):
         """The turn's messages: a new conversation carries the system prompt, if any."""
         msgs = []
         if first and settings.system_prompt.strip():

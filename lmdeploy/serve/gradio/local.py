@@ -37,7 +37,7 @@ class LocalBackend(ChatBackend):
         session.generating, session.error, finished = True, None, False
         reason: Optional[str] = None
         try:
-            for piece in self.pipeline.chat(self.first_messages(message, settings, first), turn, gen,
+            for piece in self.pipeline.chat(self.turn_messages(message, settings, first), turn, gen,
                                             stream_response=True):
                 session.input_tokens = piece.input_token_len
                 session.generated_tokens = piece.generate_token_len

@@ -40,7 +40,7 @@ class RemoteBackend(ChatBackend):
         if session.session_id is None:  # ids in the server's client namespace: random, so tabs never collide
             session.session_id = secrets.randbelow(1 << 30) + 1
         first = session.turns == 0
-        body = dict(prompt=self.first_messages(message, settings, first), session_id=session.session_id,
+        body = dict(prompt=self.turn_messages(message, settings, first), session_id=session.session_id,
                     interactive_mode=True, stream=True, request_output_len=settings.max_new_tokens,
                     temperature=settings.temperature, top_p=settings.top_p, top_k=0)
         session.generating, session.error, finished = True, None, False
