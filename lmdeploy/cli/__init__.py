@@ -2,6 +2,7 @@
 
     lmdeploy serve api_server [MODEL] [--server-port 23333] [--device auto] ...   OpenAI-compatible server
     lmdeploy serve proxy [--server-port 8000] [--strategy min_expected_latency]   one address, several servers
+    lmdeploy serve gradio [MODEL | URL] [--server-port 6006] ...                   chat page in the browser
     lmdeploy chat [MODEL] [--device auto] [--temperature T] ...                    interactive terminal chat
     lmdeploy generate [PROMPT ...] [--model PATH] [--device cpu] [--max-new-tokens N]
     lmdeploy check_env                                                             environment + op self-test

@@ -11,13 +11,14 @@ from typing import Any, Dict
 
 from .common import (add_chat_template_arg, add_engine_args, add_log_args, add_model_arg, backend_name,
                          build_engine_config, parse_chat_template, resolve_model)
+from .serve_gradio import add_gradio_parser
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     serve = sub.add_parser('serve', help='serve a model over HTTP',
                            description='Serve a model. Subcommands: api_server (OpenAI-compatible REST API), '
-                           'proxy (one address in front of several api_servers).')
-    serve_sub = serve.add_subparsers(dest='serve_command', metavar='{api_server,proxy}')
+                           'proxy (one address in front of several api_servers), gradio (chat page in the browser).')
+    serve_sub = serve.add_subparsers(dest='serve_command', metavar='{api_server,proxy,gradio}')
     p = serve_sub.add_parser('api_server', help='OpenAI-compatible REST API server',
                              description='Serve MODEL with an OpenAI-compatible REST API '
                              '(/v1/models, /v1/chat/completions, /v1/completions, ...).')
@@ -46,6 +47,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.set_defaults(func=run_api_server)
     from .proxy import add_proxy_parser
     add_proxy_parser(serve_sub)
+    add_gradio_parser(serve_sub)
     serve.set_defaults(func=lambda args: _serve_help(serve))
     return serve
 
