@@ -192,6 +192,10 @@ class Engine:
             self._thread.join(timeout=10)
             if self.workers is not None:
                 self.workers.close()
+            # what was frozen at start-up (this engine's model and cache among it) is collectable again:
+            # frozen objects in reference cycles would otherwise outlive the engine (a process that makes
+            # several engines, e.g. a test run, would keep every one's KV cache)
+            gc.unfreeze()
 
     # ----------------------------------------------------------------- loop
     def _loop(self):
