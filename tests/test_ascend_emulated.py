@@ -266,3 +266,16 @@ def test_scale_of_the_decode_attention_is_the_callers(npu):
         got = ops.paged_decode_attention(q, cache, table, torch.tensor([6]), scale, 6)
         want = torch.stack([_explicit_attention(q[0], k, v, scale, 6)])
         torch.testing.assert_close(got, want)
+
+
+def test_check_env_reports_the_emulated_npu_and_runs_the_suite_on_it():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([EMULATION, REPO]))
+    r = subprocess.run([sys.executable, '-m', 'lmdeploy', 'check_env'], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert any(line.split()[:2] == ['NPU', 'available'] and line.split()[-1] == 'True' for line in lines), r.stdout
+    assert any('emulation of torch_npu' in line for line in lines), r.stdout
+    assert any(line.split()[:2] == ['ascend', 'available'] for line in lines), r.stdout
+    passed = [line for line in lines if line.split()[:1] == ['ascend'] and 'PASS' in line]
+    assert len(passed) >= 9, r.stdout
