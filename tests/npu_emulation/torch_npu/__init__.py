@@ -87,6 +87,7 @@ def npu_rotary_mul(input, r1, r2, rotary_mode='half'):
 @_op()
 def npu_swiglu(input, dim=-1):
     """Halves a, b of input along dim: silu(a) * b."""
+    _need(input.is_contiguous() and input.shape[dim] % 2 == 0, 'npu_swiglu takes a contiguous, even-split input')
     a, b = input.chunk(2, dim=dim)
     return (torch.nn.functional.silu(a.float()) * b.float()).to(input.dtype)
 
