@@ -33,5 +33,9 @@ def deactivate():
         del torch.npu
     if HERE in sys.path:
         sys.path.remove(HERE)
+    utils = sys.modules.get('transformers.utils.import_utils')  # it caches whether it saw an NPU
+    clear = getattr(getattr(utils, 'is_torch_npu_available', None), 'cache_clear', None)
+    if clear is not None:
+        clear()
     devices._instances.pop('ascend', None)
     devices.get_device('cpu')  # cpu tensors go back to the cpu device
