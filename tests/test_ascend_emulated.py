@@ -183,11 +183,11 @@ def test_unsupported_kv_quantization_is_refused_at_start_up(npu, smollm2_path):
 
 @pytest.fixture(scope='module')
 def cpu_tokens(smollm2_path):
-    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    from lmdeploy import PytorchEngineConfig, pipeline
     pipe = pipeline(smollm2_path, backend_config=PytorchEngineConfig(device_type='cpu', session_len=256,
                                                                      dtype='float32', max_batch_size=4))
     try:
-        return [r.token_ids for r in pipe(PROMPTS, GenerationConfig(max_new_tokens=8, do_sample=False))]
+        return _generate(pipe)
     finally:
         pipe.close()
 
@@ -195,9 +195,19 @@ def cpu_tokens(smollm2_path):
 PROMPTS = ['What is the capital of France?', 'Count to five.', 'Name a colour.']
 
 
+def _generate(pipe):
+    """Greedy tokens of PROMPTS, then seeded samples (top-k, top-p, temperature: the sampling ops on the
+    device) of the first two."""
+    from lmdeploy import GenerationConfig
+    greedy = [r.token_ids for r in pipe(PROMPTS, GenerationConfig(max_new_tokens=8, do_sample=False))]
+    sampled = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=20, top_p=0.9, temperature=0.8,
+                               random_seed=7)
+    return greedy + [r.token_ids for r in pipe(PROMPTS[:2], sampled)]
+
+
 @pytest.mark.parametrize('eager', [True, False], ids=['eager', 'graphs'])
 def test_greedy_tokens_match_the_cpu_device(npu, smollm2_path, cpu_tokens, eager, monkeypatch):
-    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    from lmdeploy import PytorchEngineConfig, pipeline
     replays = []
     real_replay = torch.npu.NPUGraph.replay
     monkeypatch.setattr(torch.npu.NPUGraph, 'replay', lambda g: (replays.append(g), real_replay(g))[1])
@@ -206,10 +216,12 @@ def test_greedy_tokens_match_the_cpu_device(npu, smollm2_path, cpu_tokens, eager
                                                                      eager_mode=eager))
     try:
         assert pipe.engine.device.name == 'ascend'
-        got = [r.token_ids for r in pipe(PROMPTS, GenerationConfig(max_new_tokens=8, do_sample=False))]
+        got = _generate(pipe)
+        stats = pipe.engine.stats()
     finally:
         pipe.close()
     assert got == cpu_tokens
+    assert stats.extra['decode_steps'] > 0 and stats.extra['decode_device_seconds'] > 0  # NPU events time steps
     assert (len(replays) > 0) == (not eager)  # graph mode decodes through replays, eager mode never records
 
 

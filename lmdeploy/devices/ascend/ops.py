@@ -59,6 +59,26 @@ class AscendOps(DeviceOps):
     def synchronize(self) -> None:
         runtime.npu().synchronize()
 
+    def to_host_async(self, t):
+        """A copy queued behind the step (non-blocking, so the host goes on to schedule the next step) and an
+        NPU event recorded after it; the returned function waits for the event."""
+        host = t.to('cpu', non_blocking=True, copy=True)
+        done = runtime.npu().Event()
+        done.record()
+
+        def wait():
+            done.synchronize()
+            return host
+        return wait
+
+    def timestamp(self):
+        mark = runtime.npu().Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def seconds_between(self, start, end):
+        return start.elapsed_time(end) / 1e3 if end.query() else None
+
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
         # the fused attention ops take FLOAT16 / BFLOAT16 queries; the 910B runs bf16
         return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
@@ -148,15 +168,16 @@ class AscendOps(DeviceOps):
 
     def _kv_lens_host(self, kv_seqlens: torch.Tensor) -> List[int]:
         """The context lengths as the host list the fused op takes, read once per eager step (every layer
-        gets the same tensor, a new one each step); an empty padding row reads one token, its output is
+        gets the same memory, each step new memory); an empty padding row reads one token, its output is
         zeroed after. While a graph is recorded nothing is read (a host read cannot be recorded): the
         recording gets one token per row, and every replay updates the lists (capture_graph)."""
         if self._recording is not None:
             return [1] * kv_seqlens.shape[0]
+        key = (kv_seqlens.data_ptr(), kv_seqlens.shape, kv_seqlens.stride())
         held, values = self._host_lens
-        if held is not kv_seqlens:
+        if held is None or key != (held.data_ptr(), held.shape, held.stride()):
             values = kv_seqlens.clamp(min=1).tolist()
-            self._host_lens = (kv_seqlens, values)  # held, so the identity stays its own
+            self._host_lens = (kv_seqlens, values)  # held: no other tensor takes its memory meanwhile
         return values
 
     def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,

@@ -49,6 +49,30 @@ def mem_get_info():
     return int(min(vm.available, 2 << 30)), int(vm.total)
 
 
+class Event:
+    """An event of the emulated NPU queue: ops run as they are called, so a recorded event is reached."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.enable_timing = enable_timing
+        self._at = None
+
+    def record(self, stream=None):
+        import time
+        self._at = time.perf_counter()
+
+    def query(self) -> bool:
+        return self._at is not None
+
+    def synchronize(self) -> None:
+        if self._at is None:
+            raise RuntimeError('synchronize on an event never recorded')
+
+    def elapsed_time(self, end) -> float:
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError('events need enable_timing=True to be timed')
+        return (end._at - self._at) * 1e3
+
+
 def _outs(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
