@@ -240,7 +240,7 @@ def test_api_server_on_the_emulated_npu_answers_a_client(smollm2_path, tmp_path)
     log = open(tmp_path / 'server.log', 'w')
     proc = subprocess.Popen([sys.executable, '-m', 'lmdeploy', 'serve', 'api_server', smollm2_path, '--device',
                              'ascend', '--server-port', str(port), '--server-name', '127.0.0.1', '--session-len',
-                             '256', '--dtype', 'float32', '--max-batch-size', '2', '--eager-mode'],
+                             '256', '--dtype', 'float32', '--max-batch-size', '2'],  # graph mode, the default
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 240
