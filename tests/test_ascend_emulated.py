@@ -291,3 +291,23 @@ def test_check_env_reports_the_emulated_npu_and_runs_the_suite_on_it():
     assert any(line.split()[:2] == ['ascend', 'available'] for line in lines), r.stdout
     passed = [line for line in lines if line.split()[:1] == ['ascend'] and 'PASS' in line]
     assert len(passed) >= 9, r.stdout
+
+
+def test_chat_on_the_emulated_npu(smollm2_path):
+    """``lmdeploy chat MODEL --device ascend`` answers a turn (the REPL driven through a terminal)."""
+    pexpect = pytest.importorskip('pexpect')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([EMULATION, REPO]))
+    argv = ['-m', 'lmdeploy', 'chat', smollm2_path, '--device', 'ascend', '--dtype', 'float32', '--session-len', '256',
+            '--max-new-tokens', '12', '--max-batch-size', '2']
+    child = pexpect.spawn(sys.executable, argv, cwd=REPO, env=env, encoding='utf-8', timeout=120, dimensions=(50, 200))
+    try:
+        child.expect('>>> ')
+        child.sendline('What is the capital of France?')
+        child.expect(r'\[session \d+ \| turn 1')
+        assert 'Paris' in child.before, child.before
+        child.expect('>>> ')
+        child.sendline('exit')
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
