@@ -234,7 +234,7 @@ def _free_port():
 def test_api_server_on_the_emulated_npu_answers_a_client(smollm2_path, tmp_path):
     """``lmdeploy serve api_server --device ascend`` in a subprocess whose interpreter loads the emulation
     (tests/npu_emulation/sitecustomize.py), its engine process too."""
-    import requests
+    import httpx
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([EMULATION, REPO]))
     log = open(tmp_path / 'server.log', 'w')
@@ -247,14 +247,14 @@ def test_api_server_on_the_emulated_npu_answers_a_client(smollm2_path, tmp_path)
         while True:
             assert proc.poll() is None, (tmp_path / 'server.log').read_text()[-3000:]
             try:
-                if requests.get(f'http://127.0.0.1:{port}/health', timeout=2).status_code == 200:
+                if httpx.get(f'http://127.0.0.1:{port}/health', timeout=2).status_code == 200:
                     break
-            except requests.ConnectionError:
+            except httpx.TransportError:
                 pass
             assert time.time() < deadline, (tmp_path / 'server.log').read_text()[-3000:]
             time.sleep(0.5)
-        model = requests.get(f'http://127.0.0.1:{port}/v1/models', timeout=10).json()['data'][0]['id']
-        r = requests.post(f'http://127.0.0.1:{port}/v1/chat/completions', timeout=120, json=dict(
+        model = httpx.get(f'http://127.0.0.1:{port}/v1/models', timeout=10).json()['data'][0]['id']
+        r = httpx.post(f'http://127.0.0.1:{port}/v1/chat/completions', timeout=120, json=dict(
             model=model, messages=[{'role': 'user', 'content': 'What is the capital of France?'}], max_tokens=8,
             temperature=0))
         assert r.status_code == 200, r.text
