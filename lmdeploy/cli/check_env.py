@@ -122,16 +122,37 @@ def collect_info() -> List[Tuple[str, str]]:
     return rows
 
 
+def _cann_version() -> str:
+    """CANN's toolkit version, from its install (ASCEND_TOOLKIT_HOME or the default prefix)."""
+    home = os.environ.get('ASCEND_TOOLKIT_HOME') or '/usr/local/Ascend/ascend-toolkit/latest'
+    for name in ('version.cfg', os.path.join('compiler', 'version.info'), os.path.join('runtime', 'version.info')):
+        try:
+            with open(os.path.join(home, name)) as f:
+                for line in f:
+                    key, _, value = line.partition('=')
+                    if key.strip().lower() in ('version', 'toolkit_version') and value.strip():
+                        return f'{value.strip()} ({home})'
+        except OSError:
+            continue
+    return f'not found ({home})'
+
+
+ASCEND_VERIFIED = ('the ascend device is verified against an emulation of torch_npu (tests/npu_emulation), '
+                   'not on an NPU, until someone runs it on one')
+
+
 def _npu_info(torch) -> List[Tuple[str, str]]:
     if importlib.util.find_spec('torch_npu') is None:
-        return [('NPU (torch_npu)', 'torch_npu not installed')]
+        return [('NPU (torch_npu)', 'torch_npu not installed'), ('Ascend path', ASCEND_VERIFIED)]
     try:
-        import torch_npu  # noqa: F401
+        import torch_npu
     except Exception as e:
-        return [('NPU (torch_npu)', f'torch_npu not importable ({type(e).__name__}: {e})')]
+        return [('NPU (torch_npu)', f'torch_npu not importable ({type(e).__name__}: {e})'),
+                ('Ascend path', ASCEND_VERIFIED)]
     npu = getattr(torch, 'npu', None)
     ok = bool(npu is not None and _safe(npu.is_available, False) is True)
-    rows = [('NPU available', str(ok))]
+    rows = [('torch_npu', f'{getattr(torch_npu, "__version__", "unknown")} ({torch_npu.__file__})'),
+            ('CANN', _cann_version()), ('Ascend path', ASCEND_VERIFIED), ('NPU available', str(ok))]
     if ok:
         n = npu.device_count()
         rows.append(('NPU devices', str(n)))

@@ -33,6 +33,7 @@ class DeviceOps:
     name: str = 'abstract'  # its device_type (the registry's key)
     torch_device_type: str = 'cpu'  # torch's name for the device its tensors live on
     auto_priority: int = 0  # device_type='auto' picks the available device that ranks highest
+    collective_backend: str = 'gloo'  # torch.distributed backend of its collectives (tensor parallelism)
 
     # ---------------------------------------------------------------- services
     @classmethod
@@ -85,6 +86,9 @@ class DeviceOps:
         recorded work and rewrites ``outputs`` in place; graphs recorded with
         the same ``pool`` share their memory (pass None for the first)."""
         raise NotImplementedError(f'device {self.name!r} has no graph capture')
+
+    # whether steps with prompt rows are recorded too (graph_runner.py), not only decode steps
+    records_mixed_steps: bool = True
 
     # recording a step as a chain of graphs, with live work between them (steps with prompt rows)
     supports_graph_pieces: bool = False

@@ -61,7 +61,7 @@ class ModelRunner:
             if self.uses_graphs:
                 self.graphs = GraphRunner(device, self._eager_forward, self.kv_caches, max_batch_size,
                                           -(-session_len // block_size), session_len, self.torch_device,
-                                          max_mixed_tokens)
+                                          max_mixed_tokens if device.records_mixed_steps else 0)
                 self.graphs.capture_all()
             elif device.supports_graph_pieces and not eager and max_mixed_tokens > 0:
                 self.pieces = PiecewiseRunner(device, model, self.kv_caches, max_mixed_tokens, self.torch_device)

@@ -10,6 +10,7 @@ class CpuOps(ReferenceOps):
     name = 'cpu'
     torch_device_type = 'cpu'
     auto_priority = 0  # the fallback
+    collective_backend = 'gloo'
     default_max_batch_size = 64
     memory_is_host_ram = True
 

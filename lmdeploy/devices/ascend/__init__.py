@@ -1,0 +1,3 @@
+from .ops import AscendOps
+
+__all__ = ['AscendOps']

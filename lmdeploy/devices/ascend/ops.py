@@ -1,0 +1,232 @@
+"""Huawei Ascend NPUs (Atlas 800T A2 / 910B) through torch_npu's fused inference ops.
+
+Which torch_npu op serves which interface entry, and the documentation each op's arguments come from, is
+in README.md next to this file. GEMMs and embeddings are torch's (torch_npu implements aten on the NPU);
+sampling is the reference's plain torch, run on the NPU's tensors (no host round trip per request).
+
+Not run on hardware yet: verified against tests/npu_emulation, a plain-torch emulation of exactly the
+torch_npu functions called here, written from their documentation.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..interface import DeviceOps
+from ..reference import ReferenceOps
+from . import runtime
+
+# sparse_mode 3 ("rightDownCausal") reads a fixed 2048 x 2048 upper-triangular mask (True: masked) and
+# aligns it to the bottom right of each sequence's (q, kv) square: query row i of q_len new tokens sees
+# context positions up to kv_len - q_len + i, the interface's causal rule with a cached prefix
+_CAUSAL_MASK_SIZE = 2048
+_RIGHT_DOWN_CAUSAL = 3
+
+
+class AscendOps(DeviceOps):
+    name = 'ascend'
+    torch_device_type = 'npu'  # torch_npu's name; the instance reads runtime.DEVICE_TYPE
+    auto_priority = 20  # after cuda, before cpu
+    collective_backend = 'hccl'
+    quant_policies = (0, )
+    supports_graphs = True
+    # steps with prompt rows stay eager: the fused attention reads sequence lengths as host lists, which a
+    # recorded step would have to update per prompt; decode steps update theirs (capture_graph)
+    records_mixed_steps = False
+    profile_memory = True
+    _torch = ReferenceOps()
+
+    def __init__(self):
+        self.torch_device_type = runtime.DEVICE_TYPE
+        self._npu_ops = runtime.torch_npu()
+        self._mask = None
+        self._host_lens = (None, None)  # (tensor, its values as a host list): one read a step
+        self._recording: Optional[List[torch.Tensor]] = None  # kv lengths seen by attention during a capture
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return runtime.usable()
+
+    # -------------------------------------------------------------- services
+    def torch_device(self) -> torch.device:
+        return runtime.torch_device()
+
+    def memory_available(self) -> int:
+        free, _ = runtime.npu().mem_get_info()
+        return int(free)
+
+    def synchronize(self) -> None:
+        runtime.npu().synchronize()
+
+    def to_host_async(self, t):
+        """A copy queued behind the step (non-blocking, so the host goes on to schedule the next step) and an
+        NPU event recorded after it; the returned function waits for the event."""
+        host = t.to('cpu', non_blocking=True, copy=True)
+        done = runtime.npu().Event()
+        done.record()
+
+        def wait():
+            done.synchronize()
+            return host
+        return wait
+
+    def timestamp(self):
+        mark = runtime.npu().Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def seconds_between(self, start, end):
+        return start.elapsed_time(end) / 1e3 if end.query() else None
+
+    def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
+        # the fused attention ops take FLOAT16 / BFLOAT16 queries; the 910B runs bf16
+        return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        # float32 is accepted for exact comparisons under the emulation; the fused attention's documentation
+        # lists FLOAT16 / BFLOAT16 (and INT8) queries only, so on hardware run bf16 or fp16
+        return dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+    def capture_graph(self, fn, pool=None):
+        """Record ``fn`` with torch.npu.graph. The fused attention takes its sequence lengths as host lists,
+        baked into a recording; torch_npu's ``auto_dispatch_capture`` lets ``NPUGraph.update`` replace them
+        before each replay, so every replay first reads the step's context lengths (the graph runner's
+        static buffer the attention was recorded with) to the host."""
+        npu = runtime.npu()
+        fn()  # warm-up (allocator, op caches) outside the recording
+        self.synchronize()
+        graph = npu.NPUGraph()
+        self._recording = []
+        try:
+            with npu.graph(graph, pool=pool, auto_dispatch_capture=True):
+                out = fn()
+        finally:
+            recorded, self._recording = self._recording, None
+
+        def replay():
+            if recorded:
+                update = {'actual_seq_lengths_kv': recorded[0].clamp(min=1).tolist()}
+                graph.update(cpu_update_input=[update] * len(recorded))
+            graph.replay()
+        return replay, out, graph.pool()
+
+    # -------------------------------------------------------------- dense ops
+    def embedding(self, ids, weight):
+        return torch.nn.functional.embedding(ids, weight)
+
+    def linear(self, x, weight, bias=None):
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if residual is None:
+            return self._npu_ops.npu_rms_norm(x, weight, epsilon=eps)[0], None
+        y, _, h = self._npu_ops.npu_add_rms_norm(x, residual, weight, epsilon=eps)
+        return y, h
+
+    def apply_rotary(self, q, k, cos, sin):
+        # npu_rotary_mul, rotary_mode 'half': x * r1 + rotate_half(x) * r2 over BSND [1, T, H, D], with
+        # r1 / r2 broadcast [1, T, 1, D] in x's dtype
+        c = cos[None, :, None, :].to(q.dtype)
+        s = sin[None, :, None, :].to(q.dtype)
+        rotate = self._npu_ops.npu_rotary_mul
+        return rotate(q[None], c, s)[0], rotate(k[None], c.to(k.dtype), s.to(k.dtype))[0]
+
+    def silu_and_mul(self, x):
+        return self._npu_ops.npu_swiglu(x, dim=-1)
+
+    # ------------------------------------------------------------- attention
+    def fill_kv_cache(self, k, v, cache, slot_mapping):
+        """npu_scatter_nd_update_ into the cache viewed as one row per slot. Padding rows (slot < 0) are
+        sent, with their values, to the row of the largest slot (a real one whenever the step has one): a
+        repeated identical write, so the shapes stay static for graphs and no host sync filters them."""
+        slots = slot_mapping.to(torch.int64)
+        valid = slots >= 0
+        first = slots.argmax()
+        target = torch.where(valid, slots, slots[first].clamp(min=0))[:, None]
+        for x, data in ((k, cache.k), (v, cache.v)):
+            rows = torch.where(valid[:, None, None], x, x[first]).to(data.dtype)
+            self._npu_ops.npu_scatter_nd_update_(data.view(-1, *data.shape[2:]), target, rows)
+
+    def _causal_mask(self, device):
+        if self._mask is None or self._mask.device != device:
+            ones = torch.ones(_CAUSAL_MASK_SIZE, _CAUSAL_MASK_SIZE, dtype=torch.bool, device=device)
+            self._mask = torch.triu(ones, diagonal=1)
+        return self._mask
+
+    def _fused_attention(self, q, cache, block_tables, q_ends: List[int], kv_lens: List[int], scale):
+        """npu_fused_infer_attention_score over the paged cache: q TND [T, H, D] packed from row 0
+        (``q_ends``: cumulative query lengths), each sequence's context ``kv_lens`` tokens read through
+        ``block_tables`` from blocks [N, S, Hkv * D] (the standard layout's memory, viewed)."""
+        n, s, hkv, d = cache.k.shape
+        out, _ = self._npu_ops.npu_fused_infer_attention_score(
+            q, cache.k.view(n, s, hkv * d), cache.v.view(n, s, hkv * d), atten_mask=self._causal_mask(q.device),
+            actual_seq_lengths=q_ends, actual_seq_lengths_kv=kv_lens, block_table=block_tables.to(torch.int32),
+            num_heads=q.shape[1], scale=scale, input_layout='TND', num_key_value_heads=hkv,
+            sparse_mode=_RIGHT_DOWN_CAUSAL, block_size=s)
+        return out
+
+    def _kv_lens_host(self, kv_seqlens: torch.Tensor) -> List[int]:
+        """The context lengths as the host list the fused op takes, read once per eager step (every layer
+        gets the same memory, each step new memory); an empty padding row reads one token, its output is
+        zeroed after. While a graph is recorded nothing is read (a host read cannot be recorded): the
+        recording gets one token per row, and every replay updates the lists (capture_graph)."""
+        if self._recording is not None:
+            return [1] * kv_seqlens.shape[0]
+        key = (kv_seqlens.data_ptr(), kv_seqlens.shape, kv_seqlens.stride())
+        held, values = self._host_lens
+        if held is None or key != (held.data_ptr(), held.shape, held.stride()):
+            values = kv_seqlens.clamp(min=1).tolist()
+            self._host_lens = (kv_seqlens, values)  # held: no other tensor takes its memory meanwhile
+        return values
+
+    def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
+                                max_kv_len, out=None):
+        out = torch.empty_like(q) if out is None else out
+        starts, q_lens, kv_lens = q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist()
+        keep = [b for b, n in enumerate(q_lens) if n > 0]  # empty sequences own no rows
+        if not keep:
+            return out
+        first, last = starts[keep[0]], starts[keep[-1]] + q_lens[keep[-1]]
+        ends, total = [], 0
+        for b in keep:
+            total += q_lens[b]
+            ends.append(total)
+        rows = q[first:last]
+        if total != last - first:  # rows between the sequences (not owned): pack the owned ones
+            rows = torch.cat([q[starts[b]:starts[b] + q_lens[b]] for b in keep])
+        tables = block_tables[keep] if len(keep) != len(q_lens) else block_tables
+        o = self._fused_attention(rows.contiguous(), cache, tables, ends, [kv_lens[b] for b in keep], scale)
+        at = 0
+        for b in keep:
+            out[starts[b]:starts[b] + q_lens[b]] = o[at:at + q_lens[b]]
+            at += q_lens[b]
+        return out
+
+    def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
+        if self._recording is not None:
+            self._recording.append(kv_seqlens)
+        batch = q.shape[0]
+        o = self._fused_attention(q.contiguous(), cache, block_tables, list(range(1, batch + 1)),
+                                  self._kv_lens_host(kv_seqlens), scale)
+        o = torch.where((kv_seqlens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
+        return o if out is None else out.copy_(o)
+
+    # -------------------------------------------------------------- sampling
+    def apply_repetition_penalty(self, logits, token_ids, penalty):
+        return self._torch.apply_repetition_penalty(logits, token_ids, penalty)
+
+    def apply_temperature(self, logits, temperature):
+        return self._torch.apply_temperature(logits, temperature)
+
+    def apply_token_bitmask(self, logits, bitmask):
+        return self._torch.apply_token_bitmask(logits, bitmask)
+
+    def top_k_top_p_min_p(self, logits, top_k, top_p, min_p, max_top_k=None):
+        return self._torch.top_k_top_p_min_p(logits, top_k, top_p, min_p, max_top_k)
+
+    def argmax(self, logits):
+        return logits.argmax(dim=-1)
+
+    def sample(self, logits, seeds, offsets):
+        return self._torch.sample(logits, seeds, offsets)

@@ -1,0 +1,185 @@
+"""An emulation of the torch_npu functions lmdeploy's ascend device calls, in plain torch on CPU tensors.
+
+NOT torch_npu: written from each op's documentation (argument names, layouts, host-side length lists,
+block tables; lmdeploy/devices/ascend/README.md lists the pages) so the ascend device can be run and
+tested where there is no NPU. Importable as ``torch_npu`` only inside the tests (tests/npu_emulation
+on sys.path, see ``activate.py``). Importing it adds ``torch.npu`` (tests/npu_emulation/torch_npu/npu.py),
+as the real package does; the emulated device is the CPU, so its tensors are CPU tensors.
+
+Each op checks the arguments it is documented to require, so a call the real op would refuse fails here
+too, and computes its result from the documented formula. Ops inside an emulated graph capture are
+recorded as one entry each (npu.py), so a replay runs them again with the host arguments
+``NPUGraph.update`` gave.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import _state
+from . import npu as _npu
+
+torch.npu = _npu
+__version__ = '0.0+emulated'
+EMULATED = True
+
+
+def _op(graph_updatable=()):
+    """An emulated op: recorded as one entry (not as its aten ops) inside a graph capture."""
+
+    def wrap(fn):
+        fn.graph_updatable = tuple(graph_updatable)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            _state.depth += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                _state.depth -= 1
+            if _state.recording is not None and not _state.depth:
+                _state.recording.entries.append(('op', run, args, kwargs, (out, {})))
+            return out
+
+        run.graph_updatable = fn.graph_updatable
+        return run
+
+    return wrap
+
+
+def _need(cond, msg):
+    if not cond:
+        raise RuntimeError(msg)
+
+
+# ------------------------------------------------------------------ norms, rotary, activation
+@_op()
+def npu_rms_norm(x, gamma, epsilon=1e-6):
+    """(y, rstd): rstd = 1 / sqrt(mean(x^2) + epsilon) over gamma's trailing dims, y = x * rstd * gamma,
+    computed in float32, y in x's dtype."""
+    _need(x.shape[-gamma.dim():] == gamma.shape, 'gamma must match the trailing dims of x')
+    dims = tuple(range(-gamma.dim(), 0))
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+    return (xf * rstd * gamma.float()).to(x.dtype), rstd
+
+
+@_op()
+def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    """(y, rstd, x): x = x1 + x2, then npu_rms_norm's y and rstd of x."""
+    _need(x1.shape == x2.shape and x1.dtype == x2.dtype, 'x1 and x2 must have one shape and dtype')
+    x = x1 + x2
+    y, rstd = npu_rms_norm.__wrapped__(x, gamma, epsilon)
+    return y, rstd, x
+
+
+@_op()
+def npu_rotary_mul(input, r1, r2, rotary_mode='half'):
+    """4-D input; r1 (cos) / r2 (sin) broadcast to it, in its dtype. 'half': x * r1 + cat(-x2, x1) * r2."""
+    _need(input.dim() == 4 and r1.dim() == 4 and r2.dim() == 4, 'npu_rotary_mul takes 4-D tensors')
+    _need(r1.dtype == input.dtype and r2.dtype == input.dtype, 'r1 / r2 must have the input dtype')
+    _need(rotary_mode == 'half', 'only rotary_mode="half" is emulated')
+    x1, x2 = input.chunk(2, dim=-1)
+    return input * r1 + torch.cat((-x2, x1), dim=-1) * r2
+
+
+@_op()
+def npu_swiglu(input, dim=-1):
+    """Halves a, b of input along dim: silu(a) * b."""
+    _need(input.is_contiguous() and input.shape[dim] % 2 == 0, 'npu_swiglu takes a contiguous, even-split input')
+    a, b = input.chunk(2, dim=dim)
+    return (torch.nn.functional.silu(a.float()) * b.float()).to(input.dtype)
+
+
+# ------------------------------------------------------------------ KV cache
+@_op()
+def npu_scatter_nd_update_(input, indices, updates):
+    """In place: input[indices[i]] = updates[i], indices [..., K] indexing input's first K dims, updates
+    indices.shape[:-1] + input.shape[K:]. Returns input."""
+    _need(indices.dtype in (torch.int32, torch.int64), 'indices must be int32 or int64')
+    k = indices.shape[-1]
+    _need(updates.shape == indices.shape[:-1] + input.shape[k:], 'updates shape mismatch')
+    _need(updates.dtype == input.dtype, 'updates must have the input dtype')
+    idx = indices.long().reshape(-1, k)
+    _need(bool(((idx >= 0) & (idx < torch.tensor(input.shape[:k]))).all()), 'index out of range')
+    input[tuple(idx.t())] = updates.reshape(-1, *input.shape[k:])
+    return input
+
+
+# ------------------------------------------------------------------ attention
+_MASK_SIZE = 2048
+_checked_mask = [None]  # the last mask found upper-triangular (the device makes one and keeps it)
+
+
+@_op(graph_updatable=('actual_seq_lengths', 'actual_seq_lengths_kv'))
+def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+                                    actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0,
+                                    pre_tokens=2147483647, next_tokens=2147483647, input_layout='BSH',
+                                    num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
+                                    antiquant_mode=0, softmax_lse_flag=False, key_antiquant_mode=0,
+                                    value_antiquant_mode=0, **others):
+    """(attention_out, softmax_lse) for the case the ascend device uses: layout 'TND' with the KV cache
+    paged (block_table, block_size; key / value [block_num, block_size, Hkv * D]), ``actual_seq_lengths``
+    the queries' cumulative lengths (host ints, the last one T), ``actual_seq_lengths_kv`` each
+    sequence's context length, sparse_mode 0 (no mask) or 3 (rightDownCausal: the 2048 x 2048
+    upper-triangular bool atten_mask aligned to each sequence's bottom right). Softmax in float32; GQA
+    (query head h reads KV head h // (num_heads // num_key_value_heads))."""
+    unused = {k: v for k, v in others.items() if v is not None}
+    _need(not unused and pse_shift is None, f'arguments not emulated: {sorted(unused) or ["pse_shift"]}')
+    _need(input_layout == 'TND', f'only input_layout TND is emulated, got {input_layout}')
+    _need(antiquant_mode == key_antiquant_mode == value_antiquant_mode == 0, 'antiquant is not emulated')
+    _need(block_table is not None, 'only the paged KV cache (block_table) is emulated')
+    _need(block_table.dtype == torch.int32 and block_table.dim() == 2, 'block_table must be int32 [B, max_blocks]')
+    _need(query.dim() == 3 and query.shape[1] == num_heads, 'TND query must be [T, num_heads, D]')
+    _need(query.is_contiguous(), 'query must be contiguous')
+    for name, lens in (('actual_seq_lengths', actual_seq_lengths), ('actual_seq_lengths_kv', actual_seq_lengths_kv)):
+        _need(isinstance(lens, (list, tuple)) and all(isinstance(x, int) for x in lens),
+              f'{name} must be a list of host ints')
+    batch = len(actual_seq_lengths)
+    _need(len(actual_seq_lengths_kv) == batch and block_table.shape[0] == batch, 'batch sizes differ')
+    _need(actual_seq_lengths[-1] == query.shape[0], 'TND: the last cumulative query length must be T')
+    hkv = num_key_value_heads or num_heads
+    _need(num_heads % hkv == 0, 'num_heads must be a multiple of num_key_value_heads')
+    d = query.shape[-1]
+    _need(key.dim() == 3 and key.shape == value.shape and key.shape[1] == block_size and key.shape[2] == hkv * d,
+          'paged key / value must be [block_num, block_size, num_key_value_heads * D]')
+    _need(key.dtype == query.dtype, 'key / value must have the query dtype')
+    if sparse_mode == 3:
+        _need(atten_mask is not None and atten_mask.dtype == torch.bool
+              and tuple(atten_mask.shape) == (_MASK_SIZE, _MASK_SIZE), 'sparse_mode 3 needs a 2048x2048 bool mask')
+        if atten_mask is not _checked_mask[0]:
+            _need(bool(torch.equal(atten_mask, torch.ones_like(atten_mask).triu(1))),
+                  'sparse_mode 3 needs the upper-triangular mask')
+            _checked_mask[0] = atten_mask
+    else:
+        _need(sparse_mode == 0 and atten_mask is None, 'only sparse_mode 0 (no mask) or 3 is emulated')
+    group = num_heads // hkv
+    out = torch.empty_like(query)
+    start = 0
+    for b in range(batch):
+        end, kv_len = actual_seq_lengths[b], actual_seq_lengths_kv[b]
+        q_len = end - start
+        _need(0 <= q_len and 1 <= kv_len and q_len <= kv_len, f'sequence {b}: bad lengths ({q_len}, {kv_len})')
+        n_blocks = -(-kv_len // block_size)
+        _need(n_blocks <= block_table.shape[1], f'sequence {b}: context beyond its block table')
+        blocks = block_table[b, :n_blocks].long()
+        k = key[blocks].reshape(-1, hkv, d)[:kv_len].float()  # [L, Hkv, D]
+        v = value[blocks].reshape(-1, hkv, d)[:kv_len].float()
+        q = query[start:end].float()  # [Q, H, D]
+        s = torch.einsum('qhd,lhd->hql', q, k.repeat_interleave(group, dim=1)) * scale
+        if sparse_mode == 3:
+            rows = torch.arange(q_len)[:, None] + (kv_len - q_len)
+            s = s.masked_fill(torch.arange(kv_len)[None, :] > rows, float('-inf'))
+        p = torch.softmax(s, dim=-1)
+        out[start:end] = torch.einsum('hql,lhd->qhd', p, v.repeat_interleave(group, dim=1)).to(query.dtype)
+        start = end
+    lse = torch.empty(0, dtype=torch.float32) if not softmax_lse_flag else None
+    _need(lse is not None, 'softmax_lse_flag is not emulated')
+    return out, lse
+
+
+
+def npu_fusion_attention(*args, **kwargs):
+    """Not emulated (lmdeploy does not call it); transformers imports the name when it finds torch_npu."""
+    raise NotImplementedError('npu_fusion_attention is not part of the torch_npu emulation')
