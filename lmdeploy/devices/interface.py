@@ -33,7 +33,6 @@ class DeviceOps:
     name: str = 'abstract'  # its device_type (the registry's key)
     torch_device_type: str = 'cpu'  # torch's name for the device its tensors live on
     auto_priority: int = 0  # device_type='auto' picks the available device that ranks highest
-    collective_backend: str = 'gloo'  # torch.distributed backend of its collectives (tensor parallelism)
 
     # ---------------------------------------------------------------- services
     @classmethod

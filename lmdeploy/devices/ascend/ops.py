@@ -29,6 +29,7 @@ class AscendOps(DeviceOps):
     torch_device_type = 'npu'  # torch_npu's name; the instance reads runtime.DEVICE_TYPE
     auto_priority = 20  # after cuda, before cpu
     collective_backend = 'hccl'
+    ray_resource = 'NPU'  # Ray's name for Ascend NPUs (it sets ASCEND_RT_VISIBLE_DEVICES for an actor)
     quant_policies = (0, )
     supports_graphs = True
     # steps with prompt rows stay eager: the fused attention reads sequence lengths as host lists, which a
@@ -51,6 +52,9 @@ class AscendOps(DeviceOps):
     # -------------------------------------------------------------- services
     def torch_device(self) -> torch.device:
         return runtime.torch_device()
+
+    def set_device_index(self, index: int) -> None:
+        runtime.npu().set_device(index)
 
     def memory_available(self) -> int:
         free, _ = runtime.npu().mem_get_info()

@@ -17,7 +17,6 @@ class CudaOps(DeviceOps):
     name = 'cuda'
     torch_device_type = 'cuda'
     auto_priority = 30
-    collective_backend = 'nccl'
     quant_policies = (0, 4, 8)  # KV int8 / int4: quantized in the fill kernels, dequantized in attention
     supports_graphs = True
     supports_graph_pieces = True
