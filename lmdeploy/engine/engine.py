@@ -33,7 +33,6 @@ from .sequence import EngineOutput, SamplingParams, SeqStatus, Sequence
 logger = logging.getLogger('lmdeploy')
 
 
-
 @dataclass
 class EngineRequest:
     session_id: int
