@@ -179,3 +179,13 @@ class ReferenceOps(DeviceOps):
         probs = logits.float().softmax(dim=-1)
         race = -torch.log(rng.uniform(seeds, offsets, logits.shape[-1]))
         return (probs / race).argmax(dim=-1)
+
+
+class ReferenceSampling:
+    """The reference's sampling ops for other devices: plain torch that runs on the logits' own device (no
+    host round trip per request). A device without faster ones of its own lists this before DeviceOps."""
+    apply_repetition_penalty = ReferenceOps.apply_repetition_penalty
+    apply_token_bitmask = ReferenceOps.apply_token_bitmask
+    apply_temperature = ReferenceOps.apply_temperature
+    top_k_top_p_min_p = ReferenceOps.top_k_top_p_min_p
+    sample = ReferenceOps.sample

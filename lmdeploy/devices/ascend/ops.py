@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 from ..interface import DeviceOps
-from ..reference import ReferenceOps
+from ..reference import ReferenceSampling
 from . import runtime
 
 # sparse_mode 3 ("rightDownCausal") reads a fixed 2048 x 2048 upper-triangular mask (True: masked) and
@@ -24,7 +24,7 @@ _CAUSAL_MASK_SIZE = 2048
 _RIGHT_DOWN_CAUSAL = 3
 
 
-class AscendOps(DeviceOps):
+class AscendOps(ReferenceSampling, DeviceOps):
     name = 'ascend'
     torch_device_type = 'npu'  # torch_npu's name; the instance reads runtime.DEVICE_TYPE
     auto_priority = 20  # after cuda, before cpu
@@ -36,7 +36,6 @@ class AscendOps(DeviceOps):
     # recorded step would have to update per prompt; decode steps update theirs (capture_graph)
     records_mixed_steps = False
     profile_memory = True
-    _torch = ReferenceOps()
 
     def __init__(self):
         self.torch_device_type = runtime.DEVICE_TYPE
@@ -216,21 +215,6 @@ class AscendOps(DeviceOps):
         o = torch.where((kv_seqlens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
         return o if out is None else out.copy_(o)
 
-    # -------------------------------------------------------------- sampling
-    def apply_repetition_penalty(self, logits, token_ids, penalty):
-        return self._torch.apply_repetition_penalty(logits, token_ids, penalty)
-
-    def apply_temperature(self, logits, temperature):
-        return self._torch.apply_temperature(logits, temperature)
-
-    def apply_token_bitmask(self, logits, bitmask):
-        return self._torch.apply_token_bitmask(logits, bitmask)
-
-    def top_k_top_p_min_p(self, logits, top_k, top_p, min_p, max_top_k=None):
-        return self._torch.top_k_top_p_min_p(logits, top_k, top_p, min_p, max_top_k)
-
+    # -------------------------------------------------------------- sampling (the rest: ReferenceSampling)
     def argmax(self, logits):
         return logits.argmax(dim=-1)
-
-    def sample(self, logits, seeds, offsets):
-        return self._torch.sample(logits, seeds, offsets)

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from ..interface import DeviceOps
-from ..reference import ReferenceOps
+from ..reference import ReferenceSampling
 
 
-class CudaOps(DeviceOps):
+class CudaOps(ReferenceSampling, DeviceOps):
     name = 'cuda'
     torch_device_type = 'cuda'
     auto_priority = 30
@@ -23,8 +23,6 @@ class CudaOps(DeviceOps):
     profile_memory = True
     collective_backend = 'nccl'
     ray_resource = 'GPU'
-    # the reference's plain-torch sampling ops already run well on a GPU
-    _torch = ReferenceOps()
 
     def __init__(self, num_sms: Optional[int] = None):
         """``num_sms``: the GPU's multiprocessor count (default: asked of the current GPU; tests that run the
@@ -175,21 +173,6 @@ class CudaOps(DeviceOps):
                                                         k_scale_zero=cache.k_scale_zero,
                                                         v_scale_zero=cache.v_scale_zero)
 
-    # -------------------------------------------------------------- sampling
-    def apply_repetition_penalty(self, logits, token_ids, penalty):
-        return self._torch.apply_repetition_penalty(logits, token_ids, penalty)
-
-    def apply_temperature(self, logits, temperature):
-        return self._torch.apply_temperature(logits, temperature)
-
-    def apply_token_bitmask(self, logits, bitmask):
-        return self._torch.apply_token_bitmask(logits, bitmask)
-
-    def top_k_top_p_min_p(self, logits, top_k, top_p, min_p, max_top_k=None):
-        return self._torch.top_k_top_p_min_p(logits, top_k, top_p, min_p, max_top_k)
-
+    # -------------------------------------------------------------- sampling (the rest: ReferenceSampling)
     def argmax(self, logits):
         return self._k_argmax.argmax(logits)
-
-    def sample(self, logits, seeds, offsets):
-        return self._torch.sample(logits, seeds, offsets)
