@@ -13,6 +13,7 @@ quantized cache buys over the copy ceiling.
     python benchmark/kv_quant_attn.py                       # batch 64 128 256, contexts 1k to 8k
     python benchmark/kv_quant_attn.py --batch 128 --context 4096 --policy 0 8
     python benchmark/kv_quant_attn.py --impl triton compiled   # the Triton kernel and csrc/cuda's side by side
+    python benchmark/kv_quant_attn.py --impl compiled compiled-cuda-cores  # csrc/cuda's two kernels (sm80+)
 """
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ def main():
     p.add_argument('--ceiling', type=float, default=3.0, help='the copy ceiling in TB/s (an H100 80GB: 3.0)')
     p.add_argument('--tiles', nargs='+', default=[None], type=lambda s: tuple(map(int, s.split(','))),
                    help='decode tiles to sweep, each "tokens,stages,warps" (default: the kernel\'s choice)')
-    p.add_argument('--impl', nargs='+', default=['triton'], choices=['triton', 'compiled'],
-                   help='which kernels: Triton\'s, the compiled one (csrc/cuda; python csrc/build.py first)')
+    p.add_argument('--impl', nargs='+', default=['triton'], choices=['triton', 'compiled', 'compiled-cuda-cores'],
+                   help='which kernels: Triton\'s, the compiled one (csrc/cuda; python csrc/build.py first: '
+                   'tensor cores on sm80+), the compiled CUDA-core one')
     args = p.parse_args()
     from triton.testing import do_bench_cudagraph
 
@@ -72,15 +74,16 @@ def main():
         for context in args.context:
             base = None
             for policy, tiles, impl in ((p, t, i) for p in args.policy for t in args.tiles for i in args.impl):
-                if impl == 'compiled' and tiles is not None:
+                if impl.startswith('compiled') and tiles is not None:
                     continue
                 spec, cache, tables, q, lens = make(batch, context, policy)
                 per_token = spec.bytes_per_block / BLOCK
                 read = batch * context * per_token / 1e9
                 bf16 = batch * context * HKV * D * 2 * 2 / 1e9
-                if impl == 'compiled':
+                if impl.startswith('compiled'):
+                    kernel = 'cuda_cores' if impl == 'compiled-cuda-cores' else 'auto'
                     call = functools.partial(compiled.paged_decode_attention, q, cache, tables, lens, D**-0.5,
-                                             context, num_sms)
+                                             context, num_sms, kernel=kernel)
                     assert call() is not None, 'the compiled kernel does not take these inputs'
                 else:
                     call = functools.partial(attention.paged_decode_attention, q, cache.k, cache.v, tables, lens,

@@ -53,7 +53,8 @@ def test_without_the_module_the_device_runs_on_triton(monkeypatch):
     if importlib.util.find_spec('lmdeploy.devices.cuda._C') is not None:
         pytest.skip('the module is built here')
     assert compiled.module() is None and 'csrc/build.py' in compiled.load_error()
-    assert compiled.choose((9, 0)) == {op: 'triton' for op in ('paged_decode_attention', 'rotary_fill_kv')}
+    assert compiled.choose((9, 0)) == {key: 'triton' for key in compiled.CHOICES}
+    assert 'paged_decode_attention[int8]' in compiled.CHOICES and 'rotary_fill_kv' in compiled.CHOICES
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
     with pytest.raises(RuntimeError, match='compiled kernels are missing'):
         compiled.choose((9, 0))

@@ -57,13 +57,21 @@ def make_cache(lengths, hkv, d, block_size, dtype, policy):
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
+def tensor_cores() -> bool:
+    return torch.cuda.get_device_capability() >= (8, 0)
+
+
+@pytest.mark.parametrize('kernel', ['tensor_cores', 'cuda_cores'])
 @pytest.mark.parametrize('policy', [0, 8, 4])
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize('h,hkv,d,bs', [(8, 8, 64, 16), (32, 8, 128, 64), (16, 2, 128, 16), (14, 2, 64, 64),
                                         (12, 6, 128, 16)])
-def test_decode_attention_equals_reference_and_triton(policy, dtype, h, hkv, d, bs):
-    """GQA 1/2/4/7/8, head_dim 64/128, block size 16/64, contexts over many blocks of odd lengths (and one
-    of 0: zeros), one slice and several, rows in order and longest first."""
+def test_decode_attention_equals_reference_and_triton(kernel, policy, dtype, h, hkv, d, bs):
+    """Both compiled kernels (tensor cores on sm80+, CUDA cores): GQA 1/2/4/7/8, head_dim 64/128, block size
+    16/64, contexts over many blocks of odd lengths (and one of 0: zeros), one slice and several, rows in
+    order and longest first."""
+    if kernel == 'tensor_cores' and not tensor_cores():
+        pytest.skip('the tensor-core kernel needs sm80+')
     from lmdeploy.devices.cuda.kernels import attention
     lens_list = [4000, 1, 517, 2049, 64, 333, 0, random.randint(1, 3000)]
     ref_cache, cache, tables = make_cache([max(1, n) for n in lens_list], hkv, d, bs, dtype, policy)
@@ -74,7 +82,7 @@ def test_decode_attention_equals_reference_and_triton(policy, dtype, h, hkv, d, 
     args = (tables.cuda(), lens.cuda(), d**-0.5, max(lens_list))
     for num_sms in (1, 132):
         for order in (None, longest):
-            out = compiled.paged_decode_attention(q, cache, *args, num_sms, order)
+            out = compiled.paged_decode_attention(q, cache, *args, num_sms, order, kernel=kernel)
             assert out is not None
             assert rel_err(out, ref) < TOL[dtype] * 3, (num_sms, order is not None)
             assert out[6].abs().max() == 0  # the empty row
@@ -82,8 +90,23 @@ def test_decode_attention_equals_reference_and_triton(policy, dtype, h, hkv, d, 
                                                    k_scale_zero=cache.k_scale_zero, v_scale_zero=cache.v_scale_zero)
             assert rel_err(out, tri) < TOL[dtype] * 2
     into = torch.full_like(q, float('nan'))
-    assert compiled.paged_decode_attention(q, cache, *args, 132, None, out=into) is into
+    assert compiled.paged_decode_attention(q, cache, *args, 132, None, out=into, kernel=kernel) is into
     assert rel_err(into, ref) < TOL[dtype] * 3
+
+
+def test_decode_block_size_not_a_multiple_of_16_runs_on_cuda_cores():
+    """The tensor-core kernel reads 16-token tiles from one block: with blocks of 8 tokens auto takes the
+    CUDA-core kernel, and forcing the tensor-core one is refused in words."""
+    lens_list = [77, 9, 300]
+    ref_cache, cache, tables = make_cache(lens_list, 2, 64, 8, torch.float16, 8)
+    q = torch.randn(len(lens_list), 8, 64, dtype=torch.float16, device='cuda')
+    lens = torch.tensor(lens_list)
+    ref = REF.paged_decode_attention(q.cpu().float(), ref_cache, tables, lens, 0.125, 300)
+    out = compiled.paged_decode_attention(q, cache, tables.cuda(), lens.cuda(), 0.125, 300, 132)
+    assert rel_err(out, ref) < TOL[torch.float16] * 3
+    with pytest.raises(ValueError, match='multiple of 16'):
+        compiled.paged_decode_attention(q, cache, tables.cuda(), lens.cuda(), 0.125, 300, 132,
+                                        kernel='tensor_cores')
 
 
 def test_unsupported_inputs_fall_back():
@@ -147,13 +170,16 @@ def test_rotary_fill_kv_equals_reference_and_triton(policy, dtype, h, hkv, d):
 
 
 def test_kernel_choice(monkeypatch):
-    both = ('paged_decode_attention', 'rotary_fill_kv')
+    keys = compiled.CHOICES
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'triton')
-    assert compiled.choose((9, 0)) == {op: 'triton' for op in both}
+    assert compiled.choose((9, 0)) == {key: 'triton' for key in keys}
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
-    assert compiled.choose((9, 0)) == {op: 'compiled' for op in both}
+    assert compiled.choose((9, 0)) == {key: 'compiled' for key in keys}
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'auto')
-    assert compiled.choose((7, 5)) == {op: 'compiled' for op in both}  # before Triton's sm80 paths
+    assert compiled.choose((7, 5)) == {key: 'compiled' for key in keys}  # before Triton's sm80 paths
+    auto = compiled.choose((9, 0))  # measured on an H100 (benchmark/RESULTS.md)
+    assert auto['paged_decode_attention[int8]'] == auto['paged_decode_attention[int4]'] == 'compiled'
+    assert auto['paged_decode_attention'] == auto['rotary_fill_kv'] == 'triton'
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'fast')
     with pytest.raises(ValueError, match='LMDEPLOY_CUDA_KERNELS'):
         compiled.choose((9, 0))
@@ -177,8 +203,8 @@ def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatc
     device = get_device('cuda')
     runs = {}
     for kind in ('triton', 'compiled'):
-        for op in compiled.OPS:
-            monkeypatch.setitem(device.kernels, op, kind)
+        for key in compiled.CHOICES:
+            monkeypatch.setitem(device.kernels, key, kind)
         config = PytorchEngineConfig(device_type='cuda', dtype='bfloat16', session_len=2048, eager_mode=True,
                                      cache_max_entry_count=0.1, block_size=64, quant_policy=policy)
         engine = Engine(path, config)

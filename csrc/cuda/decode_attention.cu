@@ -289,10 +289,19 @@ void launch(const DecodeArgs& a, cudaStream_t stream) {
         reinterpret_cast<const int64_t*>(a.kv_lens), reinterpret_cast<const int64_t*>(a.order),
         a.scale * 1.4426950408889634f, a.stride_qb, a.stride_qh, a.stride_ob, a.stride_oh, a.stride_bt,
         a.num_kv_heads, a.num_heads / a.num_kv_heads, a.block_size, a.num_splits);
-    if (a.num_splits > 1) {
-        reduce_kernel<T, D><<<dim3(a.batch, a.num_heads), D, 0, stream>>>(
-            reinterpret_cast<const float*>(a.partial), reinterpret_cast<T*>(a.out), a.stride_ob, a.stride_oh,
-            a.num_heads, a.num_splits);
+}
+
+template <typename T>
+void merge_slices(const DecodeArgs& a, cudaStream_t stream) {
+    const dim3 grid(a.batch, a.num_heads);
+    if (a.head_dim == 64) {
+        reduce_kernel<T, 64><<<grid, 64, 0, stream>>>(reinterpret_cast<const float*>(a.partial),
+                                                      reinterpret_cast<T*>(a.out), a.stride_ob, a.stride_oh,
+                                                      a.num_heads, a.num_splits);
+    } else {
+        reduce_kernel<T, 128><<<grid, 128, 0, stream>>>(reinterpret_cast<const float*>(a.partial),
+                                                        reinterpret_cast<T*>(a.out), a.stride_ob, a.stride_oh,
+                                                        a.num_heads, a.num_splits);
     }
 }
 
@@ -332,11 +341,24 @@ void paged_decode_attention(const DecodeArgs& a, cudaStream_t stream) {
         throw std::invalid_argument("paged_decode_attention: unsupported dtype / quant_policy / head_dim / heads");
     if (a.num_splits < 1 || a.num_splits > kMaxDecodeSplits)
         throw std::invalid_argument("paged_decode_attention: num_splits out of range");
+    const bool mma_ok = decode_mma_supports(a.block_size);
+    if (a.kernel == kDecodeTensorCores && !mma_ok)
+        throw std::invalid_argument("paged_decode_attention: the tensor-core kernel needs sm80+ and a block size "
+                                    "that is a multiple of 16");
     if (a.batch == 0) return;
-    if (a.dtype == static_cast<int>(DType::kBFloat16))
+    const bool bf16 = a.dtype == static_cast<int>(DType::kBFloat16);
+    if (a.kernel == kDecodeTensorCores || (a.kernel == kDecodeAuto && mma_ok))
+        paged_decode_attention_mma(a, stream);
+    else if (bf16)
         by_policy<__nv_bfloat16>(a, stream);
     else
         by_policy<__half>(a, stream);
+    if (a.num_splits > 1) {
+        if (bf16)
+            merge_slices<__nv_bfloat16>(a, stream);
+        else
+            merge_slices<__half>(a, stream);
+    }
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)
         throw std::runtime_error(std::string("paged_decode_attention: ") + cudaGetErrorString(err));

@@ -8,6 +8,10 @@ namespace lmdeploy {
 
 constexpr int kMaxDecodeSplits = 64;  // as the Triton kernel's MAX_DECODE_SPLITS
 
+// Which decode attention kernel runs: auto picks the tensor-core one (decode_attention_mma.cu) where it
+// runs (sm80+, block size a multiple of 16), else the CUDA-core one (decode_attention.cu, sm75+).
+constexpr int kDecodeAuto = 0, kDecodeCudaCores = 1, kDecodeTensorCores = 2;
+
 // DeviceOps.paged_decode_attention's arguments as raw device pointers and sizes. The Python wrapper
 // (lmdeploy/devices/cuda/compiled.py) checks them: q / out [B, H, D] with unit stride in D; caches
 // contiguous [N, S, Hkv, W] (W = D for 16-bit and int8, D / 2 for int4), scale/zero [N, S, Hkv, 2]
@@ -29,6 +33,7 @@ struct DecodeArgs {
     int batch, num_heads, num_kv_heads, head_dim, block_size, num_splits;
     int64_t stride_qb, stride_qh, stride_ob, stride_oh, stride_bt;
     float scale;
+    int kernel;  // kDecodeAuto, kDecodeCudaCores or kDecodeTensorCores
 };
 
 // DeviceOps.rotary_fill_kv's arguments. q [T, H, D], k / v [T, Hkv, D] with unit stride in D; out
@@ -56,5 +61,7 @@ void rotary_fill_kv(const RotaryFillArgs& args, cudaStream_t stream);
 
 bool decode_attention_supports(int dtype, int quant_policy, int head_dim, int num_heads, int num_kv_heads);
 void paged_decode_attention(const DecodeArgs& args, cudaStream_t stream);
+bool decode_mma_supports(int block_size);  // on the current device
+void paged_decode_attention_mma(const DecodeArgs& args, cudaStream_t stream);  // the main kernel only
 
 }  // namespace lmdeploy

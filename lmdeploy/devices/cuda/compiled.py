@@ -2,8 +2,8 @@
 the cuda device runs: the compiled kernel or the Triton one.
 
 ``LMDEPLOY_CUDA_KERNELS``: ``auto`` (default) uses a compiled kernel where the module is present and the
-kernel was measured faster than Triton's on that GPU generation (:data:`FASTER`); ``triton`` never
-uses them; ``compiled`` uses them wherever they take the inputs (and refuses to start without the
+kernel was measured faster than Triton's on that GPU generation for that KV cache policy (:data:`FASTER`);
+``triton`` never uses them; ``compiled`` uses them wherever they take the inputs (and refuses to start without the
 module). The engine never knows which ran.
 
 The module takes raw pointers; the wrappers here check what it needs (dtypes, contiguity, head
@@ -21,10 +21,22 @@ from .splits import num_decode_splits
 
 MODES = ('auto', 'triton', 'compiled')
 OPS = ('paged_decode_attention', 'rotary_fill_kv')
-# op -> compute capabilities (major, minor) where the compiled kernel beat Triton's in
-# benchmark/compiled_attention.py (benchmark/RESULTS.md); auto uses it there, and on GPUs Triton does not
-# serve (before sm80 Triton's attention runs without bfloat16 and its tensor-core paths)
-FASTER: Dict[str, Tuple[Tuple[int, int], ...]] = {'paged_decode_attention': (), 'rotary_fill_kv': ()}
+_POLICY_SUFFIX = {0: '', 8: '[int8]', 4: '[int4]'}
+
+
+def choice_key(op: str, quant_policy: int = 0) -> str:
+    """The name a choice is made under: per op and KV cache policy (the kernels' costs differ by policy)."""
+    return op + _POLICY_SUFFIX[quant_policy]
+
+
+CHOICES = tuple(choice_key(op, p) for op in OPS for p in _POLICY_SUFFIX)
+# choice -> compute capabilities (major, minor) where the compiled kernel beat Triton's
+# (benchmark/kv_quant_attn.py and rotary_fill.py; benchmark/RESULTS.md); auto uses it there, and on GPUs
+# Triton does not serve (before sm80 Triton's attention runs without bfloat16 and its tensor-core paths)
+FASTER: Dict[str, Tuple[Tuple[int, int], ...]] = {
+    'paged_decode_attention[int8]': ((9, 0), ),  # H100: 0.97-1.26x Triton's time, 1.08-1.26x but at batch 64 x 1k
+    'paged_decode_attention[int4]': ((9, 0), ),  # H100: 1.0-1.15x
+}
 _BEFORE_TRITON = (8, 0)
 
 _module = None
@@ -55,24 +67,29 @@ def mode() -> str:
 
 
 def choose(capability: Tuple[int, int]) -> Dict[str, str]:
-    """op -> 'compiled' or 'triton' on a GPU of this compute capability."""
+    """choice (:func:`choice_key`) -> 'compiled' or 'triton' on a GPU of this compute capability."""
     m = mode()
     if m == 'compiled' and module() is None:
         raise RuntimeError(f'LMDEPLOY_CUDA_KERNELS=compiled, but the compiled kernels are missing: {load_error()}')
     if m == 'triton' or module() is None:
-        return {op: 'triton' for op in OPS}
+        return {key: 'triton' for key in CHOICES}
     if m == 'compiled':
-        return {op: 'compiled' for op in OPS}
-    return {op: 'compiled' if tuple(capability) in FASTER[op] or tuple(capability) < _BEFORE_TRITON else 'triton'
-            for op in OPS}
+        return {key: 'compiled' for key in CHOICES}
+    cap = tuple(capability)
+    return {key: 'compiled' if cap in FASTER.get(key, ()) or cap < _BEFORE_TRITON else 'triton' for key in CHOICES}
 
 
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 
+DECODE_KERNELS = ('auto', 'cuda_cores', 'tensor_cores')
+
+
 def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms, order=None,
-                           out=None) -> Optional[torch.Tensor]:
-    """DeviceOps.paged_decode_attention by the compiled kernel; None where it does not take the inputs."""
+                           out=None, kernel: str = 'auto') -> Optional[torch.Tensor]:
+    """DeviceOps.paged_decode_attention by the compiled kernel; None where it does not take the inputs.
+    ``kernel``: ``auto`` runs the tensor-core kernel where it runs (sm80+, block size a multiple of 16),
+    else the CUDA-core one; the others force one (for tests and benchmarks)."""
     mod = module()
     if mod is None or q.dtype not in _DTYPES or q.dim() != 3 or q.stride(-1) != 1:
         return None
@@ -104,7 +121,8 @@ def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len
                                block_tables.data_ptr(), kv_seqlens.data_ptr(),
                                0 if order is None else order.data_ptr(), _DTYPES[q.dtype], policy, bsz, h, hkv, d,
                                k.shape[1], splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                               block_tables.stride(0), float(scale), torch.cuda.current_stream(q.device).cuda_stream)
+                               block_tables.stride(0), float(scale), torch.cuda.current_stream(q.device).cuda_stream,
+                               DECODE_KERNELS.index(kernel))
     return out
 
 

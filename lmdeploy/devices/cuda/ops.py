@@ -35,7 +35,7 @@ class CudaOps(ReferenceSampling, DeviceOps):
         from . import compiled
         self._compiled = compiled
         self.kernels = (compiled.choose(torch.cuda.get_device_capability()) if torch.cuda.is_available()
-                        else {op: 'triton' for op in compiled.OPS})
+                        else {key: 'triton' for key in compiled.CHOICES})
 
     def set_device_index(self, index: int) -> None:
         torch.cuda.set_device(index)
@@ -148,7 +148,7 @@ class CudaOps(ReferenceSampling, DeviceOps):
         self._k_kv.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale_zero, cache.v_scale_zero)
 
     def rotary_fill_kv(self, q, k, v, cos, sin, cache, slot_mapping):
-        if self.kernels['rotary_fill_kv'] == 'compiled':
+        if self.kernels[self._compiled.choice_key('rotary_fill_kv', cache.quant_policy)] == 'compiled':
             done = self._compiled.rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping)
             if done is not None:
                 return done
@@ -163,7 +163,7 @@ class CudaOps(ReferenceSampling, DeviceOps):
                                                          v_scale_zero=cache.v_scale_zero)
 
     def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
-        if self.kernels['paged_decode_attention'] == 'compiled':
+        if self.kernels[self._compiled.choice_key('paged_decode_attention', cache.quant_policy)] == 'compiled':
             done = self._compiled.paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len,
                                                          self._num_sms, order, out)
             if done is not None:

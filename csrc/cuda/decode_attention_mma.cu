@@ -1,0 +1,440 @@
+// Paged decode attention on tensor cores (sm80+): the same meaning as decode_attention.cu's kernel
+// (DeviceOps.paged_decode_attention; cache layout and quantization as devices/cache.py defines them),
+// with both dots as mma.sync m16n8k16 instead of CUDA-core FMAs and warp shuffles, which bound that
+// kernel once a quantized cache made the bytes few.
+//
+// One thread block per (sequence, KV head, context slice); each warp takes 16-token tiles of the slice
+// in turn and keeps its own online softmax; the block merges its warps at the end (and a second kernel
+// merges slices, decode_attention.cu's reduce). In each mma the G query heads sharing the KV head are the
+// rows (padded to 16 with zeros), so the score fragment of Q K^T is already the A operand of P V
+// (FlashAttention-2's register reuse). Lane (g = lane / 4, t = lane % 4) reads:
+//   - for Q K^T, the K row of tokens g and g + 8 of the tile, the D / 4 elements the mma's k slots of
+//     quad position t stand for (a dot product does not care which slot holds which element, as long as
+//     q's fragment uses the same assignment: elem_of below);
+//   - for P V, the V rows of tokens 2t, 2t + 1, 2t + 8, 2t + 9 (the P fragment's columns), the D / 8
+//     output columns of position g (col_of below).
+// Every load is 4-16 contiguous bytes per lane straight from global memory into registers.
+//
+// A quantized cache enters the dots as its integer codes, exact in float16 (made by one byte permute
+// per two codes into 1024 + c and one packed subtraction), with each token's scale and zero applied
+// outside them: q.k = scale (q.c) + zero sum(q), and sum_t p_t v_t = sum_t (p_t scale_t) c_t + sum_t
+// p_t zero_t. q and p go into those dots as float16 (for bf16 models too: 11 bits where bf16 has 8).
+#include <cmath>
+#include <type_traits>
+
+#include "common.cuh"
+#include "ops.h"
+
+namespace lmdeploy {
+namespace {
+
+// Tuning (H100, benchmark/kv_quant_attn.py --impl compiled): 3 blocks an SM (up to 170 registers a
+// thread); loading a warp's next tile during this one's math (double the registers, 2 blocks an SM) was
+// no faster at any point and 10 % slower for int4.
+#ifndef LMDEPLOY_DECODE_MMA_MIN_BLOCKS
+#define LMDEPLOY_DECODE_MMA_MIN_BLOCKS 3
+#endif
+constexpr int kWarps = 4;
+constexpr int kTile = 16;  // tokens a warp takes at once
+constexpr uint32_t kMagic = 0x64646464u;  // float16 1024 in every byte pair's high byte
+
+// ---------------------------------------------------------------- operands
+template <typename E>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Bytes 0 and 1 of w's selected pair, as float16 (c0, c1): prmt to (1024 + c0, 1024 + c1), minus 1024.
+template <uint32_t SEL>
+__device__ __forceinline__ uint32_t codes_to_half2(uint32_t w) {
+    const uint32_t biased = __byte_perm(w, kMagic, SEL);
+    uint32_t r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(biased), "r"(0x64006400u));
+    return r;
+}
+
+// D (16 x 8, rows g and g + 8, columns 2t, 2t + 1) += A (16 x 16) B (16 x 8); rows g + 8 of A are the
+// padding (zero), so their results are dropped: c holds row g's two columns.
+template <typename E>
+__device__ __forceinline__ void mma(float (&c)[2], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+    float junk0, junk1;
+    if constexpr (std::is_same<E, __half>::value) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%10,%11,%12,%13};\n"
+            : "=f"(c[0]), "=f"(c[1]), "=f"(junk0), "=f"(junk1)
+            : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(0.f), "f"(0.f));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%10,%11,%12,%13};\n"
+            : "=f"(c[0]), "=f"(c[1]), "=f"(junk0), "=f"(junk1)
+            : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(0.f), "f"(0.f));
+    }
+}
+
+// Bytes one lane reads of one K row (for Q K^T) and of one V row (for P V).
+template <int POLICY, int D>
+struct Shape {
+    static constexpr int kRowBytes = POLICY == 0 ? 2 * D : (POLICY == 8 ? D : D / 2);
+    static constexpr int kKBytes = kRowBytes / 4;  // quad position t: a quarter of the row
+    static constexpr int kVBytes = kRowBytes / 8;  // position g: an eighth
+    static constexpr int kKWords = kKBytes / 4;
+    static constexpr int kVWords = kVBytes / 4;
+};
+
+// What a lane holds of one 16-token tile before the math: K and V words, (scale, zero) of K and V.
+template <int POLICY, int D>
+struct Tile {
+    uint32_t kw[2][Shape<POLICY, D>::kKWords];
+    uint32_t vw[4][Shape<POLICY, D>::kVWords];
+    float2 ks[4], vs[4];
+};
+
+template <int BYTES>
+__device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
+    if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+        for (int i = 0; i < BYTES / 16; ++i) {
+            const uint4 x = reinterpret_cast<const uint4*>(p)[i];
+            w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
+        }
+    } else if constexpr (BYTES == 8) {
+        const uint2 x = *reinterpret_cast<const uint2*>(p);
+        w[0] = x.x, w[1] = x.y;
+    } else {
+        w[0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+}
+
+// Head element of quad position t's k slot i (0..3) in k step s: a 16-bit or int8 lane reads elements
+// t D/4 .. t D/4 + D/4 - 1 in order; an int4 lane reads bytes t D/8.., whose low nibbles are elements
+// t D/8 + j and high ones D/2 + t D/8 + j (devices/cache.py), taken a 4-byte word at a time: low nibbles
+// in step 2w, high in 2w + 1.
+template <int POLICY, int D>
+__device__ __forceinline__ int elem_of(int t, int s, int i) {
+    if constexpr (POLICY == 4) return (s % 2) * (D / 2) + t * (D / 8) + 4 * (s / 2) + i;
+    return t * (D / 4) + 4 * s + i;
+}
+
+// Head element of output column n (0..7) of P V's n-tile j: position g reads elements g D/8.. in order
+// (int4: the low and high nibbles of bytes g D/16..).
+template <int POLICY, int D>
+__device__ __forceinline__ int col_of(int n, int j) {
+    if constexpr (POLICY == 4) return j < D / 16 ? n * (D / 16) + j : D / 2 + n * (D / 16) + (j - D / 16);
+    return n * (D / 8) + j;
+}
+
+// The B operand of Q K^T for k step s from one token's words: k slots (2t, 2t + 1) and (2t + 8, 2t + 9).
+template <int POLICY>
+__device__ __forceinline__ void k_operand(const uint32_t* w, int s, uint32_t& b0, uint32_t& b1) {
+    if constexpr (POLICY == 0) {
+        b0 = w[2 * s], b1 = w[2 * s + 1];
+    } else {
+        uint32_t x = w[POLICY == 8 ? s : s / 2];
+        if constexpr (POLICY == 4) x = (s % 2 ? x >> 4 : x) & 0x0F0F0F0Fu;
+        b0 = codes_to_half2<0x4140>(x);
+        b1 = codes_to_half2<0x4342>(x);
+    }
+}
+
+// Element j of position g's part of two tokens' V rows (words a, b), as one operand register (a_j, b_j).
+template <int POLICY, int D>
+__device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b, int j) {
+    if constexpr (POLICY == 0) {
+        return __byte_perm(a[j / 2], b[j / 2], j % 2 ? 0x7632 : 0x5410);
+    } else {
+        int byte = j;
+        uint32_t x = a[0], y = b[0];
+        if constexpr (POLICY == 4) {
+            const bool high = j >= D / 16;
+            byte = high ? j - D / 16 : j;
+            x = (high ? a[byte / 4] >> 4 : a[byte / 4]) & 0x0F0F0F0Fu;
+            y = (high ? b[byte / 4] >> 4 : b[byte / 4]) & 0x0F0F0F0Fu;
+        } else {
+            x = a[byte / 4], y = b[byte / 4];
+        }
+        // (a_k, b_k, a_k+1, b_k+1) for the even k at or below byte % 4, then the pair holding byte
+        const uint32_t xy = __byte_perm(x, y, (byte % 4) < 2 ? 0x5140 : 0x7362);
+        return byte % 2 ? codes_to_half2<0x4342>(xy) : codes_to_half2<0x4140>(xy);
+    }
+}
+
+__device__ __forceinline__ float2 load_sz(const __half* sz, int64_t row) {
+    const __half2 s = reinterpret_cast<const __half2*>(sz)[row];
+    return make_float2(__low2float(s), __high2float(s));
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---------------------------------------------------------------- kernel
+template <typename T, int POLICY, int D>
+__global__ void __launch_bounds__(kWarps * 32, LMDEPLOY_DECODE_MMA_MIN_BLOCKS)
+decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
+                  const __half* __restrict__ ksz, const __half* __restrict__ vsz, float* __restrict__ part,
+                  T* __restrict__ out, const int32_t* __restrict__ tables, const int64_t* __restrict__ kv_lens,
+                  const int64_t* __restrict__ order, float scale_log2, int64_t stride_qb, int64_t stride_qh,
+                  int64_t stride_ob, int64_t stride_oh, int64_t stride_bt, int num_kv_heads, int group,
+                  int block_size, int num_splits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    using S = Shape<POLICY, D>;
+    using E = typename std::conditional<POLICY == 0, T, __half>::type;  // the dots' operand type
+    constexpr int kSteps = D / 16;  // k steps of Q K^T
+    constexpr int kCols = D / 8;    // n-tiles of P V
+    constexpr bool kRotate = POLICY == 4;  // devices/cache.py rotates_k (int4, power-of-two D >= 32)
+
+    __shared__ float sq[8][D];
+    __shared__ float sm_m[kWarps][8], sm_l[kWarps][8], sm_z[kWarps][8];
+    __shared__ float sm_o[kWarps][8][D];
+
+    const int pid = blockIdx.x;
+    const int split = pid % num_splits;
+    const int kvh = (pid / num_splits) % num_kv_heads;
+    int64_t b = pid / (num_splits * num_kv_heads);
+    if (order != nullptr) b = order[b];
+    const int kv_len = static_cast<int>(kv_lens[b]);
+    const int per_split = ((kv_len + num_splits - 1) / num_splits + kTile - 1) / kTile * kTile;
+    const int start = split * per_split;
+    const int end = min(kv_len, start + per_split);
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+
+    // A tile's loads: K rows of tokens g and g + 8, V rows (and every scale / zero) of tokens 2t, 2t + 1,
+    // 2t + 8, 2t + 9; tokens past the slice read its last token's row (their scores are masked)
+    const int32_t* table = tables + b * stride_bt;
+    // (one division a tile: the tile lies in one block; then a token is a multiple of the slot stride away)
+    const bool pow2 = (block_size & (block_size - 1)) == 0;
+    const int shift = __ffs(block_size) - 1;
+    const int slot_bytes = num_kv_heads * S::kRowBytes;
+    auto load_tile = [&](int base, Tile<POLICY, D>& x) {
+        const int blk = pow2 ? base >> shift : base / block_size;
+        const int64_t row0 = (static_cast<int64_t>(table[blk]) * block_size + (base - blk * block_size)) *
+                                 num_kv_heads + kvh;
+        const int last = end - 1 - base;  // offsets past it read it
+        const uint8_t* k0 = kc + row0 * S::kRowBytes + t * S::kKBytes;
+        const uint8_t* v0 = vc + row0 * S::kRowBytes + g * S::kVBytes;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) load_words<S::kKBytes>(k0 + min(g + 8 * r, last) * slot_bytes, x.kw[r]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int dt = min(2 * t + (r % 2) + 8 * (r / 2), last);
+            load_words<S::kVBytes>(v0 + dt * slot_bytes, x.vw[r]);
+            if constexpr (POLICY != 0) {
+                x.ks[r] = load_sz(ksz, row0 + dt * num_kv_heads);
+                x.vs[r] = load_sz(vsz, row0 + dt * num_kv_heads);
+            }
+        }
+    };
+
+    for (int i = tid; i < 8 * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        sq[g][d] = g < group ? to_float(q[b * stride_qb + (kvh * group + g) * stride_qh + d]) : 0.f;
+    }
+    __syncthreads();
+    if constexpr (kRotate) {  // q H (normalised): K is stored in that basis
+        for (int h = 1; h < D; h *= 2) {
+            for (int i = tid; i < 8 * D / 2; i += blockDim.x) {
+                const int g = i / (D / 2), j = i % (D / 2);
+                const int i0 = (j / h) * 2 * h + (j % h), i1 = i0 + h;
+                const float a = sq[g][i0], c = sq[g][i1];
+                sq[g][i0] = a + c;
+                sq[g][i1] = a - c;
+            }
+            __syncthreads();
+        }
+    }
+
+    const float qnorm = kRotate ? rsqrtf(static_cast<float>(D)) : 1.f;
+    // q's A fragment, row g (rows g + 8 are the padding): slots (2t, 2t + 1) and (2t + 8, 2t + 9) of each
+    // k step; and sum(q) over the rounded values the dots see (for the zeros of a quantized K)
+    uint32_t qa[kSteps][2];
+    float qsum = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float x0 = sq[g][elem_of<POLICY, D>(t, s, 2 * r)] * qnorm;
+            const float x1 = sq[g][elem_of<POLICY, D>(t, s, 2 * r + 1)] * qnorm;
+            qa[s][r] = pack2<E>(x0, x1);
+            const float2 back = std::is_same<E, __half>::value
+                                    ? __half22float2(*reinterpret_cast<const __half2*>(&qa[s][r]))
+                                    : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qa[s][r]));
+            qsum += back.x + back.y;
+        }
+    }
+    qsum = quad_sum(qsum);
+
+    float m = -INFINITY, l = 0.f, lz = 0.f;  // row g's running max (log2 units), and this lane's sums
+    float o[kCols][2];
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) o[j][0] = o[j][1] = 0.f;
+
+    for (int base = start + warp * kTile; base < end; base += kWarps * kTile) {
+        Tile<POLICY, D> cur;
+        load_tile(base, cur);
+        const int vtok[4] = {base + 2 * t, base + 2 * t + 1, base + 2 * t + 8, base + 2 * t + 9};
+
+        // scores of row g for tokens vtok[0..3] (n-tile 0: tokens 0-7, n-tile 1: 8-15)
+        float c[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                uint32_t b0, b1;
+                k_operand<POLICY>(cur.kw[r], s, b0, b1);
+                mma<E>(c[r], qa[s][0], qa[s][1], b0, b1);
+            }
+        }
+        float sc[4] = {c[0][0], c[0][1], c[1][0], c[1][1]};
+        float tmax = -INFINITY;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            float x = sc[r];
+            if constexpr (POLICY != 0) x = fmaf(cur.ks[r].x, x, cur.ks[r].y * qsum);
+            sc[r] = vtok[r] < end ? x * scale_log2 : -INFINITY;
+            tmax = fmaxf(tmax, sc[r]);
+        }
+        const float m_new = fmaxf(m, quad_max(tmax));  // finite: the tile has a token
+        const float corr = exp2f(m - m_new);           // 0 on the first tile (m = -inf)
+        m = m_new;
+        float p[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            p[r] = exp2f(sc[r] - m_new);
+            l = fmaf(l, r == 0 ? corr : 1.f, p[r]);
+        }
+        if (__any_sync(0xffffffffu, corr != 1.f)) {  // most tiles after the first raise no row's max
+#pragma unroll
+            for (int j = 0; j < kCols; ++j) o[j][0] *= corr, o[j][1] *= corr;
+        }
+        uint32_t pa0, pa2;  // P's A fragment, row g: tokens (2t, 2t + 1) and (2t + 8, 2t + 9)
+        if constexpr (POLICY == 0) {
+            pa0 = pack2<E>(p[0], p[1]);
+            pa2 = pack2<E>(p[2], p[3]);
+        } else {
+            lz *= corr;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) lz = fmaf(p[r], cur.vs[r].y, lz);
+            pa0 = pack2<E>(p[0] * cur.vs[0].x, p[1] * cur.vs[1].x);
+            pa2 = pack2<E>(p[2] * cur.vs[2].x, p[3] * cur.vs[3].x);
+        }
+#pragma unroll
+        for (int j = 0; j < kCols; ++j)
+            mma<E>(o[j], pa0, pa2, v_pair<POLICY, D>(cur.vw[0], cur.vw[1], j),
+                   v_pair<POLICY, D>(cur.vw[2], cur.vw[3], j));
+    }
+
+    // merge the block's warps: each head's per-warp weights first, then every output element is a few FMAs
+    l = quad_sum(l);
+    lz = quad_sum(lz);
+    if (g < group) {
+        if (t == 0) {
+            sm_m[warp][g] = m;
+            sm_l[warp][g] = l;
+            sm_z[warp][g] = lz;
+        }
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) {
+            sm_o[warp][g][col_of<POLICY, D>(2 * t, j)] = o[j][0];
+            sm_o[warp][g][col_of<POLICY, D>(2 * t + 1, j)] = o[j][1];
+        }
+    }
+    __syncthreads();
+    if (tid < group) {
+        float top = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) top = fmaxf(top, sm_m[w][tid]);
+        float f[kWarps], total = 0.f, zero = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+            f[w] = sm_m[w][tid] == -INFINITY ? 0.f : exp2f(sm_m[w][tid] - top);
+            total = fmaf(sm_l[w][tid], f[w], total);
+            zero = fmaf(sm_z[w][tid], f[w], zero);
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sm_l[w][tid] = f[w] * inv;  // the weight of warp w's sums
+        sm_z[0][tid] = zero * inv;
+        sm_m[0][tid] = total > 0.f ? top + log2f(total) : -INFINITY;  // the slice's log2-sum-exp2
+    }
+    __syncthreads();
+    for (int i = tid; i < group * D; i += blockDim.x) {
+        const int h = i / D, d = i % D;
+        float res = sm_z[0][h];
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) res = fmaf(sm_o[w][h][d], sm_l[w][h], res);
+        const int head = kvh * group + h;
+        if (num_splits == 1) {
+            out[b * stride_ob + head * stride_oh + d] = from_float<T>(res);
+        } else {
+            const int64_t heads = static_cast<int64_t>(num_kv_heads) * group;
+            float* pp = part + ((b * heads + head) * num_splits + split) * (D + 1);
+            pp[d] = res;
+            if (d == 0) pp[D] = sm_m[0][h];
+        }
+    }
+#endif
+}
+
+template <typename T, int POLICY, int D>
+void launch(const DecodeArgs& a, cudaStream_t stream) {
+    decode_mma_kernel<T, POLICY, D><<<a.batch * a.num_kv_heads * a.num_splits, kWarps * 32, 0, stream>>>(
+        reinterpret_cast<const T*>(a.q), reinterpret_cast<const uint8_t*>(a.k_cache),
+        reinterpret_cast<const uint8_t*>(a.v_cache), reinterpret_cast<const __half*>(a.k_scale_zero),
+        reinterpret_cast<const __half*>(a.v_scale_zero), reinterpret_cast<float*>(a.partial),
+        reinterpret_cast<T*>(a.out), reinterpret_cast<const int32_t*>(a.block_tables),
+        reinterpret_cast<const int64_t*>(a.kv_lens), reinterpret_cast<const int64_t*>(a.order),
+        a.scale * 1.4426950408889634f, a.stride_qb, a.stride_qh, a.stride_ob, a.stride_oh, a.stride_bt,
+        a.num_kv_heads, a.num_heads / a.num_kv_heads, a.block_size, a.num_splits);
+}
+
+template <typename T, int POLICY>
+void by_head_dim(const DecodeArgs& a, cudaStream_t stream) {
+    if (a.head_dim == 64) return launch<T, POLICY, 64>(a, stream);
+    return launch<T, POLICY, 128>(a, stream);
+}
+
+template <typename T>
+void by_policy(const DecodeArgs& a, cudaStream_t stream) {
+    if (a.quant_policy == 8) return by_head_dim<T, 8>(a, stream);
+    if (a.quant_policy == 4) return by_head_dim<T, 4>(a, stream);
+    return by_head_dim<T, 0>(a, stream);
+}
+
+}  // namespace
+
+bool decode_mma_supports(int block_size) {
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+    return major >= 8 && block_size % kTile == 0;
+}
+
+// Called by paged_decode_attention (decode_attention.cu) once it has checked the arguments; launches
+// the mma kernel, and the slice merge is the caller's.
+void paged_decode_attention_mma(const DecodeArgs& a, cudaStream_t stream) {
+    if (a.dtype == static_cast<int>(DType::kBFloat16))
+        by_policy<__nv_bfloat16>(a, stream);
+    else
+        by_policy<__half>(a, stream);
+}
+
+}  // namespace lmdeploy
