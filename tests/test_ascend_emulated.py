@@ -166,19 +166,144 @@ def test_npu_graph_replays_with_updated_lengths_only(npu):
     torch.testing.assert_close(out, want([9, 5]))
 
 
+def test_npu_scatter_nd_update_writes_int8_rows_and_per_head_scalars(npu):
+    """int8 rows (documented from torch_npu 7.0.0 on A2) and, with [T, Hkv, 3] index triples into
+    [N, Hkv, S], one scalar per (token, head): how the int8 cache's codes and scales are written."""
+    codes = torch.zeros(6, 2, 8, dtype=torch.int8)
+    rows = torch.randint(-128, 128, (3, 2, 8), dtype=torch.int8)
+    npu.npu_scatter_nd_update_(codes, torch.tensor([[4], [0], [2]]), rows)
+    assert torch.equal(codes[[4, 0, 2]], rows) and not codes[[1, 3, 5]].any()
+    scales = torch.zeros(3, 2, 4)  # [N, Hkv, S]
+    at = torch.tensor([[[1, 0, 3], [1, 1, 3]], [[2, 0, 0], [2, 1, 0]]])  # tokens at (block 1, 3), (block 2, 0)
+    vals = torch.randn(2, 2)
+    npu.npu_scatter_nd_update_(scales, at, vals)
+    want = torch.zeros(3, 2, 4)
+    want[1, :, 3], want[2, :, 0] = vals[0], vals[1]
+    assert torch.equal(scales, want)
+    with pytest.raises(RuntimeError, match='at least 2-D'):
+        npu.npu_scatter_nd_update_(scales, torch.tensor([1, 0, 3]), vals[0, 0])
+    with pytest.raises(RuntimeError, match='not supported'):
+        npu.npu_scatter_nd_update_(torch.zeros(4, 2, dtype=torch.uint8), torch.tensor([[1]]),
+                                   torch.zeros(1, 2, dtype=torch.uint8))
+
+
+def test_npu_fused_infer_attention_score_int8_paged_per_token_head_antiquant(npu):
+    """Q_S = 1 (BSND [B, 1, N, D]) over int8 blocks with key / value antiquant mode 5: each token's K / V
+    per head read as (x + offset) * scale from float32 [block_num, Hkv, block_size]; against dequantizing
+    the blocks first and attending directly. Mode 5 is refused where it is not documented (Q_S > 1, TND)."""
+    h, hkv, d, s, n = 4, 2, 16, 4, 10
+    kv_lens = [7, 1, 12]
+    kc = torch.randint(-128, 128, (n, s, hkv * d), dtype=torch.int8)
+    vc = torch.randint(-128, 128, (n, s, hkv * d), dtype=torch.int8)
+    ks, ko, vs, vo = torch.rand(n, hkv, s) / 50, torch.randn(n, hkv, s) * 30, torch.rand(n, hkv, s) / 50, \
+        torch.randn(n, hkv, s) * 30
+    table = torch.tensor([[3, 8, 0], [5, 0, 0], [9, 1, 6]], dtype=torch.int32)
+    q = torch.randn(3, 1, h, d)
+    anti = dict(key_antiquant_scale=ks, key_antiquant_offset=ko, value_antiquant_scale=vs,
+                value_antiquant_offset=vo, key_antiquant_mode=5, value_antiquant_mode=5)
+    out, _ = npu.npu_fused_infer_attention_score(q, kc, vc, actual_seq_lengths_kv=kv_lens, block_table=table,
+                                                 num_heads=h, scale=0.25, input_layout='BSND',
+                                                 num_key_value_heads=hkv, block_size=s, **anti)
+    assert out.shape == (3, 1, h, d)
+
+    def dequantized(codes, scale, offset, blocks, length):  # [L, Hkv, D], token by token, head by head
+        rows = []
+        for blk in blocks:
+            for j in range(s):
+                x = codes[blk, j].reshape(hkv, d).float()
+                rows.append(torch.stack([(x[i] + offset[blk, i, j]) * scale[blk, i, j] for i in range(hkv)]))
+        return torch.stack(rows)[:length]
+
+    for b, kl in enumerate(kv_lens):
+        blocks = table[b, :-(-kl // s)].tolist()
+        k, v = dequantized(kc, ks, ko, blocks, kl), dequantized(vc, vs, vo, blocks, kl)
+        torch.testing.assert_close(out[b, 0], _explicit_attention(q[b, 0], k, v, 0.25, kl))
+    kw = dict(actual_seq_lengths_kv=kv_lens, block_table=table, num_heads=h, scale=0.25, num_key_value_heads=hkv,
+              block_size=s, **anti)
+    with pytest.raises(RuntimeError, match='Q_S = 1'):  # a prompt (Q_S > 1) over a paged int8 cache
+        npu.npu_fused_infer_attention_score(torch.randn(3, 2, h, d), kc, vc, input_layout='BSND', **kw)
+    with pytest.raises(RuntimeError, match='Q_S = 1'):
+        npu.npu_fused_infer_attention_score(q[:, 0].contiguous(), kc, vc, input_layout='TND',
+                                            actual_seq_lengths=[1, 2, 3], **kw)
+    with pytest.raises(RuntimeError, match='float32'):  # scales per block as (block_num, N, block_size)
+        npu.npu_fused_infer_attention_score(q, kc, vc, input_layout='BSND',
+                                            **{**kw, 'key_antiquant_scale': ks.transpose(1, 2).contiguous()})
+
+
 # ---------------------------------------------------------------- the device
 def test_conformance_suite_on_the_emulated_npu(npu):
     from lmdeploy.devices.conformance import run_self_tests
     results = run_self_tests('ascend')
-    assert len(results) >= 9 and all(r.passed for r in results), [r for r in results if not r.passed]
+    assert len(results) >= 11 and all(r.passed for r in results), [r for r in results if not r.passed]
+    assert {'paged_decode_attention[int8]', 'paged_prefill_attention[int8]'} <= {r.op for r in results}
 
 
-def test_unsupported_kv_quantization_is_refused_at_start_up(npu, smollm2_path):
+def test_int4_kv_quantization_is_refused_at_start_up(npu, smollm2_path):
     from lmdeploy import PytorchEngineConfig, pipeline
-    for policy in (4, 8):
-        with pytest.raises(ValueError, match=f"'ascend' does not implement quant_policy={policy}"):
-            pipeline(smollm2_path, backend_config=PytorchEngineConfig(device_type='ascend', quant_policy=policy,
-                                                                      session_len=128, dtype='float32'))
+    with pytest.raises(ValueError, match=r"'ascend' does not implement quant_policy=4 \(int4 KV cache\).*"
+                                         r"it implements \[0, 8\]"):
+        pipeline(smollm2_path, backend_config=PytorchEngineConfig(device_type='ascend', quant_policy=4,
+                                                                  session_len=128, dtype='float32'))
+
+
+def test_int8_cache_layout_and_stored_values(npu):
+    """quant_policy 8: int8 codes (lmdeploy's code - 128) [N, S, Hkv, D] and float32 scale / offset
+    [N, Hkv, S], such that (x + offset) * scale is lmdeploy's code * scale + zero (devices/cache.py);
+    padding tokens (slot -1) write nothing."""
+    from lmdeploy.devices.cache import dequantize, quantize
+    ops = devices.get_device('ascend')
+    spec = ops.kv_cache_spec(2, 8, 4, torch.bfloat16, 8)
+    assert dict((n, (sh, dt)) for n, sh, dt in spec.tensors) == {
+        'k': ((4, 2, 8), torch.int8), 'v': ((4, 2, 8), torch.int8), 'k_scale': ((2, 4), torch.float32),
+        'k_offset': ((2, 4), torch.float32), 'v_scale': ((2, 4), torch.float32), 'v_offset': ((2, 4), torch.float32)}
+    assert spec.bytes_per_block == 2 * 4 * 2 * 8 + 4 * 2 * 4 * 4
+    cache = spec.allocate(3, ops.torch_device())
+    for t in cache.tensors().values():
+        t.zero_()
+    k, v = torch.randn(5, 2, 8) * 3, torch.randn(5, 2, 8)
+    slots = torch.tensor([9, 2, -1, 4, 11])
+    ops.fill_kv_cache(k, v, cache, slots)
+    for x, name in ((k, 'k'), (v, 'v')):
+        codes, sz = quantize(x, 8)
+        data, scale, offset = getattr(cache, name), cache.extra[f'{name}_scale'], cache.extra[f'{name}_offset']
+        for i, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                continue
+            blk, j = divmod(slot, 4)
+            assert torch.equal(data[blk, j].int(), codes[i].int() - 128)
+            assert torch.equal(scale[blk, :, j], sz[i, :, 0].float())
+            got = (data[blk, j].float() + offset[blk, :, j, None]) * scale[blk, :, j, None]
+            torch.testing.assert_close(got, dequantize(codes[i], sz[i]), rtol=0, atol=1e-5)
+        written = torch.zeros(12, dtype=torch.bool)
+        written[[9, 2, 4, 11]] = True
+        assert not data.flatten(0, 1)[~written].any()  # the padding token went nowhere new
+
+
+def test_int8_prefill_reads_only_its_own_blocks(npu):
+    """A prompt over the int8 cache attends over its sequences' blocks, dequantized into a temporary: other
+    blocks (here made unreadable, NaN scales) are never read, so the temporary is the step's size."""
+    from lmdeploy.devices.cache import dequantize, quantize
+    ops = devices.get_device('ascend')
+    s, hkv, d, h = 4, 2, 16, 4
+    cache = ops.kv_cache_spec(hkv, d, s, torch.float32, 8).allocate(20, ops.torch_device())
+    for name in ('k_scale', 'v_scale'):
+        cache.extra[name].fill_(float('nan'))
+    kv_lens, q_lens = [6, 3], [2, 3]
+    table = torch.tensor([[7, 13], [2, 0]], dtype=torch.int32)
+    k, v = torch.randn(9, hkv, d), torch.randn(9, hkv, d)
+    slots = torch.tensor([7 * s + j for j in range(4)] + [13 * s, 13 * s + 1] + [2 * s + j for j in range(3)])
+    ops.fill_kv_cache(k, v, cache, slots)
+    q = torch.randn(5, h, d)
+    i32 = dict(dtype=torch.int32)
+    out = ops.paged_prefill_attention(q, cache, table, torch.tensor([0, 2], **i32), torch.tensor(q_lens, **i32),
+                                      torch.tensor(kv_lens, **i32), 0.3, 3, 6)
+    kd, vd = dequantize(*quantize(k, 8)), dequantize(*quantize(v, 8))
+    ctx = [(kd[:6], vd[:6]), (kd[6:], vd[6:])]
+    starts = [0, 2]
+    for b in range(2):
+        for i in range(q_lens[b]):
+            want = _explicit_attention(q[starts[b] + i], *ctx[b], 0.3, kv_lens[b] - q_lens[b] + i + 1)
+            torch.testing.assert_close(out[starts[b] + i], want)
 
 
 @pytest.fixture(scope='module')
@@ -223,6 +348,45 @@ def test_greedy_tokens_match_the_cpu_device(npu, smollm2_path, cpu_tokens, eager
     assert got == cpu_tokens
     assert stats.extra['decode_steps'] > 0 and stats.extra['decode_device_seconds'] > 0  # NPU events time steps
     assert (len(replays) > 0) == (not eager)  # graph mode decodes through replays, eager mode never records
+
+
+@pytest.fixture(scope='module')
+def cpu_int8_tokens(smollm2_path):
+    from lmdeploy import PytorchEngineConfig, pipeline
+    pipe = pipeline(smollm2_path, backend_config=PytorchEngineConfig(device_type='cpu', session_len=256,
+                                                                     dtype='float32', max_batch_size=4,
+                                                                     quant_policy=8))
+    try:
+        return _generate(pipe)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize('eager', [True, False], ids=['eager', 'graphs'])
+def test_int8_kv_cache_tokens_match_the_cpu_device(npu, smollm2_path, cpu_int8_tokens, eager, monkeypatch):
+    """quant_policy=8 on the emulated NPU (prompts over dequantized own blocks, decode steps through the
+    fused attention's int8 antiquant, replayed graphs too): the cpu device's quant_policy=8 tokens."""
+    from lmdeploy import PytorchEngineConfig, pipeline
+    replays, antiquant_calls = [], []
+    real_replay = torch.npu.NPUGraph.replay
+    monkeypatch.setattr(torch.npu.NPUGraph, 'replay', lambda g: (replays.append(g), real_replay(g))[1])
+    fused = npu.npu_fused_infer_attention_score
+
+    def counting(*args, **kwargs):
+        antiquant_calls.append(kwargs.get('key_antiquant_mode'))
+        return fused(*args, **kwargs)
+    monkeypatch.setattr(npu, 'npu_fused_infer_attention_score', counting)
+    pipe = pipeline(smollm2_path, backend_config=PytorchEngineConfig(device_type='ascend', session_len=256,
+                                                                     dtype='float32', max_batch_size=4,
+                                                                     eager_mode=eager, quant_policy=8))
+    try:
+        assert pipe.engine.runner.kv_caches[0].k.dtype == torch.int8
+        got = _generate(pipe)
+    finally:
+        pipe.close()
+    assert got == cpu_int8_tokens
+    assert (len(replays) > 0) == (not eager)
+    assert 5 in antiquant_calls  # decode steps read the int8 cache through antiquant mode 5
 
 
 def _free_port():

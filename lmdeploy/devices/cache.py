@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -57,7 +57,7 @@ class KVCacheSpec:
     def allocate(self, num_blocks: int, device) -> 'KVCache':
         made = {name: torch.empty((num_blocks, *shape), dtype=dt, device=device) for name, shape, dt in self.tensors}
         return KVCache(made.pop('k'), made.pop('v'), self.quant_policy, made.pop('k_scale_zero', None),
-                       made.pop('v_scale_zero', None))
+                       made.pop('v_scale_zero', None), made)
 
 
 def standard_spec(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
@@ -80,12 +80,16 @@ def standard_spec(num_kv_heads: int, head_dim: int, block_size: int, dtype: torc
 @dataclass
 class KVCache:
     """One layer's paged cache: ``k`` and ``v`` ``[N, S, Hkv, ...]`` and, when
-    quantized, their per-token, per-head (scale, zero) ``[N, S, Hkv, 2]``."""
+    quantized in the standard layout, their per-token, per-head (scale, zero)
+    ``[N, S, Hkv, 2]``. ``extra``: the tensors of a device's own layout under
+    the names its spec gives them (e.g. the ascend device's int8 cache keeps
+    scales and offsets apart, as its attention op reads them)."""
     k: torch.Tensor
     v: torch.Tensor
     quant_policy: int = 0
     k_scale_zero: Optional[torch.Tensor] = None
     v_scale_zero: Optional[torch.Tensor] = None
+    extra: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def block_size(self) -> int:
@@ -93,7 +97,7 @@ class KVCache:
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         named = dict(k=self.k, v=self.v, k_scale_zero=self.k_scale_zero, v_scale_zero=self.v_scale_zero)
-        return {k: t for k, t in named.items() if t is not None}
+        return {**{k: t for k, t in named.items() if t is not None}, **self.extra}
 
 
 # ------------------------------------------------------------- the definition

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import torch
 
+from ..cache import KVCache, KVCacheSpec, quantize
 from ..interface import DeviceOps
 from ..reference import ReferenceSampling
 from . import runtime
@@ -23,6 +24,13 @@ from . import runtime
 _CAUSAL_MASK_SIZE = 2048
 _RIGHT_DOWN_CAUSAL = 3
 
+# quant_policy 8 (README.md): the fused attention's antiquant mode 5, "per-token and per-head, scale / offset
+# managed as page attention": int8 K / V blocks, float32 scale and offset [N, Hkv, S], dequantized as
+# (x + offset) * scale. lmdeploy's codes c in [0, 255] are stored as c - 128, with offset 128 + zero / scale:
+# (c - 128 + offset) * scale = c * scale + zero, the definition (devices/cache.py)
+_PER_TOKEN_HEAD_PAGED = 5
+_INT8_SHIFT = 128
+
 
 class AscendOps(ReferenceSampling, DeviceOps):
     name = 'ascend'
@@ -30,7 +38,7 @@ class AscendOps(ReferenceSampling, DeviceOps):
     auto_priority = 20  # after cuda, before cpu
     collective_backend = 'hccl'
     ray_resource = 'NPU'  # Ray's name for Ascend NPUs (it sets ASCEND_RT_VISIBLE_DEVICES for an actor)
-    quant_policies = (0, )
+    quant_policies = (0, 8)
     supports_graphs = True
     # steps with prompt rows stay eager: the fused attention reads sequence lengths as host lists, which a
     # recorded step would have to update per prompt; decode steps update theirs (capture_graph)
@@ -114,6 +122,24 @@ class AscendOps(ReferenceSampling, DeviceOps):
             graph.replay()
         return replay, out, graph.pool()
 
+    def kv_cache_spec(self, num_kv_heads, head_dim, block_size, dtype, quant_policy=0) -> KVCacheSpec:
+        """quant_policy 0: the standard layout. 8: int8 K / V ``[S, Hkv, D]`` per block and, apart, float32
+        ``k_scale`` / ``k_offset`` / ``v_scale`` / ``v_offset`` ``[Hkv, S]`` per block (so each is the
+        ``(blocknum, N, blocksize)`` tensor the fused attention's antiquant mode 5 reads). 4 is refused."""
+        if quant_policy == 4:
+            raise ValueError(f"device {self.name!r} does not implement quant_policy=4 (int4 KV cache): "
+                             "torch_npu's fused attention documents int4 KV only as int32-packed values with "
+                             "per-channel / per-token scales, not with page-managed per-token-and-head ones, and "
+                             f"not for prompts over a paged cache; it implements {list(self.quant_policies)} "
+                             "(quant_policy=8: int8 KV cache)")
+        if quant_policy != 8:
+            return super().kv_cache_spec(num_kv_heads, head_dim, block_size, dtype, quant_policy)
+        codes = (block_size, num_kv_heads, head_dim)
+        per_token = (num_kv_heads, block_size)
+        tensors = (('k', codes, torch.int8), ('v', codes, torch.int8)) + tuple(
+            (f'{x}_{part}', per_token, torch.float32) for x in 'kv' for part in ('scale', 'offset'))
+        return KVCacheSpec(num_kv_heads, head_dim, block_size, dtype, quant_policy, tensors)
+
     # -------------------------------------------------------------- dense ops
     def embedding(self, ids, weight):
         return torch.nn.functional.embedding(ids, weight)
@@ -142,14 +168,32 @@ class AscendOps(ReferenceSampling, DeviceOps):
     def fill_kv_cache(self, k, v, cache, slot_mapping):
         """npu_scatter_nd_update_ into the cache viewed as one row per slot. Padding rows (slot < 0) are
         sent, with their values, to the row of the largest slot (a real one whenever the step has one): a
-        repeated identical write, so the shapes stay static for graphs and no host sync filters them."""
+        repeated identical write, so the shapes stay static for graphs and no host sync filters them.
+        quant_policy 8: each row quantized as devices/cache.py defines it (plain torch ops), its codes written
+        as int8 rows, its scale and offset into [N, Hkv, S] at (block, head, offset) index triples."""
+        scatter = self._npu_ops.npu_scatter_nd_update_
         slots = slot_mapping.to(torch.int64)
         valid = slots >= 0
         first = slots.argmax()
-        target = torch.where(valid, slots, slots[first].clamp(min=0))[:, None]
-        for x, data in ((k, cache.k), (v, cache.v)):
-            rows = torch.where(valid[:, None, None], x, x[first]).to(data.dtype)
-            self._npu_ops.npu_scatter_nd_update_(data.view(-1, *data.shape[2:]), target, rows)
+        target = torch.where(valid, slots, slots[first].clamp(min=0))
+        at = None
+        for name, x, data in (('k', k, cache.k), ('v', v, cache.v)):
+            rows = torch.where(valid[:, None, None], x, x[first])
+            if cache.quant_policy == 0:
+                scatter(data.view(-1, *data.shape[2:]), target[:, None], rows.to(data.dtype))
+                continue
+            codes, scale_zero = quantize(rows, 8)
+            scale = scale_zero[..., 0].float()
+            offset = scale_zero[..., 1].float() / scale + _INT8_SHIFT
+            signed = (codes.to(torch.int32) - _INT8_SHIFT).to(torch.int8)
+            scatter(data.view(-1, *data.shape[2:]), target[:, None], signed)
+            if at is None:  # [T, Hkv, 3]: (block, head, offset in block) of every token and head
+                s, hkv = data.shape[1], data.shape[2]
+                heads = torch.arange(hkv, device=slots.device)[None, :].expand(slots.shape[0], hkv)
+                at = torch.stack([(target // s)[:, None].expand_as(heads), heads,
+                                  (target % s)[:, None].expand_as(heads)], dim=-1)
+            scatter(cache.extra[f'{name}_scale'], at, scale)
+            scatter(cache.extra[f'{name}_offset'], at, offset)
 
     def _causal_mask(self, device):
         if self._mask is None or self._mask.device != device:
@@ -168,6 +212,44 @@ class AscendOps(ReferenceSampling, DeviceOps):
             num_heads=q.shape[1], scale=scale, input_layout='TND', num_key_value_heads=hkv,
             sparse_mode=_RIGHT_DOWN_CAUSAL, block_size=s)
         return out
+
+    def _fused_int8_decode(self, q, cache, block_tables, kv_lens: List[int], scale):
+        """npu_fused_infer_attention_score over the int8 paged cache, one query per sequence: q BSND
+        [B, 1, H, D] (Q_S = 1, the incremental branch, where the antiquant modes with page attention are
+        documented), blocks [N, S, Hkv * D] int8, key / value antiquant mode 5 with the cache's float32
+        scale / offset [N, Hkv, S]. No mask: a decode row sees its whole context."""
+        n, s, hkv, d = cache.k.shape
+        extra = cache.extra
+        out, _ = self._npu_ops.npu_fused_infer_attention_score(
+            q[:, None], cache.k.view(n, s, hkv * d), cache.v.view(n, s, hkv * d), actual_seq_lengths_kv=kv_lens,
+            block_table=block_tables.to(torch.int32), num_heads=q.shape[1], scale=scale, input_layout='BSND',
+            num_key_value_heads=hkv, block_size=s, key_antiquant_scale=extra['k_scale'],
+            key_antiquant_offset=extra['k_offset'], value_antiquant_scale=extra['v_scale'],
+            value_antiquant_offset=extra['v_offset'], key_antiquant_mode=_PER_TOKEN_HEAD_PAGED,
+            value_antiquant_mode=_PER_TOKEN_HEAD_PAGED)
+        return out[:, 0]
+
+    @staticmethod
+    def _dequantized_blocks(cache, block_tables, kv_lens: List[int], dtype):
+        """The int8 cache's blocks that these sequences' contexts occupy, dequantized ((x + offset) * scale,
+        the op's formula) into a temporary cache of ``dtype``, and a block table into it: what a prompt step
+        attends over, as the fused attention documents no antiquant with page attention for Q_S > 1. Its size
+        is the step's own contexts (blocks of a shared prefix once per sequence), never the whole cache."""
+        s = cache.block_size
+        counts = [-(-n // s) for n in kv_lens]
+        blocks = torch.cat([block_tables[b, :c] for b, c in enumerate(counts)]).long()
+        tables = torch.zeros(len(counts), max(counts), dtype=torch.int32)
+        start = 0
+        for b, c in enumerate(counts):
+            tables[b, :c] = torch.arange(start, start + c, dtype=torch.int32)
+            start += c
+
+        def read(name):
+            codes = getattr(cache, name)[blocks].float()  # [M, S, Hkv, D]
+            scale = cache.extra[f'{name}_scale'][blocks].transpose(1, 2)[..., None]  # [M, S, Hkv, 1]
+            offset = cache.extra[f'{name}_offset'][blocks].transpose(1, 2)[..., None]
+            return ((codes + offset) * scale).to(dtype)
+        return KVCache(read('k'), read('v')), tables.to(block_tables.device)
 
     def _kv_lens_host(self, kv_seqlens: torch.Tensor) -> List[int]:
         """The context lengths as the host list the fused op takes, read once per eager step (every layer
@@ -199,7 +281,10 @@ class AscendOps(ReferenceSampling, DeviceOps):
         if total != last - first:  # rows between the sequences (not owned): pack the owned ones
             rows = torch.cat([q[starts[b]:starts[b] + q_lens[b]] for b in keep])
         tables = block_tables[keep] if len(keep) != len(q_lens) else block_tables
-        o = self._fused_attention(rows.contiguous(), cache, tables, ends, [kv_lens[b] for b in keep], scale)
+        kv_lens = [kv_lens[b] for b in keep]
+        if cache.quant_policy == 8:
+            cache, tables = self._dequantized_blocks(cache, tables, kv_lens, q.dtype)
+        o = self._fused_attention(rows.contiguous(), cache, tables, ends, kv_lens, scale)
         at = 0
         for b in keep:
             out[starts[b]:starts[b] + q_lens[b]] = o[at:at + q_lens[b]]
@@ -210,8 +295,11 @@ class AscendOps(ReferenceSampling, DeviceOps):
         if self._recording is not None:
             self._recording.append(kv_seqlens)
         batch = q.shape[0]
-        o = self._fused_attention(q.contiguous(), cache, block_tables, list(range(1, batch + 1)),
-                                  self._kv_lens_host(kv_seqlens), scale)
+        if cache.quant_policy == 8:
+            o = self._fused_int8_decode(q.contiguous(), cache, block_tables, self._kv_lens_host(kv_seqlens), scale)
+        else:
+            o = self._fused_attention(q.contiguous(), cache, block_tables, list(range(1, batch + 1)),
+                                      self._kv_lens_host(kv_seqlens), scale)
         o = torch.where((kv_seqlens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
         return o if out is None else out.copy_(o)
 

@@ -93,11 +93,16 @@ def npu_swiglu(input, dim=-1):
 
 
 # ------------------------------------------------------------------ KV cache
+_SCATTER_DTYPES = (torch.float32, torch.float16, torch.bool, torch.bfloat16, torch.int64, torch.int8)  # A2, 7.0.0
+
+
 @_op()
 def npu_scatter_nd_update_(input, indices, updates):
-    """In place: input[indices[i]] = updates[i], indices [..., K] indexing input's first K dims, updates
-    indices.shape[:-1] + input.shape[K:]. Returns input."""
+    """In place: input[indices[i]] = updates[i], indices [..., K] (at least 2-D) indexing input's first K
+    dims, updates indices.shape[:-1] + input.shape[K:]. Returns input."""
+    _need(input.dtype in _SCATTER_DTYPES, f'input dtype {input.dtype} is not supported')
     _need(indices.dtype in (torch.int32, torch.int64), 'indices must be int32 or int64')
+    _need(indices.dim() >= 2 and indices.shape[-1] <= input.dim(), 'indices must be at least 2-D, [..., K <= dims]')
     k = indices.shape[-1]
     _need(updates.shape == indices.shape[:-1] + input.shape[k:], 'updates shape mismatch')
     _need(updates.dtype == input.dtype, 'updates must have the input dtype')
@@ -112,39 +117,80 @@ _MASK_SIZE = 2048
 _checked_mask = [None]  # the last mask found upper-triangular (the device makes one and keeps it)
 
 
+_PER_TOKEN_HEAD_PAGED = 5  # key / value antiquant mode: per token and head, scale / offset in page blocks
+
+
 @_op(graph_updatable=('actual_seq_lengths', 'actual_seq_lengths_kv'))
 def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
-                                    actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0,
-                                    pre_tokens=2147483647, next_tokens=2147483647, input_layout='BSH',
-                                    num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
-                                    antiquant_mode=0, softmax_lse_flag=False, key_antiquant_mode=0,
-                                    value_antiquant_mode=0, **others):
-    """(attention_out, softmax_lse) for the case the ascend device uses: layout 'TND' with the KV cache
-    paged (block_table, block_size; key / value [block_num, block_size, Hkv * D]), ``actual_seq_lengths``
-    the queries' cumulative lengths (host ints, the last one T), ``actual_seq_lengths_kv`` each
-    sequence's context length, sparse_mode 0 (no mask) or 3 (rightDownCausal: the 2048 x 2048
-    upper-triangular bool atten_mask aligned to each sequence's bottom right). Softmax in float32; GQA
-    (query head h reads KV head h // (num_heads // num_key_value_heads))."""
+                                    actual_seq_lengths_kv=None, block_table=None, key_antiquant_scale=None,
+                                    key_antiquant_offset=None, value_antiquant_scale=None,
+                                    value_antiquant_offset=None, num_heads=1, scale=1.0, pre_tokens=2147483647,
+                                    next_tokens=2147483647, input_layout='BSH', num_key_value_heads=0, sparse_mode=0,
+                                    inner_precise=0, block_size=0, antiquant_mode=0, softmax_lse_flag=False,
+                                    key_antiquant_mode=0, value_antiquant_mode=0, **others):
+    """(attention_out, softmax_lse) for the cases the ascend device uses, the KV cache paged (block_table,
+    block_size; key / value [block_num, block_size, Hkv * D]) in both:
+
+    * layout 'TND' (query [T, N, D]): ``actual_seq_lengths`` the queries' cumulative lengths (host ints, the
+      last one T), ``actual_seq_lengths_kv`` each sequence's context length, sparse_mode 0 (no mask) or 3
+      (rightDownCausal: the 2048 x 2048 upper-triangular bool atten_mask aligned to each sequence's bottom
+      right); key / value in the query's dtype (no antiquant).
+    * layout 'BSND' with Q_S = 1 (query [B, 1, N, D], the incremental branch): each row sees its
+      ``actual_seq_lengths_kv`` context (``actual_seq_lengths`` and sparse_mode do not apply); key / value
+      in the query's dtype, or int8 with ``key_antiquant_mode == value_antiquant_mode == 5`` (per token and
+      head, page-managed): ``*_antiquant_scale`` / ``*_antiquant_offset`` float32 [block_num, Hkv,
+      block_size], a token's values read as (x + offset) * scale (offset None: 0, symmetric).
+
+    Softmax in float32; GQA (query head h reads KV head h // (num_heads // num_key_value_heads))."""
     unused = {k: v for k, v in others.items() if v is not None}
     _need(not unused and pse_shift is None, f'arguments not emulated: {sorted(unused) or ["pse_shift"]}')
-    _need(input_layout == 'TND', f'only input_layout TND is emulated, got {input_layout}')
-    _need(antiquant_mode == key_antiquant_mode == value_antiquant_mode == 0, 'antiquant is not emulated')
+    _need(input_layout in ('TND', 'BSND'), f'only input_layout TND or BSND is emulated, got {input_layout}')
+    _need(antiquant_mode == 0, 'the combined antiquant (antiquant_mode) is not emulated')
     _need(block_table is not None, 'only the paged KV cache (block_table) is emulated')
     _need(block_table.dtype == torch.int32 and block_table.dim() == 2, 'block_table must be int32 [B, max_blocks]')
-    _need(query.dim() == 3 and query.shape[1] == num_heads, 'TND query must be [T, num_heads, D]')
     _need(query.is_contiguous(), 'query must be contiguous')
-    for name, lens in (('actual_seq_lengths', actual_seq_lengths), ('actual_seq_lengths_kv', actual_seq_lengths_kv)):
+    if input_layout == 'TND':
+        _need(query.dim() == 3 and query.shape[1] == num_heads, 'TND query must be [T, num_heads, D]')
+    else:
+        _need(query.dim() == 4 and query.shape[2] == num_heads, 'BSND query must be [B, S, num_heads, D]')
+        _need(query.shape[1] == 1, 'BSND is emulated for Q_S = 1 (the incremental branch) only')
+        _need(sparse_mode == 0 and atten_mask is None, 'BSND with Q_S = 1 is emulated without a mask')
+    lens_args = [('actual_seq_lengths_kv', actual_seq_lengths_kv)]
+    if input_layout == 'TND':
+        lens_args.insert(0, ('actual_seq_lengths', actual_seq_lengths))
+    for name, lens in lens_args:
         _need(isinstance(lens, (list, tuple)) and all(isinstance(x, int) for x in lens),
               f'{name} must be a list of host ints')
-    batch = len(actual_seq_lengths)
+    if input_layout == 'TND':
+        batch = len(actual_seq_lengths)
+        _need(actual_seq_lengths[-1] == query.shape[0], 'TND: the last cumulative query length must be T')
+        ends = list(actual_seq_lengths)
+    else:
+        batch = query.shape[0]
+        ends = list(range(1, batch + 1))
     _need(len(actual_seq_lengths_kv) == batch and block_table.shape[0] == batch, 'batch sizes differ')
-    _need(actual_seq_lengths[-1] == query.shape[0], 'TND: the last cumulative query length must be T')
     hkv = num_key_value_heads or num_heads
     _need(num_heads % hkv == 0, 'num_heads must be a multiple of num_key_value_heads')
     d = query.shape[-1]
     _need(key.dim() == 3 and key.shape == value.shape and key.shape[1] == block_size and key.shape[2] == hkv * d,
           'paged key / value must be [block_num, block_size, num_key_value_heads * D]')
-    _need(key.dtype == query.dtype, 'key / value must have the query dtype')
+    antiquant = key_antiquant_scale is not None or value_antiquant_scale is not None
+    if antiquant:
+        _need(key_antiquant_mode == value_antiquant_mode == _PER_TOKEN_HEAD_PAGED,
+              'only key / value antiquant mode 5 (per token and head, page-managed) is emulated')
+        _need(input_layout == 'BSND', 'antiquant with page attention is documented for Q_S = 1 only')
+        _need(key.dtype == torch.int8 and value.dtype == torch.int8, 'antiquant mode 5 takes int8 key / value')
+        _need(key_antiquant_scale is not None and value_antiquant_scale is not None,
+              'key / value antiquant scales are both given or both None')
+        _need((key_antiquant_offset is None) == (value_antiquant_offset is None),
+              'key / value antiquant offsets are both given or both None')
+        want = (key.shape[0], hkv, block_size)
+        for t in (key_antiquant_scale, key_antiquant_offset, value_antiquant_scale, value_antiquant_offset):
+            _need(t is None or (tuple(t.shape) == want and t.dtype == torch.float32),
+                  f'mode 5 scale / offset must be float32 {want} (block_num, N, block_size)')
+    else:
+        _need(key_antiquant_mode == value_antiquant_mode == 0, 'antiquant modes without antiquant scales')
+        _need(key.dtype == query.dtype, 'key / value must have the query dtype')
     if sparse_mode == 3:
         _need(atten_mask is not None and atten_mask.dtype == torch.bool
               and tuple(atten_mask.shape) == (_MASK_SIZE, _MASK_SIZE), 'sparse_mode 3 needs a 2048x2048 bool mask')
@@ -154,19 +200,29 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
             _checked_mask[0] = atten_mask
     else:
         _need(sparse_mode == 0 and atten_mask is None, 'only sparse_mode 0 (no mask) or 3 is emulated')
+
+    def context(data, scale_, offset_, blocks, kv_len):
+        """[L, Hkv, D] float32 of one sequence's context, dequantized where antiquant is on."""
+        x = data[blocks].reshape(len(blocks), block_size, hkv, d).float()
+        if antiquant:
+            off = 0.0 if offset_ is None else offset_[blocks].transpose(1, 2)[..., None]
+            x = (x + off) * scale_[blocks].transpose(1, 2)[..., None]
+        return x.reshape(-1, hkv, d)[:kv_len]
+
     group = num_heads // hkv
-    out = torch.empty_like(query)
+    q_all = query.reshape(-1, num_heads, d)
+    out = torch.empty_like(q_all)
     start = 0
     for b in range(batch):
-        end, kv_len = actual_seq_lengths[b], actual_seq_lengths_kv[b]
+        end, kv_len = ends[b], actual_seq_lengths_kv[b]
         q_len = end - start
         _need(0 <= q_len and 1 <= kv_len and q_len <= kv_len, f'sequence {b}: bad lengths ({q_len}, {kv_len})')
         n_blocks = -(-kv_len // block_size)
         _need(n_blocks <= block_table.shape[1], f'sequence {b}: context beyond its block table')
         blocks = block_table[b, :n_blocks].long()
-        k = key[blocks].reshape(-1, hkv, d)[:kv_len].float()  # [L, Hkv, D]
-        v = value[blocks].reshape(-1, hkv, d)[:kv_len].float()
-        q = query[start:end].float()  # [Q, H, D]
+        k = context(key, key_antiquant_scale, key_antiquant_offset, blocks, kv_len)  # [L, Hkv, D]
+        v = context(value, value_antiquant_scale, value_antiquant_offset, blocks, kv_len)
+        q = q_all[start:end].float()  # [Q, H, D]
         s = torch.einsum('qhd,lhd->hql', q, k.repeat_interleave(group, dim=1)) * scale
         if sparse_mode == 3:
             rows = torch.arange(q_len)[:, None] + (kv_len - q_len)
@@ -176,8 +232,7 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         start = end
     lse = torch.empty(0, dtype=torch.float32) if not softmax_lse_flag else None
     _need(lse is not None, 'softmax_lse_flag is not emulated')
-    return out, lse
-
+    return out.reshape(query.shape), lse
 
 
 def npu_fusion_attention(*args, **kwargs):
