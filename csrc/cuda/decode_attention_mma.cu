@@ -15,10 +15,13 @@
 //     output columns of position g (col_of below).
 // Every load is 4-16 contiguous bytes per lane straight from global memory into registers.
 //
-// A quantized cache enters the dots as its integer codes, exact in float16 (made by one byte permute
-// per two codes into 1024 + c and one packed subtraction), with each token's scale and zero applied
-// outside them: q.k = scale (q.c) + zero sum(q), and sum_t p_t v_t = sum_t (p_t scale_t) c_t + sum_t
-// p_t zero_t. q and p go into those dots as float16 (for bf16 models too: 11 bits where bf16 has 8).
+// A quantized cache enters the dots as its integer codes biased by 1024, exact in float16 (one byte
+// permute per two codes puts 0x64 above each byte: the float16 1024 + c), with each token's scale and
+// zero, and the bias, applied outside them: q.k = scale (q.(1024 + c) - 1024 sum(q)) + zero sum(q), and
+// sum_t p_t v_t = sum_t (p_t scale_t) (1024 + c_t) - 1024 sum_t p_t scale_t + sum_t p_t zero_t, the
+// last two (with p_t scale_t as the dot rounded it) summed per row apart. q and p go into those dots as
+// float16 (for bf16 models too: 11 bits where bf16 has 8); the products are exact and summed in float32,
+// so the bias costs about 10 of float32's 24 bits, where the result needs about 11.
 #include <cmath>
 #include <type_traits>
 
@@ -28,11 +31,12 @@
 namespace lmdeploy {
 namespace {
 
-// Tuning (H100, benchmark/kv_quant_attn.py --impl compiled): 3 blocks an SM (up to 170 registers a
-// thread); loading a warp's next tile during this one's math (double the registers, 2 blocks an SM) was
-// no faster at any point and 10 % slower for int4.
+// Tuning (H100, benchmark/kv_quant_attn.py --impl compiled): blocks an SM, by KV policy: 3 for a 16-bit
+// cache (up to 170 registers a thread; 4 would spill), 4 for int8 / int4 (up to 128 registers: 3-12 %
+// faster than 3, though head_dim 128 spills 64-80 bytes). Loading a warp's next tile during this one's
+// math (twice the registers) was no faster at any point and 10 % slower for int4.
 #ifndef LMDEPLOY_DECODE_MMA_MIN_BLOCKS
-#define LMDEPLOY_DECODE_MMA_MIN_BLOCKS 3
+#define LMDEPLOY_DECODE_MMA_MIN_BLOCKS(POLICY) ((POLICY) == 0 ? 3 : 4)
 #endif
 constexpr int kWarps = 4;
 constexpr int kTile = 16;  // tokens a warp takes at once
@@ -52,14 +56,19 @@ __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// Bytes 0 and 1 of w's selected pair, as float16 (c0, c1): prmt to (1024 + c0, 1024 + c1), minus 1024.
+// The selected pair of w's bytes (c0, c1) as float16 (1024 + c0, 1024 + c1): the bias is taken off
+// outside the dots (see the top).
 template <uint32_t SEL>
 __device__ __forceinline__ uint32_t codes_to_half2(uint32_t w) {
-    const uint32_t biased = __byte_perm(w, kMagic, SEL);
-    uint32_t r;
-    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(biased), "r"(0x64006400u));
-    return r;
+    return __byte_perm(w, kMagic, SEL);
 }
+
+__device__ __forceinline__ float half2_sum(uint32_t h) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return f.x + f.y;
+}
+
+constexpr float kBias = 1024.f;
 
 // D (16 x 8, rows g and g + 8, columns 2t, 2t + 1) += A (16 x 16) B (16 x 8); rows g + 8 of A are the
 // padding (zero), so their results are dropped: c holds row g's two columns.
@@ -185,7 +194,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // ---------------------------------------------------------------- kernel
 template <typename T, int POLICY, int D>
-__global__ void __launch_bounds__(kWarps * 32, LMDEPLOY_DECODE_MMA_MIN_BLOCKS)
+__global__ void __launch_bounds__(kWarps * 32, LMDEPLOY_DECODE_MMA_MIN_BLOCKS(POLICY))
 decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
                   const __half* __restrict__ ksz, const __half* __restrict__ vsz, float* __restrict__ part,
                   T* __restrict__ out, const int32_t* __restrict__ tables, const int64_t* __restrict__ kv_lens,
@@ -282,7 +291,8 @@ decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const
     }
     qsum = quad_sum(qsum);
 
-    float m = -INFINITY, l = 0.f, lz = 0.f;  // row g's running max (log2 units), and this lane's sums
+    // row g's running max (log2 units); this lane's sums of p and of the terms outside the P V dot
+    float m = -INFINITY, l = 0.f, lz = 0.f;
     float o[kCols][2];
 #pragma unroll
     for (int j = 0; j < kCols; ++j) o[j][0] = o[j][1] = 0.f;
@@ -308,7 +318,7 @@ decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             float x = sc[r];
-            if constexpr (POLICY != 0) x = fmaf(cur.ks[r].x, x, cur.ks[r].y * qsum);
+            if constexpr (POLICY != 0) x = fmaf(cur.ks[r].x, x - kBias * qsum, cur.ks[r].y * qsum);
             sc[r] = vtok[r] < end ? x * scale_log2 : -INFINITY;
             tmax = fmaxf(tmax, sc[r]);
         }
@@ -335,6 +345,7 @@ decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const
             for (int r = 0; r < 4; ++r) lz = fmaf(p[r], cur.vs[r].y, lz);
             pa0 = pack2<E>(p[0] * cur.vs[0].x, p[1] * cur.vs[1].x);
             pa2 = pack2<E>(p[2] * cur.vs[2].x, p[3] * cur.vs[3].x);
+            lz = fmaf(-kBias, half2_sum(pa0) + half2_sum(pa2), lz);  // the codes' bias, as the dot sees p
         }
 #pragma unroll
         for (int j = 0; j < kCols; ++j)
