@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace lmdeploy {
 
 // Element types by code: the bindings pass one of these for the query / output dtype.
@@ -45,5 +47,21 @@ __device__ __forceinline__ float warp_sum(float x, int width) {
 }
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+// f(T{}, Int<POLICY>{}) for a call's element type (DType code) and KV quant_policy (0, 8 or 4): where
+// the kernels' runtime choices become template arguments (f reads them as decltype(x) / x.value).
+template <typename F>
+void with_type_and_policy(int dtype, int quant_policy, F&& f) {
+    auto by_policy = [&](auto t) {
+        if (quant_policy == 8) return f(t, Int<8>{});
+        if (quant_policy == 4) return f(t, Int<4>{});
+        return f(t, Int<0>{});
+    };
+    if (dtype == static_cast<int>(DType::kBFloat16)) return by_policy(__nv_bfloat16{});
+    return by_policy(__half{});
+}
 
 }  // namespace lmdeploy

@@ -314,19 +314,6 @@ void by_group(const DecodeArgs& a, cudaStream_t stream) {
     return launch<T, POLICY, D, 8>(a, stream);
 }
 
-template <typename T, int POLICY>
-void by_head_dim(const DecodeArgs& a, cudaStream_t stream) {
-    if (a.head_dim == 64) return by_group<T, POLICY, 64>(a, stream);
-    return by_group<T, POLICY, 128>(a, stream);
-}
-
-template <typename T>
-void by_policy(const DecodeArgs& a, cudaStream_t stream) {
-    if (a.quant_policy == 8) return by_head_dim<T, 8>(a, stream);
-    if (a.quant_policy == 4) return by_head_dim<T, 4>(a, stream);
-    return by_head_dim<T, 0>(a, stream);
-}
-
 }  // namespace
 
 bool decode_attention_supports(int dtype, int quant_policy, int head_dim, int num_heads, int num_kv_heads) {
@@ -346,19 +333,19 @@ void paged_decode_attention(const DecodeArgs& a, cudaStream_t stream) {
         throw std::invalid_argument("paged_decode_attention: the tensor-core kernel needs sm80+ and a block size "
                                     "that is a multiple of 16");
     if (a.batch == 0) return;
-    const bool bf16 = a.dtype == static_cast<int>(DType::kBFloat16);
-    if (a.kernel == kDecodeTensorCores || (a.kernel == kDecodeAuto && mma_ok))
-        paged_decode_attention_mma(a, stream);
-    else if (bf16)
-        by_policy<__nv_bfloat16>(a, stream);
-    else
-        by_policy<__half>(a, stream);
-    if (a.num_splits > 1) {
-        if (bf16)
-            merge_slices<__nv_bfloat16>(a, stream);
-        else
-            merge_slices<__half>(a, stream);
-    }
+    const bool tensor_cores = a.kernel == kDecodeTensorCores || (a.kernel == kDecodeAuto && mma_ok);
+    if (tensor_cores) paged_decode_attention_mma(a, stream);
+    with_type_and_policy(a.dtype, a.quant_policy, [&](auto t, auto policy) {
+        using T = decltype(t);
+        constexpr int kPolicy = decltype(policy)::value;
+        if (!tensor_cores) {
+            if (a.head_dim == 64)
+                by_group<T, kPolicy, 64>(a, stream);
+            else
+                by_group<T, kPolicy, 128>(a, stream);
+        }
+        if (a.num_splits > 1) merge_slices<T>(a, stream);
+    });
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)
         throw std::runtime_error(std::string("paged_decode_attention: ") + cudaGetErrorString(err));

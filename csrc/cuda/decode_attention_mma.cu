@@ -195,12 +195,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 // ---------------------------------------------------------------- kernel
 template <typename T, int POLICY, int D>
 __global__ void __launch_bounds__(kWarps * 32, LMDEPLOY_DECODE_MMA_MIN_BLOCKS(POLICY))
-decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const uint8_t* __restrict__ vc,
-                  const __half* __restrict__ ksz, const __half* __restrict__ vsz, float* __restrict__ part,
-                  T* __restrict__ out, const int32_t* __restrict__ tables, const int64_t* __restrict__ kv_lens,
-                  const int64_t* __restrict__ order, float scale_log2, int64_t stride_qb, int64_t stride_qh,
-                  int64_t stride_ob, int64_t stride_oh, int64_t stride_bt, int num_kv_heads, int group,
-                  int block_size, int num_splits) {
+decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     using S = Shape<POLICY, D>;
     using E = typename std::conditional<POLICY == 0, T, __half>::type;  // the dots' operand type
@@ -212,12 +207,21 @@ decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const
     __shared__ float sm_m[kWarps][8], sm_l[kWarps][8], sm_z[kWarps][8];
     __shared__ float sm_o[kWarps][8][D];
 
+    const T* q = static_cast<const T*>(args.q);
+    const uint8_t* kc = static_cast<const uint8_t*>(args.k_cache);
+    const uint8_t* vc = static_cast<const uint8_t*>(args.v_cache);
+    const __half* ksz = static_cast<const __half*>(args.k_scale_zero);
+    const __half* vsz = static_cast<const __half*>(args.v_scale_zero);
+    const int64_t* order = static_cast<const int64_t*>(args.order);
+    const int num_kv_heads = args.num_kv_heads, num_splits = args.num_splits, block_size = args.block_size;
+    const int group = args.num_heads / num_kv_heads;
+
     const int pid = blockIdx.x;
     const int split = pid % num_splits;
     const int kvh = (pid / num_splits) % num_kv_heads;
     int64_t b = pid / (num_splits * num_kv_heads);
     if (order != nullptr) b = order[b];
-    const int kv_len = static_cast<int>(kv_lens[b]);
+    const int kv_len = static_cast<int>(static_cast<const int64_t*>(args.kv_lens)[b]);
     const int per_split = ((kv_len + num_splits - 1) / num_splits + kTile - 1) / kTile * kTile;
     const int start = split * per_split;
     const int end = min(kv_len, start + per_split);
@@ -228,7 +232,7 @@ decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const
 
     // A tile's loads: K rows of tokens g and g + 8, V rows (and every scale / zero) of tokens 2t, 2t + 1,
     // 2t + 8, 2t + 9; tokens past the slice read its last token's row (their scores are masked)
-    const int32_t* table = tables + b * stride_bt;
+    const int32_t* table = static_cast<const int32_t*>(args.block_tables) + b * args.stride_bt;
     // (one division a tile: the tile lies in one block; then a token is a multiple of the slot stride away)
     const bool pow2 = (block_size & (block_size - 1)) == 0;
     const int shift = __ffs(block_size) - 1;
@@ -254,18 +258,18 @@ decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const
     };
 
     for (int i = tid; i < 8 * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        sq[g][d] = g < group ? to_float(q[b * stride_qb + (kvh * group + g) * stride_qh + d]) : 0.f;
+        const int h = i / D, d = i % D;
+        sq[h][d] = h < group ? to_float(q[b * args.stride_qb + (kvh * group + h) * args.stride_qh + d]) : 0.f;
     }
     __syncthreads();
     if constexpr (kRotate) {  // q H (normalised): K is stored in that basis
         for (int h = 1; h < D; h *= 2) {
             for (int i = tid; i < 8 * D / 2; i += blockDim.x) {
-                const int g = i / (D / 2), j = i % (D / 2);
+                const int row = i / (D / 2), j = i % (D / 2);
                 const int i0 = (j / h) * 2 * h + (j % h), i1 = i0 + h;
-                const float a = sq[g][i0], c = sq[g][i1];
-                sq[g][i0] = a + c;
-                sq[g][i1] = a - c;
+                const float a = sq[row][i0], c = sq[row][i1];
+                sq[row][i0] = a + c;
+                sq[row][i1] = a - c;
             }
             __syncthreads();
         }
@@ -394,10 +398,10 @@ decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const
         for (int w = 0; w < kWarps; ++w) res = fmaf(sm_o[w][h][d], sm_l[w][h], res);
         const int head = kvh * group + h;
         if (num_splits == 1) {
-            out[b * stride_ob + head * stride_oh + d] = from_float<T>(res);
+            static_cast<T*>(args.out)[b * args.stride_ob + head * args.stride_oh + d] = from_float<T>(res);
         } else {
             const int64_t heads = static_cast<int64_t>(num_kv_heads) * group;
-            float* pp = part + ((b * heads + head) * num_splits + split) * (D + 1);
+            float* pp = static_cast<float*>(args.partial) + ((b * heads + head) * num_splits + split) * (D + 1);
             pp[d] = res;
             if (d == 0) pp[D] = sm_m[0][h];
         }
@@ -408,26 +412,7 @@ decode_mma_kernel(const T* __restrict__ q, const uint8_t* __restrict__ kc, const
 template <typename T, int POLICY, int D>
 void launch(const DecodeArgs& a, cudaStream_t stream) {
     decode_mma_kernel<T, POLICY, D><<<a.batch * a.num_kv_heads * a.num_splits, kWarps * 32, 0, stream>>>(
-        reinterpret_cast<const T*>(a.q), reinterpret_cast<const uint8_t*>(a.k_cache),
-        reinterpret_cast<const uint8_t*>(a.v_cache), reinterpret_cast<const __half*>(a.k_scale_zero),
-        reinterpret_cast<const __half*>(a.v_scale_zero), reinterpret_cast<float*>(a.partial),
-        reinterpret_cast<T*>(a.out), reinterpret_cast<const int32_t*>(a.block_tables),
-        reinterpret_cast<const int64_t*>(a.kv_lens), reinterpret_cast<const int64_t*>(a.order),
-        a.scale * 1.4426950408889634f, a.stride_qb, a.stride_qh, a.stride_ob, a.stride_oh, a.stride_bt,
-        a.num_kv_heads, a.num_heads / a.num_kv_heads, a.block_size, a.num_splits);
-}
-
-template <typename T, int POLICY>
-void by_head_dim(const DecodeArgs& a, cudaStream_t stream) {
-    if (a.head_dim == 64) return launch<T, POLICY, 64>(a, stream);
-    return launch<T, POLICY, 128>(a, stream);
-}
-
-template <typename T>
-void by_policy(const DecodeArgs& a, cudaStream_t stream) {
-    if (a.quant_policy == 8) return by_head_dim<T, 8>(a, stream);
-    if (a.quant_policy == 4) return by_head_dim<T, 4>(a, stream);
-    return by_head_dim<T, 0>(a, stream);
+        a, a.scale * 1.4426950408889634f);
 }
 
 }  // namespace
@@ -442,10 +427,14 @@ bool decode_mma_supports(int block_size) {
 // Called by paged_decode_attention (decode_attention.cu) once it has checked the arguments; launches
 // the mma kernel, and the slice merge is the caller's.
 void paged_decode_attention_mma(const DecodeArgs& a, cudaStream_t stream) {
-    if (a.dtype == static_cast<int>(DType::kBFloat16))
-        by_policy<__nv_bfloat16>(a, stream);
-    else
-        by_policy<__half>(a, stream);
+    with_type_and_policy(a.dtype, a.quant_policy, [&](auto t, auto policy) {
+        using T = decltype(t);
+        constexpr int kPolicy = decltype(policy)::value;
+        if (a.head_dim == 64)
+            launch<T, kPolicy, 64>(a, stream);
+        else
+            launch<T, kPolicy, 128>(a, stream);
+    });
 }
 
 }  // namespace lmdeploy
