@@ -11,8 +11,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
 from lmdeploy.devices import get_device  # noqa: E402
-from lmdeploy.devices.cache import KVCache  # noqa: E402
 from lmdeploy.devices.cuda import compiled  # noqa: E402
+from paged_cache import reference_filled_cache  # noqa: E402
 
 REF = get_device('cpu')
 
@@ -35,23 +35,7 @@ def rel_err(out, ref):
 
 
 def make_cache(lengths, hkv, d, block_size, dtype, policy):
-    """A cache of the standard layout filled by the reference over shuffled blocks (plus spare ones)."""
-    nblocks = [-(-n // block_size) for n in lengths]
-    total = sum(nblocks) + 3
-    ref = REF.kv_cache_spec(hkv, d, block_size, dtype, policy).allocate(total, 'cpu')
-    for t in ref.tensors().values():
-        t.zero_()
-    perm = torch.randperm(total).tolist()
-    tables = torch.zeros((len(lengths), max(nblocks)), dtype=torch.int32)
-    for b, n in enumerate(lengths):
-        blocks = [perm.pop() for _ in range(nblocks[b])]
-        tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slots = torch.tensor([blocks[j // block_size] * block_size + j % block_size for j in range(n)])
-        k = (torch.randn(n, hkv, d) * torch.rand(n, hkv, 1) * 4).to(dtype)  # rows of different ranges
-        REF.fill_kv_cache(k, torch.randn(n, hkv, d).to(dtype), ref, slots)
-    dev = KVCache(*(None if t is None else t.cuda() for t in (ref.k, ref.v)), policy,
-                  *(None if t is None else t.cuda() for t in (ref.k_scale_zero, ref.v_scale_zero)))
-    return ref, dev, tables
+    return reference_filled_cache(lengths, hkv, d, block_size, dtype, policy, 'cuda')
 
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}

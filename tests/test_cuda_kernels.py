@@ -15,6 +15,7 @@ if not HAS_CUDA:
 import triton  # noqa: E402,F401  (a test dependency: these tests must not skip silently)
 
 from helpers import benchmark_module  # noqa: E402
+from paged_cache import reference_filled_cache  # noqa: E402
 
 from lmdeploy.devices import get_device  # noqa: E402
 from lmdeploy.devices.cache import KVCache, unpack_int4  # noqa: E402
@@ -417,20 +418,7 @@ def test_cublaslt_heuristic_result_has_the_headers_layout():
 def quant_cache(lengths, hkv, d, block_size, dtype, policy):
     """A quantized cache (the standard layout) filled by the reference, with shuffled blocks: the
     attention kernels must read exactly what the reference's attention reads."""
-    nblocks = [-(-n // block_size) for n in lengths]
-    total = sum(nblocks) + 2
-    spec = REF.kv_cache_spec(hkv, d, block_size, dtype, policy)
-    ref = spec.allocate(total, 'cpu')
-    perm = torch.randperm(total).tolist()
-    tables = torch.zeros((len(lengths), max(nblocks)), dtype=torch.int32)
-    for b, n in enumerate(lengths):
-        blocks = [perm.pop() for _ in range(nblocks[b])]
-        tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slots = torch.tensor([blocks[j // block_size] * block_size + j % block_size for j in range(n)])
-        k = (torch.randn(n, hkv, d) * torch.rand(n, hkv, 1) * 4).to(dtype)  # rows of different ranges
-        REF.fill_kv_cache(k, torch.randn(n, hkv, d).to(dtype), ref, slots)
-    dev = KVCache(ref.k.to(DEV), ref.v.to(DEV), policy, ref.k_scale_zero.to(DEV), ref.v_scale_zero.to(DEV))
-    return ref, dev, tables
+    return reference_filled_cache(lengths, hkv, d, block_size, dtype, policy, DEV)
 
 
 @pytest.mark.parametrize('policy', [8, 4])

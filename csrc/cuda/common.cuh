@@ -46,6 +46,22 @@ __device__ __forceinline__ float warp_sum(float x, int width) {
     return x;
 }
 
+// x <- x H, the unnormalised Walsh-Hadamard transform, for `rows` rows of x in shared memory, by the
+// whole block (the int4 cache's K is stored in that basis: devices/cache.py); ends synchronised.
+template <int D>
+__device__ __forceinline__ void hadamard_shared_rows(float (*x)[D], int rows) {
+    for (int h = 1; h < D; h *= 2) {
+        for (int i = threadIdx.x; i < rows * D / 2; i += blockDim.x) {
+            const int row = i / (D / 2), j = i % (D / 2);
+            const int i0 = (j / h) * 2 * h + (j % h), i1 = i0 + h;
+            const float a = x[row][i0], c = x[row][i1];
+            x[row][i0] = a + c;
+            x[row][i1] = a - c;
+        }
+        __syncthreads();
+    }
+}
+
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 template <int N>

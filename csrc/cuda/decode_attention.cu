@@ -117,18 +117,7 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
         sq[g][d] = g < group ? to_float(q[b * stride_qb + (kvh * group + g) * stride_qh + d]) : 0.f;
     }
     __syncthreads();
-    if constexpr (kRotate) {  // q H, unnormalised here (the 1 / sqrt(D) joins the softmax scale)
-        for (int h = 1; h < D; h *= 2) {
-            for (int i = tid; i < G * D / 2; i += blockDim.x) {
-                const int g = i / (D / 2), j = i % (D / 2);
-                const int i0 = (j / h) * 2 * h + (j % h), i1 = i0 + h;
-                const float a = sq[g][i0], c = sq[g][i1];
-                sq[g][i0] = a + c;
-                sq[g][i1] = a - c;
-            }
-            __syncthreads();
-        }
-    }
+    if constexpr (kRotate) hadamard_shared_rows<D>(sq, G);  // q H (its 1 / sqrt(D) joins the softmax scale)
     const float qscale = kRotate ? scale_log2 * rsqrtf(static_cast<float>(D)) : scale_log2;
 
     const int warp = tid / 32, lane = tid % 32;

@@ -262,18 +262,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
         sq[h][d] = h < group ? to_float(q[b * args.stride_qb + (kvh * group + h) * args.stride_qh + d]) : 0.f;
     }
     __syncthreads();
-    if constexpr (kRotate) {  // q H (normalised): K is stored in that basis
-        for (int h = 1; h < D; h *= 2) {
-            for (int i = tid; i < 8 * D / 2; i += blockDim.x) {
-                const int row = i / (D / 2), j = i % (D / 2);
-                const int i0 = (j / h) * 2 * h + (j % h), i1 = i0 + h;
-                const float a = sq[row][i0], c = sq[row][i1];
-                sq[row][i0] = a + c;
-                sq[row][i1] = a - c;
-            }
-            __syncthreads();
-        }
-    }
+    if constexpr (kRotate) hadamard_shared_rows<D>(sq, group);  // q H (normalised below)
 
     const float qnorm = kRotate ? rsqrtf(static_cast<float>(D)) : 1.f;
     // q's A fragment, row g (rows g + 8 are the padding): slots (2t, 2t + 1) and (2t + 8, 2t + 9) of each

@@ -1,0 +1,31 @@
+"""A paged KV cache filled by the reference device, for tests of other devices' attention kernels."""
+from __future__ import annotations
+
+import torch
+
+from lmdeploy.devices import get_device
+from lmdeploy.devices.cache import KVCache
+
+
+def reference_filled_cache(lengths, hkv, d, block_size, dtype, policy, device, spare_blocks=3):
+    """A cache of the standard layout (``policy`` 0, 8 or 4) that the cpu reference filled with random K
+    (rows of different ranges) and V for sequences of ``lengths`` tokens over shuffled blocks, plus
+    ``spare_blocks`` unused zero ones. Returns (the cpu cache, a copy on ``device``, block tables [B, W]):
+    a kernel given the copy must attend over exactly what the reference's attention reads."""
+    ref_ops = get_device('cpu')
+    nblocks = [-(-n // block_size) for n in lengths]
+    total = sum(nblocks) + spare_blocks
+    ref = ref_ops.kv_cache_spec(hkv, d, block_size, dtype, policy).allocate(total, 'cpu')
+    for t in ref.tensors().values():
+        t.zero_()
+    perm = torch.randperm(total).tolist()
+    tables = torch.zeros((len(lengths), max(nblocks)), dtype=torch.int32)
+    for b, n in enumerate(lengths):
+        blocks = [perm.pop() for _ in range(nblocks[b])]
+        tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots = torch.tensor([blocks[j // block_size] * block_size + j % block_size for j in range(n)])
+        k = (torch.randn(n, hkv, d) * torch.rand(n, hkv, 1) * 4).to(dtype)
+        ref_ops.fill_kv_cache(k, torch.randn(n, hkv, d).to(dtype), ref, slots)
+    moved = KVCache(*(None if t is None else t.to(device) for t in (ref.k, ref.v)), policy,
+                    *(None if t is None else t.to(device) for t in (ref.k_scale_zero, ref.v_scale_zero)))
+    return ref, moved, tables
