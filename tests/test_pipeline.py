@@ -182,11 +182,13 @@ def test_n_samples_per_prompt(pipe, smollm2_path):
     assert_engine_clean(pipe.engine)
 
 
-def test_n_samples_share_the_prompts_prefill(smollm2_path):
-    """With prefix caching, a prompt's later samples start once its first has output (not once it has
-    finished): the prompt is prefilled about once, and the samples run side by side."""
+@pytest.mark.parametrize('prefix_caching', [True, False])
+def test_n_samples_share_the_prompts_prefill(smollm2_path, prefix_caching):
+    """A prompt's later samples start once its first has output (not once it has finished) and take its
+    full prompt blocks, prefix caching on or off: the prompt is prefilled about once, and the samples run
+    side by side."""
     p = pipeline(smollm2_path, backend_config=PytorchEngineConfig(device_type='cpu', session_len=1024,
-                                                                  block_size=16, enable_prefix_caching=True))
+                                                                  block_size=16, enable_prefix_caching=prefix_caching))
     try:
         prompt = 'Tell me about the history of the city of Paris, its rivers and its bridges. ' * 3
         import threading
@@ -210,5 +212,12 @@ def test_n_samples_share_the_prompts_prefill(smollm2_path):
         full_blocks = rs[0].input_token_len // 16 * 16
         assert len(rs) == 4 and hit >= 3 * (full_blocks - 16), (hit, rs[0].input_token_len)
         assert running[0] == 4  # side by side, not one after another
+        assert len({r.text for r in rs}) > 1  # seeds differ per sample
+        before = p.engine.stats().num_prefix_hit_tokens
+        p(prompt, GenerationConfig(max_new_tokens=2))
+        # a lone request reuses the blocks only where prefix caching is on
+        assert (p.engine.stats().num_prefix_hit_tokens > before) == prefix_caching
+        stats = p.engine.stats()
+        assert stats.num_free_blocks == stats.num_blocks
     finally:
         p.close()

@@ -760,14 +760,15 @@ def test_n_choices_chat_and_completions(client, srv):
     assert_clean(srv)
 
 
-def test_n_choices_share_the_prompts_prefill(smollm2_path):
-    """With prefix caching on, a prompt's later choices start once its first has a token, so its full
-    blocks come from the cache: n=4 prefills the prompt about once, not four times."""
+@pytest.mark.parametrize('prefix_caching', [True, False])
+def test_n_choices_share_the_prompts_prefill(smollm2_path, prefix_caching):
+    """A prompt's later choices start once its first has a token and take its full prompt blocks (prefix
+    caching on or off): n=4 prefills the prompt about once, not four times."""
     from lmdeploy.frontend.gateway import Gateway
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.serve.openai.api_server import BackgroundServer, create_app
     config = PytorchEngineConfig(device_type='cpu', session_len=SESSION_LEN, num_gpu_blocks=64, block_size=16,
-                                 enable_prefix_caching=True)
+                                 enable_prefix_caching=prefix_caching)
     gateway = Gateway(smollm2_path, config, model_name=MODEL)
     server = BackgroundServer(create_app(gateway)).start()
     try:
@@ -779,6 +780,11 @@ def test_n_choices_share_the_prompts_prefill(smollm2_path):
         assert len(r.choices) == 4
         full_blocks = (r.usage.prompt_tokens // 16) * 16
         assert hit >= 3 * (full_blocks - 16), (hit, r.usage.prompt_tokens)
+        before = gateway.engine.stats().num_prefix_hit_tokens
+        c = local.chat.completions.create(model=MODEL, messages=[{'role': 'user', 'content': prompt}], n=3,
+                                          max_tokens=4, temperature=1.0, seed=3)
+        assert len(c.choices) == 3 and gateway.engine.stats().num_prefix_hit_tokens - before >= 2 * (
+            c.usage.prompt_tokens // 16 * 16 - 16)
     finally:
         server.stop()
         gateway.close()

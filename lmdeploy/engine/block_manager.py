@@ -5,6 +5,8 @@ block tables list it (count = number of owners). With prefix caching, a
 full block is keyed by its tokens and the key of the block before it (so the
 key fixes its position too); a freed keyed block stays findable until it is
 evicted, least recently used first, when fresh blocks are needed.
+Without prefix caching, only the callers that say ``shared=True`` (the n
+samples of one prompt) key and match blocks.
 """
 from __future__ import annotations
 
@@ -74,10 +76,11 @@ class BlockManager:
     def key(parent: Optional[Hashable], tokens: Sequence[int]) -> BlockKey:
         return (hash(parent), tuple(tokens))
 
-    def match_prefix(self, token_ids: Sequence[int], max_tokens: int) -> Tuple[List[int], List[Hashable]]:
+    def match_prefix(self, token_ids: Sequence[int], max_tokens: int,
+                     shared: bool = False) -> Tuple[List[int], List[Hashable]]:
         """Take references on cached blocks that hold a prefix of
         ``token_ids`` no longer than ``max_tokens``."""
-        if not self.prefix_caching:
+        if not (self.prefix_caching or shared):
             return [], []
         blocks, keys, parent = [], [], None
         bs = self.block_size
@@ -96,9 +99,9 @@ class BlockManager:
         return blocks, keys
 
     def register_full_blocks(self, token_ids: Sequence[int], num_computed: int, block_ids: List[int],
-                             block_keys: List[Hashable]):
+                             block_keys: List[Hashable], shared: bool = False):
         """Key the sequence's newly completed blocks (extends ``block_keys``)."""
-        if not self.prefix_caching:
+        if not (self.prefix_caching or shared):
             return
         bs = self.block_size
         while len(block_keys) < num_computed // bs:

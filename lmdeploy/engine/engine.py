@@ -416,13 +416,17 @@ class Engine:
         row in ``hidden`` and (sequence, last row) for those ready to sample."""
         starts, done = [], []
         row = 0
-        keyed = self.block_manager.prefix_caching
+        keyed, bs = self.block_manager.prefix_caching, self.block_manager.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             starts.append(row)
             seq.num_computed += n
             if keyed:  # only known tokens are keyed (a block holding a token in flight is keyed next step)
                 self.block_manager.register_full_blocks(seq.token_ids, min(seq.num_computed, seq.num_resolved),
                                                         seq.block_ids, seq.block_keys)
+            elif seq.params.share_prompt and len(seq.block_keys) * bs < seq.num_prompt_tokens:
+                # n samples of one prompt, prefix caching off: the prompt's blocks only
+                self.block_manager.register_full_blocks(seq.token_ids, min(seq.num_computed, seq.num_prompt_tokens),
+                                                        seq.block_ids, seq.block_keys, shared=True)
             if seq.num_computed == len(seq.token_ids):
                 done.append((seq, row + n - 1))
             row += n

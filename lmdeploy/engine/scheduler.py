@@ -183,7 +183,7 @@ class Scheduler:
             matched = False
             if seq.num_computed == 0 and not seq.block_ids and not seq.params.needs_all_rows:
                 # the last token is always recomputed: its logits are needed
-                blocks, keys = self.bm.match_prefix(seq.token_ids, seq.num_tokens - 1)
+                blocks, keys = self.bm.match_prefix(seq.token_ids, seq.num_tokens - 1, seq.params.share_prompt)
                 seq.block_ids, seq.block_keys = blocks, keys
                 seq.num_computed = len(blocks) * self.bm.block_size
                 matched = bool(blocks)

@@ -32,13 +32,16 @@ class SamplingParams:
     logits_processors: List[Callable] = field(default_factory=list)
     prompt_loss: bool = False  # get_ppl: report the prompt's cross-entropy, generate nothing
     grammar: Optional[GrammarSpec] = None  # structured output (engine/grammar.py)
+    # one of n samples of a prompt: its full prompt blocks are shared with the others through the block
+    # manager's keyed blocks, even where prefix caching is off (n > 1 prefills the prompt once)
+    share_prompt: bool = False
 
     @functools.cached_property
     def plain_greedy(self) -> bool:
         """An argmax of the raw logits, nothing else read or reported (most
         requests): such rows skip the sampler's per-request checks."""
         return (self.greedy and not self.logits_processors and self.repetition_penalty == 1.0
-                and self.grammar is None                and not self.bad_token_ids and not self.bad_sequences
+                and self.grammar is None and not self.bad_token_ids and not self.bad_sequences
                 and not (self.min_new_tokens and self.stop_token_ids) and self.logprobs is None
                 and not self.output_logits and not self.output_last_hidden_state)
 

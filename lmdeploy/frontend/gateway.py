@@ -252,7 +252,8 @@ class Gateway:
     async def generate(self, prompt: Optional[Prompt], session_id: int, gen_config: Optional[GenerationConfig] = None,
                        input_ids: Optional[List[int]] = None, do_preprocess: bool = True,
                        sequence_start: bool = True, interactive: bool = False,
-                       prompt_loss: bool = False, stream_text: bool = True) -> AsyncIterator[GenOut]:
+                       prompt_loss: bool = False, stream_text: bool = True,
+                       share_prompt: bool = False) -> AsyncIterator[GenOut]:
         """Stream GenOut increments; the last one has finish_reason set.
 
         interactive: the session keeps its KV cache after this turn; the
@@ -261,11 +262,14 @@ class Gateway:
         stream_text=False: the caller wants the text only at the end, so
         (without stop words, which need the text as it grows) it is decoded
         once there instead of token by token; the result is the same.
+        share_prompt: one of n samples of this prompt; a sample submitted once
+        another has output reuses that one's full prompt blocks (prefix
+        caching on or off).
         """
         gen = gen_config or GenerationConfig()
         try:
             params = self.sampling_params(gen)
-            params.prompt_loss = prompt_loss
+            params.prompt_loss, params.share_prompt = prompt_loss, share_prompt
             ids = input_ids if input_ids is not None else self.encode_prompt(prompt, do_preprocess, sequence_start)
         except (ValueError, TypeError) as e:
             yield GenOut('', 0, 0, finish_reason='error', error=str(e))

@@ -81,6 +81,7 @@ class _Sample:
     prompt: Any
     gen: Any
     after: Optional[int] = None  # a sample of the same prompt (choice 0) whose first output it waits for
+    shared: bool = False  # one of n > 1: the samples share the prompt's KV blocks
 
 
 def _num_samples(gen: Any) -> int:
@@ -89,9 +90,9 @@ def _num_samples(gen: Any) -> int:
     return n if isinstance(n, int) and 1 <= n <= MAX_N else 1
 
 
-def _expand(items: List[Any], gens: List[Any], share_prefill: bool) -> List[_Sample]:
-    """Each prompt's n samples (``GenerationConfig.n``): sample c draws with ``random_seed + c``; with
-    prefix caching the later ones start once the first has its prompt in the cache."""
+def _expand(items: List[Any], gens: List[Any]) -> List[_Sample]:
+    """Each prompt's n samples (``GenerationConfig.n``): sample c draws with ``random_seed + c``; the
+    later ones start once the first has output, and take its prompt's blocks (one prefill, not n)."""
     samples = []
     for i, (p, g) in enumerate(zip(items, gens)):
         n = _num_samples(g)
@@ -101,7 +102,7 @@ def _expand(items: List[Any], gens: List[Any], share_prefill: bool) -> List[_Sam
             if n > 1:
                 seed = None if g.random_seed is None else (g.random_seed + c) & 0xFFFFFFFF
                 gc = dataclasses.replace(g, n=1, random_seed=seed)
-            samples.append(_Sample(i, c, p, gc, first if c and share_prefill else None))
+            samples.append(_Sample(i, c, p, gc, first if c else None, n > 1))
     return samples
 
 
@@ -217,11 +218,8 @@ class Pipeline:
                 sink(piece)
         return acc.result()
 
-    def _share_prefill(self) -> bool:
-        return bool(getattr(getattr(self.engine, 'config', None), 'enable_prefix_caching', False))
-
     def _samples(self, items, gens) -> List[_Sample]:
-        return _expand(items, gens, self._share_prefill())
+        return _expand(items, gens)
 
     async def _run_samples(self, samples: List[_Sample], do_preprocess: bool, order: Sequence[int], sink=None,
                            on_done=None) -> List[Response]:
@@ -241,7 +239,7 @@ class Pipeline:
                         if sink is not None:
                             sink(piece)
                 resp = await self._one(s.prompt, s.gen, s.index, do_preprocess, sink=wrapped, choice=s.choice,
-                                       stream_text=sink is not None or k in leaders)
+                                       stream_text=sink is not None or k in leaders, share_prompt=s.shared)
             finally:
                 started[k].set()
             if on_done is not None:

@@ -24,7 +24,7 @@ from . import protocol as P
 from .errors import APIError, error_body
 from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
 from .params import (_chat_logprobs, _check_model, _check_unsupported, _choices, _compile_grammar, _encode,
-                     _gen_config, _max_new_tokens, _messages, _shares_prefill, _usage)
+                     _gen_config, _max_new_tokens, _messages, _usage)
 from .runner import Runner
 from .sessions import _Lease
 from .state import ServerState
@@ -101,9 +101,8 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         n = req.n or 1
         lease = _Lease(state, req.session_id, exclusive=True)
         internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(n - 1)]
-        leader = 0 if n > 1 and _shares_prefill(state) else None
-        run, firsts = await runner.start(request, 'chat', lease, [
-            _Job(i, ids, g, sid, stream=bool(req.stream), after=leader if i else None)
+        run, firsts = await runner.start(request, 'chat', lease, [  # choices 1.. take choice 0's prompt blocks
+            _Job(i, ids, g, sid, stream=bool(req.stream), after=0 if i else None, shared=n > 1)
             for i, (g, sid) in enumerate(zip(_choices(gen, n), internal))])
         created = int(time.time())
         tt = runner.token_text()

@@ -12,7 +12,7 @@ from . import protocol as P
 from .errors import APIError, error_body
 from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
 from .params import (MAX_PROMPTS, _check_ids, _check_model, _check_unsupported, _choices, _compile_grammar,
-                     _completion_logprobs, _encode, _gen_config, _max_new_tokens, _shares_prefill, _usage)
+                     _completion_logprobs, _encode, _gen_config, _max_new_tokens, _usage)
 from .runner import Runner
 from .sessions import _Lease
 
@@ -57,10 +57,10 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
             raise APIError(400, f'at most {MAX_PROMPTS} choices per request (prompts x n)', 'invalid_value', 'n')
         lease = _Lease(state, req.session_id, exclusive=True)
         internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(len(prompts) * n - 1)]
-        shares = n > 1 and _shares_prefill(state)
-        # choice index = prompt index * n + choice (OpenAI's order); a prompt's later choices wait for its first
+        # choice index = prompt index * n + choice (OpenAI's order); a prompt's later choices wait for its
+        # first and take its prompt blocks
         jobs = [_Job(p * n + c, ids, g, internal[p * n + c], stream=bool(req.stream),
-                     after=p * n if shares and c else None)
+                     after=p * n if c else None, shared=n > 1)
                 for p, (ids, gen) in enumerate(zip(all_ids, gens)) for c, g in enumerate(_choices(gen, n))]
         all_ids = [ids for ids in all_ids for _ in range(n)]
         prompts = [p for p in prompts for _ in range(n)]

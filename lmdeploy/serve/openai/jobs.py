@@ -52,7 +52,8 @@ class _Job:
     session_id: int  # the engine's
     interactive: bool = False
     stream: bool = True  # False: the engine hands over the whole result at the end (less per-token work)
-    after: Optional[int] = None  # start once this job (same prompt) has its first output: its prefix is cached
+    after: Optional[int] = None  # start once this job (same prompt) has its first output: its prompt is cached
+    shared: bool = False  # one of n > 1 choices of a prompt: they share the prompt's KV blocks
 
 
 @dataclass
@@ -93,11 +94,11 @@ class _Run:
         leaders = {job.after for job in jobs if job.after is not None}
         self.tasks = [asyncio.ensure_future(self._pump(job, gateway.generate(
             None, job.session_id, job.gen, input_ids=job.input_ids, interactive=job.interactive,
-            stream_text=job.stream or job.index in leaders))) for job in jobs]
+            stream_text=job.stream or job.index in leaders, share_prompt=job.shared))) for job in jobs]
 
     async def _pump(self, job: _Job, gen):
         try:
-            if job.after is not None:  # n > 1: the prompt's blocks are in the prefix cache once it has a token
+            if job.after is not None:  # n > 1: the prompt's blocks are keyed once the first has a token
                 await self._prefilled[job.after].wait()
             async with contextlib.aclosing(gen):
                 async for out in gen:

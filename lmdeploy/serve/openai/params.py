@@ -226,7 +226,3 @@ def _choices(gen: GenerationConfig, n: int) -> List[GenerationConfig]:
     return [dataclasses.replace(gen, random_seed=(gen.random_seed + i) & 0xFFFFFFFF) for i in range(n)]
 
 
-def _shares_prefill(state: ServerState) -> bool:
-    """Whether a prompt's later choices should wait for its first: its blocks are then in the prefix cache."""
-    config = getattr(state.gateway.engine, 'config', None)
-    return bool(getattr(config, 'enable_prefix_caching', False))
