@@ -54,6 +54,9 @@ def main():
     p.add_argument('--batch', type=int, nargs='+', default=[64, 128, 256])
     p.add_argument('--context', type=int, nargs='+', default=[1024, 2048, 4096, 8192])
     p.add_argument('--policy', type=int, nargs='+', default=[0, 8, 4])
+    p.add_argument('--max-kv-len', type=int, default=None,
+                   help='the bound the kernels cut contexts by (default: the context, as an eager step passes; '
+                        'a replayed CUDA graph passes session_len)')
     p.add_argument('--ceiling', type=float, default=3.0, help='the copy ceiling in TB/s (an H100 80GB: 3.0)')
     p.add_argument('--tiles', nargs='+', default=[None], type=lambda s: tuple(map(int, s.split(','))),
                    help='decode tiles to sweep, each "tokens,stages,warps" (default: the kernel\'s choice)')
@@ -83,11 +86,12 @@ def main():
                 if impl.startswith('compiled'):
                     kernel = 'cuda_cores' if impl == 'compiled-cuda-cores' else 'auto'
                     call = functools.partial(compiled.paged_decode_attention, q, cache, tables, lens, D**-0.5,
-                                             context, num_sms, kernel=kernel)
+                                             args.max_kv_len or context, num_sms, kernel=kernel)
                     assert call() is not None, 'the compiled kernel does not take these inputs'
                 else:
                     call = functools.partial(attention.paged_decode_attention, q, cache.k, cache.v, tables, lens,
-                                             D**-0.5, context, num_sms, k_scale_zero=cache.k_scale_zero,
+                                             D**-0.5, args.max_kv_len or context, num_sms,
+                                             k_scale_zero=cache.k_scale_zero,
                                              v_scale_zero=cache.v_scale_zero, tiles=tiles)
                 us = 1e3 * do_bench_cudagraph(call)
                 torch.cuda.synchronize()

@@ -87,11 +87,13 @@ def gencode_flags(archs: Sequence[int]) -> List[str]:
 
 
 def _digest(paths: Sequence[str], flags: Sequence[str], version: str) -> str:
+    """What an object depends on, named relative to the checkout: a cache built in one checkout (or on
+    another machine with the same nvcc) serves another."""
     h = hashlib.sha256(version.encode())
     for p in paths:
         with open(p, 'rb') as f:
-            h.update(p.encode() + b'\0' + f.read())
-    h.update('\0'.join(flags).encode())
+            h.update(os.path.relpath(p, ROOT).encode() + b'\0' + f.read())
+    h.update('\0'.join(f.replace(ROOT, '<checkout>') for f in flags).encode())
     return h.hexdigest()[:20]
 
 
@@ -126,15 +128,15 @@ def build(archs: Optional[Sequence[int]] = None, out_dir: str = PACKAGE_DIR, cac
     headers = [os.path.join(SRC, h) for h in HEADERS]
     common = ['-O3', '-std=c++17', '-Xcompiler', '-fPIC', '-I', SRC]
     extra = os.environ.get('LMDEPLOY_NVCC_FLAGS', '').split()  # e.g. tuning macros: -DLMDEPLOY_DECODE_UNROLL=8
-    cu_flags = common + ['--expt-relaxed-constexpr', '-lineinfo', '--threads', str(max(1, jobs // len(units))),
-                         *gencode_flags(archs), *extra]
+    cu_flags = common + ['--expt-relaxed-constexpr', '-lineinfo', *gencode_flags(archs), *extra]
+    threads = ['--threads', str(max(1, jobs // len(units)))]  # how, not what: left out of the digest
     import pybind11
     py_flags = common + ['-I', pybind11.get_include(), '-I', sysconfig.get_paths()['include']]
     tasks = []
     for unit in units:
         path = os.path.join(SRC, unit)
         obj = os.path.join(cache_dir, f'{unit[:-3]}-{_digest([path, *headers], cu_flags, version)}.o')
-        tasks.append(([nvcc, '-c', path, *cu_flags], obj))
+        tasks.append(([nvcc, '-c', path, *cu_flags, *threads], obj))
     binding = os.path.join(SRC, 'bindings.cpp')
     obj = os.path.join(cache_dir, f'bindings-{_digest([binding, *headers], py_flags, version + sys.version)}.o')
     tasks.append(([nvcc, '-c', binding, *py_flags], obj))

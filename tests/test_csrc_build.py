@@ -58,3 +58,45 @@ def test_without_the_module_the_device_runs_on_triton(monkeypatch):
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
     with pytest.raises(RuntimeError, match='compiled kernels are missing'):
         compiled.choose((9, 0))
+
+
+def test_auto_keeps_small_calls_on_triton(monkeypatch):
+    """auto runs a kernel taken from FASTER only for calls of AUTO_MIN_ROWS rows or more (one sequence ran
+    faster on Triton's decode attention end to end on an H100); forced or before sm80, from any size."""
+    from lmdeploy.devices.cuda import compiled
+    monkeypatch.delenv('LMDEPLOY_CUDA_COMPILED_MIN_ROWS', raising=False)
+    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'auto')
+    fewest = compiled.min_rows((9, 0))
+    assert {k for k, rows in fewest.items() if rows} == set(compiled.FASTER)
+    assert fewest['paged_decode_attention[int8]'] == compiled.AUTO_MIN_ROWS > 1
+    assert compiled.min_rows((7, 5)) == {key: 0 for key in compiled.CHOICES}
+    monkeypatch.setenv('LMDEPLOY_CUDA_COMPILED_MIN_ROWS', '8')
+    assert compiled.min_rows((9, 0))['paged_decode_attention[int4]'] == 8
+    for bad in ('many', '-1'):
+        monkeypatch.setenv('LMDEPLOY_CUDA_COMPILED_MIN_ROWS', bad)
+        with pytest.raises(ValueError, match='LMDEPLOY_CUDA_COMPILED_MIN_ROWS'):
+            compiled.min_rows((9, 0))
+    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
+    assert compiled.min_rows((9, 0)) == {key: 0 for key in compiled.CHOICES}
+
+
+def test_decode_calls_under_the_row_bound_run_on_triton():
+    """The cuda device routes each decode-attention call by its rows (the kernels themselves stubbed:
+    this checks the routing only; the kernels are checked against the reference elsewhere)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lmdeploy.devices.cuda import compiled
+    from lmdeploy.devices.cuda.ops import CudaOps
+    ops = CudaOps(num_sms=132)
+    key = compiled.choice_key('paged_decode_attention', 8)
+    ops.kernels[key], ops.min_rows[key] = 'compiled', 4
+    ran = []
+    ops._compiled = SimpleNamespace(choice_key=compiled.choice_key,
+                                    paged_decode_attention=lambda q, *a: ran.append(('compiled', len(q))) or q)
+    ops._k_attention = SimpleNamespace(paged_decode_attention=lambda q, *a, **k: ran.append(('triton', len(q))) or q)
+    cache = SimpleNamespace(quant_policy=8, k=None, v=None, k_scale_zero=None, v_scale_zero=None)
+    for rows in (1, 3, 4, 64):
+        ops.paged_decode_attention(torch.randn(rows, 8, 64), cache, None, None, 0.125, 100)
+    assert ran == [('triton', 1), ('triton', 3), ('compiled', 4), ('compiled', 64)]

@@ -2,7 +2,8 @@
 the cuda device runs: the compiled kernel or the Triton one.
 
 ``LMDEPLOY_CUDA_KERNELS``: ``auto`` (default) uses a compiled kernel where the module is present and the
-kernel was measured faster than Triton's on that GPU generation for that KV cache policy (:data:`FASTER`);
+kernel was measured faster than Triton's on that GPU generation for that KV cache policy (:data:`FASTER`),
+for calls of at least :func:`min_rows` rows;
 ``triton`` never uses them; ``compiled`` uses them wherever they take the inputs (and refuses to start without the
 module). The engine never knows which ran.
 
@@ -38,6 +39,13 @@ FASTER: Dict[str, Tuple[Tuple[int, int], ...]] = {
     'paged_decode_attention[int4]': ((9, 0), ),  # H100: 1.13-1.27x
 }
 _BEFORE_TRITON = (8, 0)
+# auto runs a FASTER kernel only for calls of this many rows (decode: sequences) or more, and Triton's below.
+# H100, Llama-3-8B shape, one sequence (benchmark/latency.py 512 in / 256 out): Triton's decode attention
+# gave 5.86 ms a token with int8 KV and 6.04 with int4, the compiled one 6.18 and 6.19, though the kernel
+# alone (its KV in L2) was faster at that size; at ~200 sequences the compiled one was faster end to end
+# (long decode: int8 1.09x, int4 1.04x). Between 1 and ~200 rows nothing was measured end to end: 32 is a
+# guess, set by $LMDEPLOY_CUDA_COMPILED_MIN_ROWS.
+AUTO_MIN_ROWS = 32
 
 _module = None
 _error: Optional[str] = None
@@ -64,6 +72,21 @@ def mode() -> str:
     if value not in MODES:
         raise ValueError(f'LMDEPLOY_CUDA_KERNELS must be one of {", ".join(MODES)}, got {value!r}')
     return value
+
+
+def min_rows(capability: Tuple[int, int]) -> Dict[str, int]:
+    """choice -> the fewest rows a call needs to run the compiled kernel (where :func:`choose` says
+    'compiled'): ``AUTO_MIN_ROWS`` for the kernels auto takes from :data:`FASTER`, else 0."""
+    if mode() != 'auto' or tuple(capability) < _BEFORE_TRITON:
+        return {key: 0 for key in CHOICES}
+    text = os.environ.get('LMDEPLOY_CUDA_COMPILED_MIN_ROWS', '').strip()
+    try:
+        rows = int(text) if text else AUTO_MIN_ROWS
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f'LMDEPLOY_CUDA_COMPILED_MIN_ROWS must be a whole number >= 0, got {text!r}')
+    return {key: rows if key in FASTER else 0 for key in CHOICES}
 
 
 def choose(capability: Tuple[int, int]) -> Dict[str, str]:
