@@ -10,6 +10,7 @@ rewrites the same output tensor, which is what a replay promises. Tokens
 must equal transformers' step by step, whatever the padding.
 """
 import random
+import time
 
 import pytest
 from engine_utils import assert_engine_clean, submit
@@ -105,6 +106,13 @@ def test_mixed_steps_replayed_whole_give_transformers_tokens(tiny_model_factory,
         for p, n in zip(prompts[:10], limits):
             cols.append(submit(eng, p, SamplingParams(max_new_tokens=n)))
             cols[0].done.wait(0.05)  # staggered arrivals
+        # room in the batch (8 sequences at most) for the burst, so that one step takes 3+ of its prompts
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stats = eng.stats()
+            if stats.num_running + stats.num_waiting <= 3:
+                break
+            time.sleep(0.005)
         with eng._lock:  # the burst reaches the engine in one pass of its loop
             cols += [submit(eng, p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[10:], limits[10:])]
         got = [c.wait().token_ids for c in cols]
