@@ -42,7 +42,8 @@ _BEFORE_TRITON = (8, 0)
 # auto runs a FASTER kernel only for calls of this many rows (decode: sequences) or more, and Triton's below.
 # H100, Llama-3-8B shape, one sequence (benchmark/latency.py 512 in / 256 out): Triton's decode attention
 # gave 5.86 ms a token with int8 KV and 6.04 with int4, the compiled one 6.18 and 6.19, though the kernel
-# alone (its KV in L2) was faster at that size; at ~200 sequences the compiled one was faster end to end
+# alone was faster at that size (benchmarked in 2 slices; a decode graph cuts batch 1 into 32, and the
+# compiled slice merge walks them one by one); at ~200 sequences the compiled one was faster end to end
 # (long decode: int8 1.09x, int4 1.04x). Between 1 and ~200 rows nothing was measured end to end: 32 is a
 # guess, set by $LMDEPLOY_CUDA_COMPILED_MIN_ROWS.
 AUTO_MIN_ROWS = 32
