@@ -78,6 +78,14 @@ def test_auto_keeps_small_calls_on_triton(monkeypatch):
             compiled.min_rows((9, 0))
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
     assert compiled.min_rows((9, 0)) == {key: 0 for key in compiled.CHOICES}
+    # what the cuda device routes by: both together (as if the module were built)
+    monkeypatch.setattr(compiled, 'module', lambda: object())
+    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'auto')
+    monkeypatch.delenv('LMDEPLOY_CUDA_COMPILED_MIN_ROWS')
+    plan = compiled.compiled_from((9, 0))
+    assert plan['paged_decode_attention[int8]'] == compiled.AUTO_MIN_ROWS and plan['paged_decode_attention'] is None
+    assert compiled.compiled_from((7, 5)) == {key: 0 for key in compiled.CHOICES}
+    assert compiled.compiled_from(None) == {key: None for key in compiled.CHOICES}
 
 
 def test_decode_calls_under_the_row_bound_run_on_triton():
@@ -91,7 +99,7 @@ def test_decode_calls_under_the_row_bound_run_on_triton():
     from lmdeploy.devices.cuda.ops import CudaOps
     ops = CudaOps(num_sms=132)
     key = compiled.choice_key('paged_decode_attention', 8)
-    ops.kernels[key], ops.min_rows[key] = 'compiled', 4
+    ops.compiled_from[key] = 4
     ran = []
     ops._compiled = SimpleNamespace(choice_key=compiled.choice_key,
                                     paged_decode_attention=lambda q, *a: ran.append(('compiled', len(q))) or q)

@@ -188,7 +188,7 @@ def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatc
     runs = {}
     for kind in ('triton', 'compiled'):
         for key in compiled.CHOICES:
-            monkeypatch.setitem(device.kernels, key, kind)
+            monkeypatch.setitem(device.compiled_from, key, 0 if kind == 'compiled' else None)  # any batch
         config = PytorchEngineConfig(device_type='cuda', dtype='bfloat16', session_len=2048, eager_mode=True,
                                      cache_max_entry_count=0.1, block_size=64, quant_policy=policy)
         engine = Engine(path, config)

@@ -210,10 +210,9 @@ def collect_cuda_kernels() -> List[Tuple[str, str]]:
         import torch
         if torch.cuda.is_available():
             cap = torch.cuda.get_device_capability()
-            fewest = compiled.min_rows(cap)
-            for op, kind in compiled.choose(cap).items():
-                if kind == 'compiled' and fewest[op] > 1:
-                    kind = f'compiled from {fewest[op]} rows a call, triton below'
+            for op, fewest in compiled.compiled_from(cap).items():
+                kind = ('triton' if fewest is None else 'compiled' if fewest <= 1 else
+                        f'compiled from {fewest} rows a call, triton below')
                 rows.append((op, f'{kind} (sm{cap[0]}{cap[1]})'))
     except Exception as e:  # a probe never takes check_env down
         rows.append(('kernel choice', f'unknown ({type(e).__name__}: {e})'))

@@ -103,6 +103,15 @@ def choose(capability: Tuple[int, int]) -> Dict[str, str]:
     return {key: 'compiled' if cap in FASTER.get(key, ()) or cap < _BEFORE_TRITON else 'triton' for key in CHOICES}
 
 
+def compiled_from(capability: Optional[Tuple[int, int]]) -> Dict[str, Optional[int]]:
+    """choice -> the fewest rows a call needs to run the compiled kernel, None where Triton's always runs
+    (:func:`choose` and :func:`min_rows` together; no GPU: None everywhere)."""
+    if capability is None:
+        return {key: None for key in CHOICES}
+    fewest = min_rows(capability)
+    return {key: fewest[key] if kind == 'compiled' else None for key, kind in choose(capability).items()}
+
+
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 

@@ -34,9 +34,8 @@ class CudaOps(ReferenceSampling, DeviceOps):
         # per op, the compiled kernel (csrc/cuda) or the Triton one (compiled.py says how it is chosen)
         from . import compiled
         self._compiled = compiled
-        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-        self.kernels = compiled.choose(cap) if cap else {key: 'triton' for key in compiled.CHOICES}
-        self.min_rows = compiled.min_rows(cap) if cap else {key: 0 for key in compiled.CHOICES}
+        self.compiled_from = compiled.compiled_from(torch.cuda.get_device_capability()
+                                                    if torch.cuda.is_available() else None)
 
     def set_device_index(self, index: int) -> None:
         torch.cuda.set_device(index)
@@ -149,8 +148,8 @@ class CudaOps(ReferenceSampling, DeviceOps):
         self._k_kv.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale_zero, cache.v_scale_zero)
 
     def rotary_fill_kv(self, q, k, v, cos, sin, cache, slot_mapping):
-        key = self._compiled.choice_key('rotary_fill_kv', cache.quant_policy)
-        if self.kernels[key] == 'compiled' and q.shape[0] >= self.min_rows[key]:
+        rows = self.compiled_from[self._compiled.choice_key('rotary_fill_kv', cache.quant_policy)]
+        if rows is not None and q.shape[0] >= rows:
             done = self._compiled.rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping)
             if done is not None:
                 return done
@@ -165,8 +164,8 @@ class CudaOps(ReferenceSampling, DeviceOps):
                                                          v_scale_zero=cache.v_scale_zero)
 
     def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
-        key = self._compiled.choice_key('paged_decode_attention', cache.quant_policy)
-        if self.kernels[key] == 'compiled' and q.shape[0] >= self.min_rows[key]:
+        rows = self.compiled_from[self._compiled.choice_key('paged_decode_attention', cache.quant_policy)]
+        if rows is not None and q.shape[0] >= rows:
             done = self._compiled.paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len,
                                                          self._num_sms, order, out)
             if done is not None:
