@@ -81,7 +81,6 @@ class _Sample:
     prompt: Any
     gen: Any
     after: Optional[int] = None  # a sample of the same prompt (choice 0) whose first output it waits for
-    shared: bool = False  # one of n > 1: the samples share the prompt's KV blocks
 
 
 def _num_samples(gen: Any) -> int:
@@ -102,7 +101,7 @@ def _expand(items: List[Any], gens: List[Any]) -> List[_Sample]:
             if n > 1:
                 seed = None if g.random_seed is None else (g.random_seed + c) & 0xFFFFFFFF
                 gc = dataclasses.replace(g, n=1, random_seed=seed)
-            samples.append(_Sample(i, c, p, gc, first if c else None, n > 1))
+            samples.append(_Sample(i, c, p, gc, first if c else None))
     return samples
 
 
@@ -239,7 +238,8 @@ class Pipeline:
                         if sink is not None:
                             sink(piece)
                 resp = await self._one(s.prompt, s.gen, s.index, do_preprocess, sink=wrapped, choice=s.choice,
-                                       stream_text=sink is not None or k in leaders, share_prompt=s.shared)
+                                       stream_text=sink is not None or k in leaders,
+                                       share_prompt=s.after is not None or k in leaders)
             finally:
                 started[k].set()
             if on_done is not None:

@@ -102,7 +102,7 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         lease = _Lease(state, req.session_id, exclusive=True)
         internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(n - 1)]
         run, firsts = await runner.start(request, 'chat', lease, [  # choices 1.. take choice 0's prompt blocks
-            _Job(i, ids, g, sid, stream=bool(req.stream), after=0 if i else None, shared=n > 1)
+            _Job(i, ids, g, sid, stream=bool(req.stream), after=0 if i else None)
             for i, (g, sid) in enumerate(zip(_choices(gen, n), internal))])
         created = int(time.time())
         tt = runner.token_text()

@@ -60,7 +60,7 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         # choice index = prompt index * n + choice (OpenAI's order); a prompt's later choices wait for its
         # first and take its prompt blocks
         jobs = [_Job(p * n + c, ids, g, internal[p * n + c], stream=bool(req.stream),
-                     after=p * n if c else None, shared=n > 1)
+                     after=p * n if c else None)
                 for p, (ids, gen) in enumerate(zip(all_ids, gens)) for c, g in enumerate(_choices(gen, n))]
         all_ids = [ids for ids in all_ids for _ in range(n)]
         prompts = [p for p in prompts for _ in range(n)]

@@ -52,8 +52,8 @@ class _Job:
     session_id: int  # the engine's
     interactive: bool = False
     stream: bool = True  # False: the engine hands over the whole result at the end (less per-token work)
-    after: Optional[int] = None  # start once this job (same prompt) has its first output: its prompt is cached
-    shared: bool = False  # one of n > 1 choices of a prompt: they share the prompt's KV blocks
+    # n > 1: start once this job (same prompt) has its first output, and take its prompt's KV blocks
+    after: Optional[int] = None
 
 
 @dataclass
@@ -94,7 +94,8 @@ class _Run:
         leaders = {job.after for job in jobs if job.after is not None}
         self.tasks = [asyncio.ensure_future(self._pump(job, gateway.generate(
             None, job.session_id, job.gen, input_ids=job.input_ids, interactive=job.interactive,
-            stream_text=job.stream or job.index in leaders, share_prompt=job.shared))) for job in jobs]
+            stream_text=job.stream or job.index in leaders,
+            share_prompt=job.after is not None or job.index in leaders))) for job in jobs]
 
     async def _pump(self, job: _Job, gen):
         try:
