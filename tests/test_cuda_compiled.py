@@ -78,6 +78,27 @@ def test_decode_attention_equals_reference_and_triton(kernel, policy, dtype, h, 
     assert rel_err(into, ref) < TOL[dtype] * 3
 
 
+@pytest.mark.parametrize('policy', [0, 8, 4])
+def test_decode_one_sequence_under_a_session_bound(policy):
+    """A decode graph passes session_len as the slicing bound: one short sequence is cut into 32 slices,
+    most of them empty, and the merge still gives the reference (and Triton's result)."""
+    from lmdeploy.devices.cuda.kernels import attention
+    from lmdeploy.devices.cuda.splits import num_decode_splits
+    assert num_decode_splits(1, 8, 8192, 132) == 32
+    lens_list = [random.randint(300, 900)]
+    ref_cache, cache, tables = make_cache(lens_list, 8, 128, 64, torch.bfloat16, policy)
+    q = torch.randn(1, 32, 128, dtype=torch.bfloat16, device='cuda')
+    lens = torch.tensor(lens_list)
+    ref = REF.paged_decode_attention(q.cpu().float(), ref_cache, tables, lens, 128**-0.5, lens_list[0])
+    args = (tables.cuda(), lens.cuda(), 128**-0.5, 8192, 132)
+    for kernel in ('tensor_cores', 'cuda_cores') if tensor_cores() else ('cuda_cores', ):
+        out = compiled.paged_decode_attention(q, cache, *args, kernel=kernel)
+        assert rel_err(out, ref) < TOL[torch.bfloat16] * 3, kernel
+    tri = attention.paged_decode_attention(q, cache.k, cache.v, *args, k_scale_zero=cache.k_scale_zero,
+                                           v_scale_zero=cache.v_scale_zero)
+    assert rel_err(out, tri) < TOL[torch.bfloat16] * 2
+
+
 def test_decode_block_size_not_a_multiple_of_16_runs_on_cuda_cores():
     """The tensor-core kernel reads 16-token tiles from one block: with blocks of 8 tokens auto takes the
     CUDA-core kernel, and forcing the tensor-core one is refused in words."""

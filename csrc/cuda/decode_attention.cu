@@ -240,32 +240,44 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
     }
 }
 
-// Merge one head's slices by their log2-sum-exp2.
+// Merge one head's slices by their log2-sum-exp2: a thread a slice for the weights (warp shuffles for
+// their maximum and sum), then each output element sums its slices with the loads unrolled, so the merge
+// waits on memory a few times instead of once a slice (batch 1 under a decode graph runs in 32 slices).
 template <typename T, int D>
 __global__ void reduce_kernel(const float* __restrict__ part, T* __restrict__ out, int64_t stride_ob,
                               int64_t stride_oh, int num_heads, int num_splits) {
+    static_assert(D >= kMaxDecodeSplits && D % 32 == 0, "one thread a slice");
+    constexpr int kWarpsHere = D / 32;
     const int64_t b = blockIdx.x;
     const int h = blockIdx.y;
     const float* p = part + (b * num_heads + h) * num_splits * (D + 1);
     __shared__ float weight[kMaxDecodeSplits];
-    __shared__ float total;
-    if (threadIdx.x == 0) {
-        float top = -INFINITY;
-        for (int s = 0; s < num_splits; ++s) top = fmaxf(top, p[s * (D + 1) + D]);
-        float sum = 0.f;
-        for (int s = 0; s < num_splits; ++s) {
-            const float lse = p[s * (D + 1) + D];
-            weight[s] = lse == -INFINITY ? 0.f : exp2f(lse - top);
-            sum += weight[s];
-        }
-        total = fmaxf(sum, 1e-30f);
-    }
+    __shared__ float red[2][kWarpsHere];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const float lse = tid < num_splits ? p[tid * (D + 1) + D] : -INFINITY;
+    float top = lse;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    if (lane == 0) red[0][warp] = top;
     __syncthreads();
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float a = 0.f;
-        for (int s = 0; s < num_splits; ++s) a = fmaf(p[s * (D + 1) + d], weight[s], a);
-        out[b * stride_ob + h * stride_oh + d] = from_float<T>(a / total);
-    }
+    top = red[0][0];
+#pragma unroll
+    for (int w = 1; w < kWarpsHere; ++w) top = fmaxf(top, red[0][w]);
+    const float wt = lse == -INFINITY ? 0.f : exp2f(lse - top);
+    if (tid < kMaxDecodeSplits) weight[tid] = wt;
+    float sum = wt;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) red[1][warp] = sum;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsHere; ++w) total += red[1][w];
+    total = fmaxf(total, 1e-30f);
+    float a = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < num_splits; ++s) a = fmaf(p[s * (D + 1) + tid], weight[s], a);
+    out[b * stride_ob + h * stride_oh + tid] = from_float<T>(a / total);
 }
 
 template <typename T, int POLICY, int D, int G>
