@@ -53,44 +53,54 @@ def test_without_the_module_the_device_runs_on_triton(monkeypatch):
     if importlib.util.find_spec('lmdeploy.devices.cuda._C') is not None:
         pytest.skip('the module is built here')
     assert compiled.module() is None and 'csrc/build.py' in compiled.load_error()
-    assert compiled.choose((9, 0)) == {key: 'triton' for key in compiled.CHOICES}
+    assert compiled.compiled_from((9, 0)) == {key: None for key in compiled.CHOICES}
     assert 'paged_decode_attention[int8]' in compiled.CHOICES and 'rotary_fill_kv' in compiled.CHOICES
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
     with pytest.raises(RuntimeError, match='compiled kernels are missing'):
-        compiled.choose((9, 0))
+        compiled.compiled_from((9, 0))
 
 
-def test_auto_keeps_small_calls_on_triton(monkeypatch):
-    """auto runs a kernel taken from FASTER only for calls of AUTO_MIN_ROWS rows or more (one sequence ran
-    faster on Triton's decode attention end to end on an H100); forced or before sm80, from any size."""
+def test_auto_runs_compiled_kernels_only_where_measured_faster(monkeypatch):
+    """auto runs a compiled kernel for the calls FASTER lists for the GPU (per op, KV policy and rows: on an
+    H100 one sequence decoded faster with Triton's int8 attention end to end, and a prompt chunk fills the
+    int4 cache faster with Triton's); forced or before sm80, for every call; triton or no GPU, never."""
     from lmdeploy.devices.cuda import compiled
     monkeypatch.delenv('LMDEPLOY_CUDA_COMPILED_MIN_ROWS', raising=False)
+    monkeypatch.setattr(compiled, 'module', lambda: object())  # as if the module were built
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'auto')
-    fewest = compiled.min_rows((9, 0))
-    assert {k for k, rows in fewest.items() if rows} == set(compiled.FASTER)
-    assert fewest['paged_decode_attention[int8]'] == compiled.AUTO_MIN_ROWS > 1
-    assert compiled.min_rows((7, 5)) == {key: 0 for key in compiled.CHOICES}
+    plan = compiled.compiled_from((9, 0))
+    assert {k for k, rows in plan.items() if rows is not None} == set(compiled.FASTER)
+    int8, int4 = plan['paged_decode_attention[int8]'], plan['paged_decode_attention[int4]']
+    assert 1 not in int8 and 256 in int8 and 1 in int4 and plan['paged_decode_attention'] is None
+    fill = plan['rotary_fill_kv[int4]']
+    assert 1 in fill and 256 in fill and 2048 not in fill and plan['rotary_fill_kv'] is None
+    assert compiled.compiled_from((8, 6)) == {key: None for key in compiled.CHOICES}  # nothing measured there
+    assert compiled.compiled_from((7, 5)) == {key: compiled.ANY for key in compiled.CHOICES}
+    assert compiled.compiled_from(None) == {key: None for key in compiled.CHOICES}
     monkeypatch.setenv('LMDEPLOY_CUDA_COMPILED_MIN_ROWS', '8')
-    assert compiled.min_rows((9, 0))['paged_decode_attention[int4]'] == 8
+    moved = compiled.compiled_from((9, 0))
+    assert moved['paged_decode_attention[int8]'].start == moved['rotary_fill_kv[int4]'].start == 8
+    assert moved['rotary_fill_kv[int4]'].stop == fill.stop
     for bad in ('many', '-1'):
         monkeypatch.setenv('LMDEPLOY_CUDA_COMPILED_MIN_ROWS', bad)
         with pytest.raises(ValueError, match='LMDEPLOY_CUDA_COMPILED_MIN_ROWS'):
-            compiled.min_rows((9, 0))
+            compiled.compiled_from((9, 0))
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
-    assert compiled.min_rows((9, 0)) == {key: 0 for key in compiled.CHOICES}
-    # what the cuda device routes by: both together (as if the module were built)
-    monkeypatch.setattr(compiled, 'module', lambda: object())
-    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'auto')
-    monkeypatch.delenv('LMDEPLOY_CUDA_COMPILED_MIN_ROWS')
-    plan = compiled.compiled_from((9, 0))
-    assert plan['paged_decode_attention[int8]'] == compiled.AUTO_MIN_ROWS and plan['paged_decode_attention'] is None
-    assert compiled.compiled_from((7, 5)) == {key: 0 for key in compiled.CHOICES}
-    assert compiled.compiled_from(None) == {key: None for key in compiled.CHOICES}
+    assert compiled.compiled_from((9, 0)) == {key: compiled.ANY for key in compiled.CHOICES}
+    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'triton')
+    assert compiled.compiled_from((9, 0)) == {key: None for key in compiled.CHOICES}
+    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'fast')
+    with pytest.raises(ValueError, match='LMDEPLOY_CUDA_KERNELS'):
+        compiled.compiled_from((9, 0))
+    words = {compiled.describe_rows(r) for r in (compiled.ANY, int8, fill, range(8, 257))}
+    assert words == {'compiled', 'compiled from 64 rows a call, triton below',
+                     'compiled up to 256 rows a call, triton above', 'compiled for 8-256 rows a call, triton otherwise'}
 
 
-def test_decode_calls_under_the_row_bound_run_on_triton():
-    """The cuda device routes each decode-attention call by its rows (the kernels themselves stubbed:
-    this checks the routing only; the kernels are checked against the reference elsewhere)."""
+def test_calls_outside_the_rows_run_on_triton():
+    """The cuda device routes each decode-attention and rotary-fill call by its rows (the kernels
+    themselves stubbed: this checks the routing only; the kernels are checked against the reference
+    elsewhere)."""
     from types import SimpleNamespace
 
     import torch
@@ -99,12 +109,41 @@ def test_decode_calls_under_the_row_bound_run_on_triton():
     from lmdeploy.devices.cuda.ops import CudaOps
     ops = CudaOps(num_sms=132)
     key = compiled.choice_key('paged_decode_attention', 8)
-    ops.compiled_from[key] = 4
+    ops.compiled_from[key] = range(4, 100)
     ran = []
     ops._compiled = SimpleNamespace(choice_key=compiled.choice_key,
                                     paged_decode_attention=lambda q, *a: ran.append(('compiled', len(q))) or q)
     ops._k_attention = SimpleNamespace(paged_decode_attention=lambda q, *a, **k: ran.append(('triton', len(q))) or q)
     cache = SimpleNamespace(quant_policy=8, k=None, v=None, k_scale_zero=None, v_scale_zero=None)
-    for rows in (1, 3, 4, 64):
+    for rows in (1, 3, 4, 64, 100):
         ops.paged_decode_attention(torch.randn(rows, 8, 64), cache, None, None, 0.125, 100)
-    assert ran == [('triton', 1), ('triton', 3), ('compiled', 4), ('compiled', 64)]
+    assert ran == [('triton', 1), ('triton', 3), ('compiled', 4), ('compiled', 64), ('triton', 100)]
+    ran.clear()
+    ops.compiled_from[compiled.choice_key('rotary_fill_kv', 4)] = range(0, 257)
+    ops._compiled.rotary_fill_kv = lambda q, *a: ran.append(('compiled', len(q))) or (q, q)
+    ops._k_kv = SimpleNamespace(rotary_fill_kv=lambda q, *a: ran.append(('triton', len(q))) or (q, q))
+    cache.quant_policy = 4
+    for rows in (1, 256, 257, 2048):
+        ops.rotary_fill_kv(torch.randn(rows, 8, 64), None, None, None, None, cache, None)
+    assert ran == [('compiled', 1), ('compiled', 256), ('triton', 257), ('triton', 2048)]
+
+
+def test_check_env_says_which_kernel_each_op_runs(monkeypatch):
+    """check_env's table of kernels on a GPU (its probe is faked here: this machine has none)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lmdeploy.cli import check_env
+    from lmdeploy.devices.cuda import compiled
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda *a: (9, 0))
+    monkeypatch.setattr(compiled, 'module', lambda: SimpleNamespace(__file__='/x/_C.so'))
+    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'auto')
+    monkeypatch.delenv('LMDEPLOY_CUDA_COMPILED_MIN_ROWS', raising=False)
+    rows = dict(check_env.collect_cuda_kernels())
+    assert rows['compiled module'] == 'present (/x/_C.so)'
+    assert rows['paged_decode_attention[int8]'] == 'compiled from 64 rows a call, triton below (sm90)'
+    assert rows['paged_decode_attention[int4]'] == 'compiled (sm90)'
+    assert rows['rotary_fill_kv[int4]'] == 'compiled up to 256 rows a call, triton above (sm90)'
+    assert rows['paged_decode_attention'] == rows['rotary_fill_kv'] == 'triton (sm90)'

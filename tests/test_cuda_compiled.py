@@ -92,6 +92,10 @@ def test_decode_one_sequence_under_a_session_bound(policy):
     ref = REF.paged_decode_attention(q.cpu().float(), ref_cache, tables, lens, 128**-0.5, lens_list[0])
     args = (tables.cuda(), lens.cuda(), 128**-0.5, 8192, 132)
     for kernel in ('tensor_cores', 'cuda_cores') if tensor_cores() else ('cuda_cores', ):
+        # the slice partials get memory that held NaN (the caching allocator hands the same block back):
+        # an empty slice writes only its log2-sum-exp2, and the merge must not read the rest
+        del_me = torch.full((1, 32, 32, 129), float('nan'), device='cuda')
+        del del_me
         out = compiled.paged_decode_attention(q, cache, *args, kernel=kernel)
         assert rel_err(out, ref) < TOL[torch.bfloat16] * 3, kernel
     tri = attention.paged_decode_attention(q, cache.k, cache.v, *args, k_scale_zero=cache.k_scale_zero,
@@ -174,22 +178,6 @@ def test_rotary_fill_kv_equals_reference_and_triton(policy, dtype, h, hkv, d):
     assert (got.k.cpu().flatten(0, 1)[untouched] == 0).all()
 
 
-def test_kernel_choice(monkeypatch):
-    keys = compiled.CHOICES
-    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'triton')
-    assert compiled.choose((9, 0)) == {key: 'triton' for key in keys}
-    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'compiled')
-    assert compiled.choose((9, 0)) == {key: 'compiled' for key in keys}
-    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'auto')
-    assert compiled.choose((7, 5)) == {key: 'compiled' for key in keys}  # before Triton's sm80 paths
-    auto = compiled.choose((9, 0))  # measured on an H100 (benchmark/RESULTS.md)
-    assert auto['paged_decode_attention[int8]'] == auto['paged_decode_attention[int4]'] == 'compiled'
-    assert auto['paged_decode_attention'] == auto['rotary_fill_kv'] == 'triton'
-    monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'fast')
-    with pytest.raises(ValueError, match='LMDEPLOY_CUDA_KERNELS'):
-        compiled.choose((9, 0))
-
-
 @pytest.mark.parametrize('shape,policy', [('llama-small', 0), ('llama-small', 8), ('qwen2-small', 0)])
 def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatch):
     """Random-weight Llama and Qwen2 shapes, bf16: greedy tokens with the compiled kernels (decode attention,
@@ -209,7 +197,7 @@ def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatc
     runs = {}
     for kind in ('triton', 'compiled'):
         for key in compiled.CHOICES:
-            monkeypatch.setitem(device.compiled_from, key, 0 if kind == 'compiled' else None)  # any batch
+            monkeypatch.setitem(device.compiled_from, key, compiled.ANY if kind == 'compiled' else None)
         config = PytorchEngineConfig(device_type='cuda', dtype='bfloat16', session_len=2048, eager_mode=True,
                                      cache_max_entry_count=0.1, block_size=64, quant_policy=policy)
         engine = Engine(path, config)

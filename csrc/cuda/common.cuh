@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include <type_traits>
+#include <utility>
 
 namespace lmdeploy {
 
@@ -34,6 +35,33 @@ __device__ __forceinline__ void load8(const T* p, float (&out)[8]) {
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = to_float(e[i]);
+}
+
+// Programmatic dependent launch (sm90+; lmdeploy/devices/cuda/kernels/pdl.py says why): a kernel
+// launched by launch_kernel with pdl set may become resident while the kernel before it still runs, so it
+// calls this before it reads anything: wait for that kernel's writes, then let the next kernel launch.
+__device__ __forceinline__ void pdl_wait_then_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...), with programmatic dependent launch allowed when pdl is set
+// (the caller sets it on sm90+ only; the kernel must start with pdl_wait_then_release()).
+template <typename... Params, typename... Args>
+inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl,
+                                 Args&&... args) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = 0;
+    config.stream = stream;
+    config.attrs = pdl ? attr : nullptr;
+    config.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 __device__ __forceinline__ float warp_max(float x, int width) {

@@ -101,6 +101,7 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
     __shared__ float sm_l[kSub][G];
     __shared__ float sm_acc[kSub][G][D];
 
+    pdl_wait_then_release();
     const int pid = blockIdx.x;
     const int split = pid % num_splits;
     const int kvh = (pid / num_splits) % num_kv_heads;
@@ -110,6 +111,12 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
     const int per_split = ((kv_len + num_splits - 1) / num_splits + 15) / 16 * 16;
     const int start = split * per_split;
     const int end = min(kv_len, start + per_split);
+    if (start >= end && num_splits > 1) {  // past the context: weight 0 in the merge, which reads nothing else
+        const int64_t heads = static_cast<int64_t>(num_kv_heads) * group;
+        for (int h = threadIdx.x; h < group; h += blockDim.x)
+            part[((b * heads + kvh * group + h) * num_splits + split) * (D + 1) + D] = -INFINITY;
+        return;
+    }
 
     const int tid = threadIdx.x;
     for (int i = tid; i < G * D; i += blockDim.x) {
@@ -248,6 +255,7 @@ __global__ void reduce_kernel(const float* __restrict__ part, T* __restrict__ ou
                               int64_t stride_oh, int num_heads, int num_splits) {
     static_assert(D >= kMaxDecodeSplits && D % 32 == 0, "one thread a slice");
     constexpr int kWarpsHere = D / 32;
+    pdl_wait_then_release();
     const int64_t b = blockIdx.x;
     const int h = blockIdx.y;
     const float* p = part + (b * num_heads + h) * num_splits * (D + 1);
@@ -276,14 +284,18 @@ __global__ void reduce_kernel(const float* __restrict__ part, T* __restrict__ ou
     total = fmaxf(total, 1e-30f);
     float a = 0.f;
 #pragma unroll 8
-    for (int s = 0; s < num_splits; ++s) a = fmaf(p[s * (D + 1) + tid], weight[s], a);
+    for (int s = 0; s < num_splits; ++s) {  // an empty slice (weight 0) wrote only its log2-sum-exp2
+        const float w = weight[s];
+        if (w != 0.f) a = fmaf(p[s * (D + 1) + tid], w, a);
+    }
     out[b * stride_ob + h * stride_oh + tid] = from_float<T>(a / total);
 }
 
 template <typename T, int POLICY, int D, int G>
 void launch(const DecodeArgs& a, cudaStream_t stream) {
     const dim3 grid(a.batch * a.num_kv_heads * a.num_splits);
-    decode_kernel<T, POLICY, D, G><<<grid, kWarps * 32, 0, stream>>>(
+    launch_kernel(
+        decode_kernel<T, POLICY, D, G>, grid, dim3(kWarps * 32), stream, a.pdl != 0,
         reinterpret_cast<const T*>(a.q), a.k_cache, a.v_cache, reinterpret_cast<const __half*>(a.k_scale_zero),
         reinterpret_cast<const __half*>(a.v_scale_zero), reinterpret_cast<float*>(a.partial),
         reinterpret_cast<T*>(a.out), reinterpret_cast<const int32_t*>(a.block_tables),
@@ -295,15 +307,14 @@ void launch(const DecodeArgs& a, cudaStream_t stream) {
 template <typename T>
 void merge_slices(const DecodeArgs& a, cudaStream_t stream) {
     const dim3 grid(a.batch, a.num_heads);
-    if (a.head_dim == 64) {
-        reduce_kernel<T, 64><<<grid, 64, 0, stream>>>(reinterpret_cast<const float*>(a.partial),
-                                                      reinterpret_cast<T*>(a.out), a.stride_ob, a.stride_oh,
-                                                      a.num_heads, a.num_splits);
-    } else {
-        reduce_kernel<T, 128><<<grid, 128, 0, stream>>>(reinterpret_cast<const float*>(a.partial),
-                                                        reinterpret_cast<T*>(a.out), a.stride_ob, a.stride_oh,
-                                                        a.num_heads, a.num_splits);
-    }
+    const auto* part = reinterpret_cast<const float*>(a.partial);
+    T* out = reinterpret_cast<T*>(a.out);
+    if (a.head_dim == 64)
+        launch_kernel(reduce_kernel<T, 64>, grid, dim3(64), stream, a.pdl != 0, part, out, a.stride_ob, a.stride_oh,
+                      a.num_heads, a.num_splits);
+    else
+        launch_kernel(reduce_kernel<T, 128>, grid, dim3(128), stream, a.pdl != 0, part, out, a.stride_ob,
+                      a.stride_oh, a.num_heads, a.num_splits);
 }
 
 template <typename T, int POLICY, int D>

@@ -216,6 +216,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     const int num_kv_heads = args.num_kv_heads, num_splits = args.num_splits, block_size = args.block_size;
     const int group = args.num_heads / num_kv_heads;
 
+    pdl_wait_then_release();
     const int pid = blockIdx.x;
     const int split = pid % num_splits;
     const int kvh = (pid / num_splits) % num_kv_heads;
@@ -225,6 +226,13 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     const int per_split = ((kv_len + num_splits - 1) / num_splits + kTile - 1) / kTile * kTile;
     const int start = split * per_split;
     const int end = min(kv_len, start + per_split);
+    if (start >= end && num_splits > 1) {  // past the context: weight 0 in the merge, which reads nothing else
+        const int64_t heads = static_cast<int64_t>(num_kv_heads) * group;
+        float* part = static_cast<float*>(args.partial);
+        for (int h = threadIdx.x; h < group; h += blockDim.x)
+            part[((b * heads + kvh * group + h) * num_splits + split) * (D + 1) + D] = -INFINITY;
+        return;
+    }
 
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
@@ -400,8 +408,8 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 
 template <typename T, int POLICY, int D>
 void launch(const DecodeArgs& a, cudaStream_t stream) {
-    decode_mma_kernel<T, POLICY, D><<<a.batch * a.num_kv_heads * a.num_splits, kWarps * 32, 0, stream>>>(
-        a, a.scale * 1.4426950408889634f);
+    launch_kernel(decode_mma_kernel<T, POLICY, D>, dim3(a.batch * a.num_kv_heads * a.num_splits),
+                  dim3(kWarps * 32), stream, a.pdl != 0, a, a.scale * 1.4426950408889634f);
 }
 
 }  // namespace

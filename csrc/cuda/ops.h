@@ -34,6 +34,7 @@ struct DecodeArgs {
     int64_t stride_qb, stride_qh, stride_ob, stride_oh, stride_bt;
     float scale;
     int kernel;  // kDecodeAuto, kDecodeCudaCores or kDecodeTensorCores
+    int pdl;     // launch with programmatic dependent launch (sm90+; common.cuh launch_kernel)
 };
 
 // DeviceOps.rotary_fill_kv's arguments. q [T, H, D], k / v [T, Hkv, D] with unit stride in D; out
@@ -54,6 +55,7 @@ struct RotaryFillArgs {
     int dtype, quant_policy, rotate_k;
     int num_tokens, num_heads, num_kv_heads, head_dim;
     int64_t stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos;
+    int pdl;  // as DecodeArgs::pdl
 };
 
 bool rotary_fill_supports(int dtype, int quant_policy, int head_dim);

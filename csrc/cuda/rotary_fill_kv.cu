@@ -101,6 +101,7 @@ __device__ __forceinline__ void store_row(const float (&a)[R], const float (&b)[
 
 template <typename T, int R>
 __global__ void __launch_bounds__(kRotaryWarps * 32) rotary_fill_kernel(RotaryFillArgs args) {
+    pdl_wait_then_release();
     const int t = blockIdx.x;
     const int lane = threadIdx.x & 31;
     const int d = args.head_dim, half = d / 2;
@@ -148,9 +149,9 @@ void launch(const RotaryFillArgs& args, cudaStream_t stream) {
     const dim3 grid(args.num_tokens, ceil_div(args.num_heads + args.num_kv_heads, kRotaryWarps));
     const dim3 block(kRotaryWarps * 32);
     switch (args.head_dim) {
-        case 64: rotary_fill_kernel<T, 1><<<grid, block, 0, stream>>>(args); break;
-        case 128: rotary_fill_kernel<T, 2><<<grid, block, 0, stream>>>(args); break;
-        case 256: rotary_fill_kernel<T, 4><<<grid, block, 0, stream>>>(args); break;
+        case 64: launch_kernel(rotary_fill_kernel<T, 1>, grid, block, stream, args.pdl != 0, args); break;
+        case 128: launch_kernel(rotary_fill_kernel<T, 2>, grid, block, stream, args.pdl != 0, args); break;
+        case 256: launch_kernel(rotary_fill_kernel<T, 4>, grid, block, stream, args.pdl != 0, args); break;
     }
 }
 

@@ -210,9 +210,8 @@ def collect_cuda_kernels() -> List[Tuple[str, str]]:
         import torch
         if torch.cuda.is_available():
             cap = torch.cuda.get_device_capability()
-            for op, fewest in compiled.compiled_from(cap).items():
-                kind = ('triton' if fewest is None else 'compiled' if fewest <= 1 else
-                        f'compiled from {fewest} rows a call, triton below')
+            for op, calls in compiled.compiled_from(cap).items():
+                kind = 'triton' if calls is None else compiled.describe_rows(calls)
                 rows.append((op, f'{kind} (sm{cap[0]}{cap[1]})'))
     except Exception as e:  # a probe never takes check_env down
         rows.append(('kernel choice', f'unknown ({type(e).__name__}: {e})'))

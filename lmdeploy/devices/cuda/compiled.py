@@ -2,8 +2,8 @@
 the cuda device runs: the compiled kernel or the Triton one.
 
 ``LMDEPLOY_CUDA_KERNELS``: ``auto`` (default) uses a compiled kernel where the module is present and the
-kernel was measured faster than Triton's on that GPU generation for that KV cache policy (:data:`FASTER`),
-for calls of at least :func:`min_rows` rows;
+kernel was measured faster than Triton's on that GPU generation for that KV cache policy and for calls of
+that many rows (:data:`FASTER`, :func:`compiled_from`);
 ``triton`` never uses them; ``compiled`` uses them wherever they take the inputs (and refuses to start without the
 module). The engine never knows which ran.
 
@@ -31,22 +31,24 @@ def choice_key(op: str, quant_policy: int = 0) -> str:
 
 
 CHOICES = tuple(choice_key(op, p) for op in OPS for p in _POLICY_SUFFIX)
-# choice -> compute capabilities (major, minor) where the compiled kernel beat Triton's
-# (benchmark/kv_quant_attn.py and rotary_fill.py; benchmark/RESULTS.md); auto uses it there, and on GPUs
-# Triton does not serve (before sm80 Triton's attention runs without bfloat16 and its tensor-core paths)
-FASTER: Dict[str, Tuple[Tuple[int, int], ...]] = {
-    'paged_decode_attention[int8]': ((9, 0), ),  # H100: 1.02-1.30x Triton's speed
-    'paged_decode_attention[int4]': ((9, 0), ),  # H100: 1.13-1.27x
+ANY = range(0, 1 << 62)  # every call
+# choice -> {compute capability (major, minor): the rows of a call (decode: sequences; rotary fill: tokens)
+# for which the compiled kernel was measured faster than Triton's} (benchmark/kv_quant_attn.py,
+# rotary_fill.py and latency.py; benchmark/RESULTS.md). auto runs it there, and for every call on GPUs
+# Triton serves poorly (before sm80 Triton's attention runs without bfloat16 and its tensor-core paths).
+FASTER: Dict[str, Dict[Tuple[int, int], range]] = {
+    # H100: 1.02-1.30x at 64-256 sequences alone, long decode 1.09x end to end; under a decode graph's
+    # slicing bound slower at 1-16 sequences alone (16: 29 against 21 us), one sequence 2-3 % slower end
+    # to end (decode 164.3 / 166.4 tok/s against 168.9 / 170.4)
+    'paged_decode_attention[int8]': {(9, 0): range(64, ANY.stop)},
+    # H100: 1.13-1.27x at 64-256 sequences alone; under a graph's bound 1.1x at 1, 1.07-1.36x at 4, equal
+    # at 16; one sequence as fast end to end (165.7 / 163.8 against 165.4 / 163.3)
+    'paged_decode_attention[int4]': {(9, 0): ANY},
+    # H100: 1.54x at 64 tokens, 1.63x at 256 (K's rotation as a butterfly in registers, where Triton's
+    # takes a tensor-core dot per token); 0.90x at 2,048, so prompt chunks stay on Triton's
+    'rotary_fill_kv[int4]': {(9, 0): range(0, 257)},
 }
 _BEFORE_TRITON = (8, 0)
-# auto runs a FASTER kernel only for calls of this many rows (decode: sequences) or more, and Triton's below.
-# H100, Llama-3-8B shape, one sequence (benchmark/latency.py 512 in / 256 out): Triton's decode attention
-# gave 5.86 ms a token with int8 KV and 6.04 with int4, the compiled one 6.18 and 6.19, though the kernel
-# alone was faster at that size (benchmarked in 2 slices; a decode graph cuts batch 1 into 32, and the
-# compiled slice merge walks them one by one); at ~200 sequences the compiled one was faster end to end
-# (long decode: int8 1.09x, int4 1.04x). Between 1 and ~200 rows nothing was measured end to end: 32 is a
-# guess, set by $LMDEPLOY_CUDA_COMPILED_MIN_ROWS.
-AUTO_MIN_ROWS = 32
 
 _module = None
 _error: Optional[str] = None
@@ -75,44 +77,64 @@ def mode() -> str:
     return value
 
 
-def min_rows(capability: Tuple[int, int]) -> Dict[str, int]:
-    """choice -> the fewest rows a call needs to run the compiled kernel (where :func:`choose` says
-    'compiled'): ``AUTO_MIN_ROWS`` for the kernels auto takes from :data:`FASTER`, else 0."""
-    if mode() != 'auto' or tuple(capability) < _BEFORE_TRITON:
-        return {key: 0 for key in CHOICES}
+def _min_rows_override() -> Optional[int]:
     text = os.environ.get('LMDEPLOY_CUDA_COMPILED_MIN_ROWS', '').strip()
+    if not text:
+        return None
     try:
-        rows = int(text) if text else AUTO_MIN_ROWS
+        rows = int(text)
     except ValueError:
         rows = -1
     if rows < 0:
         raise ValueError(f'LMDEPLOY_CUDA_COMPILED_MIN_ROWS must be a whole number >= 0, got {text!r}')
-    return {key: rows if key in FASTER else 0 for key in CHOICES}
+    return rows
 
 
-def choose(capability: Tuple[int, int]) -> Dict[str, str]:
-    """choice (:func:`choice_key`) -> 'compiled' or 'triton' on a GPU of this compute capability."""
+def compiled_from(capability: Optional[Tuple[int, int]]) -> Dict[str, Optional[range]]:
+    """choice (:func:`choice_key`) -> the rows a call must have for the cuda device to run the compiled
+    kernel on a GPU of this compute capability, None where Triton's always runs (no GPU: None everywhere).
+    ``LMDEPLOY_CUDA_COMPILED_MIN_ROWS`` moves where each range auto takes from :data:`FASTER` starts."""
+    if capability is None:
+        return {key: None for key in CHOICES}
     m = mode()
     if m == 'compiled' and module() is None:
         raise RuntimeError(f'LMDEPLOY_CUDA_KERNELS=compiled, but the compiled kernels are missing: {load_error()}')
     if m == 'triton' or module() is None:
-        return {key: 'triton' for key in CHOICES}
-    if m == 'compiled':
-        return {key: 'compiled' for key in CHOICES}
-    cap = tuple(capability)
-    return {key: 'compiled' if cap in FASTER.get(key, ()) or cap < _BEFORE_TRITON else 'triton' for key in CHOICES}
-
-
-def compiled_from(capability: Optional[Tuple[int, int]]) -> Dict[str, Optional[int]]:
-    """choice -> the fewest rows a call needs to run the compiled kernel, None where Triton's always runs
-    (:func:`choose` and :func:`min_rows` together; no GPU: None everywhere)."""
-    if capability is None:
         return {key: None for key in CHOICES}
-    fewest = min_rows(capability)
-    return {key: fewest[key] if kind == 'compiled' else None for key, kind in choose(capability).items()}
+    cap = tuple(capability)
+    if m == 'compiled' or cap < _BEFORE_TRITON:
+        return {key: ANY for key in CHOICES}
+    start = _min_rows_override()
+    plan = {key: FASTER.get(key, {}).get(cap) for key in CHOICES}
+    return {key: rows if rows is None or start is None else range(start, rows.stop) for key, rows in plan.items()}
+
+
+
+def describe_rows(rows: range) -> str:
+    """Where a range of :func:`compiled_from` runs the compiled kernel, in words (check_env)."""
+    low, high = rows.start <= 1, rows.stop == ANY.stop
+    if low and high:
+        return 'compiled'
+    if high:
+        return f'compiled from {rows.start} rows a call, triton below'
+    if low:
+        return f'compiled up to {rows.stop - 1} rows a call, triton above'
+    return f'compiled for {rows.start}-{rows.stop - 1} rows a call, triton otherwise'
 
 
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1}
+_pdl_by_device: Dict[int, int] = {}
+
+
+def _pdl(device: torch.device) -> int:
+    """1 where the kernels launch with programmatic dependent launch, as the Triton ones do
+    (kernels/pdl.py: sm90+, unless ``LMDEPLOY_PDL=0``), so a compiled kernel between Triton ones keeps
+    the overlap of their launches."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pdl_by_device:
+        on = os.environ.get('LMDEPLOY_PDL', '1') != '0' and torch.cuda.get_device_capability(index)[0] >= 9
+        _pdl_by_device[index] = int(on)
+    return _pdl_by_device[index]
 
 
 DECODE_KERNELS = ('auto', 'cuda_cores', 'tensor_cores')
@@ -155,7 +177,7 @@ def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len
                                0 if order is None else order.data_ptr(), _DTYPES[q.dtype], policy, bsz, h, hkv, d,
                                k.shape[1], splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                                block_tables.stride(0), float(scale), torch.cuda.current_stream(q.device).cuda_stream,
-                               DECODE_KERNELS.index(kernel))
+                               DECODE_KERNELS.index(kernel), _pdl(q.device))
     return out
 
 
@@ -189,5 +211,6 @@ def rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping) -> Optional[Tuple[tor
     mod.rotary_fill_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                        slots.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), ksz, vsz, _DTYPES[q.dtype], policy,
                        int(rotates_k(policy, d)), t, h, hkv, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       v.stride(0), v.stride(1), cos.stride(0), torch.cuda.current_stream(q.device).cuda_stream)
+                       v.stride(0), v.stride(1), cos.stride(0), torch.cuda.current_stream(q.device).cuda_stream,
+                       _pdl(q.device))
     return out[:, :h], out[:, h:]

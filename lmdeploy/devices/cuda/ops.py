@@ -149,7 +149,7 @@ class CudaOps(ReferenceSampling, DeviceOps):
 
     def rotary_fill_kv(self, q, k, v, cos, sin, cache, slot_mapping):
         rows = self.compiled_from[self._compiled.choice_key('rotary_fill_kv', cache.quant_policy)]
-        if rows is not None and q.shape[0] >= rows:
+        if rows is not None and q.shape[0] in rows:
             done = self._compiled.rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping)
             if done is not None:
                 return done
@@ -165,7 +165,7 @@ class CudaOps(ReferenceSampling, DeviceOps):
 
     def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
         rows = self.compiled_from[self._compiled.choice_key('paged_decode_attention', cache.quant_policy)]
-        if rows is not None and q.shape[0] >= rows:
+        if rows is not None and q.shape[0] in rows:
             done = self._compiled.paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len,
                                                          self._num_sms, order, out)
             if done is not None:
