@@ -146,6 +146,7 @@ class Tab:
         box.send_keys(str(value), Keys.TAB)
 
     def send(self, text: str):
+        self.sent_over = self.status()  # the status box before this turn (finish waits for another)
         self.el('#message textarea').send_keys(text)
         self.el('#send').click()
 
@@ -169,8 +170,12 @@ class Tab:
             if text and (not seen or seen[-1] != text):
                 seen.append(text)
             # only the page's own end-of-turn words count: while a request is queued or starting, Gradio's
-            # progress tracker may write other text into the status box
-            return self.status().startswith(('finished', 'reached max new tokens', 'stopped', 'error'))
+            # progress tracker may write other text into the status box; and only words other than those
+            # shown when the message was sent (until the page's first update arrives, a second turn's box
+            # still says how the first one finished; the token counts in it differ from turn to turn)
+            status = self.status()
+            return status != self.sent_over and status.startswith(
+                ('finished', 'reached max new tokens', 'stopped', 'error'))
 
         _wait(done, timeout, 'the answer', step=0.03)
         final = self.answer()
