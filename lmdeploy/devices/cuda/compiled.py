@@ -109,7 +109,6 @@ def compiled_from(capability: Optional[Tuple[int, int]]) -> Dict[str, Optional[r
     return {key: rows if rows is None or start is None else range(start, rows.stop) for key, rows in plan.items()}
 
 
-
 def describe_rows(rows: range) -> str:
     """Where a range of :func:`compiled_from` runs the compiled kernel, in words (check_env)."""
     low, high = rows.start <= 1, rows.stop == ANY.stop
