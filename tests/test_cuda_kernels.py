@@ -198,7 +198,8 @@ def test_paged_prefill_attention(dtype, h, hkv, d, bs):
         shapes = [(1000, 1000), (777, 129), (2048, 1), (301, 300), (4099, 64)]
         h, hkv = h * 4, hkv * 4
     else:
-        shapes = [(37, 37), (50, 13), (70, 1), (19, 18)]
+        # (150, 150) and (150, 20) reach past whole tiles below the diagonal (attended without masks)
+        shapes = [(37, 37), (50, 13), (70, 1), (19, 18), (150, 150), (150, 20)]
     kv_lens = [s[0] for s in shapes]
     q_lens = [s[1] for s in shapes]
     k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, d, bs, dtype)
@@ -427,7 +428,7 @@ def quant_cache(lengths, hkv, d, block_size, dtype, policy):
 def test_quantized_decode_and_prefill_attention(policy, dtype, h, hkv, d, bs):
     """Dequantized in the kernels' registers, a quantized cache gives the reference's attention over the
     same cache (GQA 1/4/8, head_dim 64/128, block size 16/64, odd lengths over many blocks)."""
-    kv_lens = [4000, 1, 517, 2049, 64, 333] if FULL else [1, 70, 43, 17]
+    kv_lens = [4000, 1, 517, 2049, 64, 333] if FULL else [1, 70, 43, 17, 140]
     if FULL:
         h, hkv = h * 4, hkv * 4
     ref_cache, cache, tables = quant_cache(kv_lens, hkv, d, bs, dtype, policy)

@@ -124,10 +124,10 @@ def _load_scale_zero(sz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs,
 
 
 @triton.jit
-def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid, allowed, kvh, m_i, l_i, acc,
-                 acc2, scale_log2, stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
-                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 QUANT: tl.constexpr, ASM: tl.constexpr):
+def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block, n_valid, allowed, kvh, m_i, l_i,
+                 acc, acc2, scale_log2, stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
+                 ASM: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold one tile of context tokens into the online softmax: gather K/V
     through the block table, score, rescale the running max/sum/output.
 
@@ -139,22 +139,33 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, 
     element j in its low four bits and j + D/2 in its high four, so each
     byte is loaded once and feeds two dots; int8 keeps the same tile shapes
     (H100, batch 64, 4k context: one 128-byte-wide tile 451 us a call, two
-    64-byte-wide ones 301; bf16 376)."""
-    page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-    in_block = offs_n % BLOCK_SIZE
+    64-byte-wide ones 301; bf16 376).
+
+    ``page``/``in_block``: each token's cache block and place in it (``page``
+    may be one block for the whole tile). Without ``MASKED`` every token of
+    the tile is valid and visible to every query row (the tiles below a
+    causal prefill's diagonal): no masks, no select."""
     off = page * stride_cn + in_block * stride_cs + kvh * stride_ch
     if QUANT != 0:
         offs_c = tl.arange(0, BLOCK_HALF)
-        kv_mask = n_valid[:, None] & (offs_c < HEAD_DIM // 2)[None, :]
+        c_valid = offs_c < HEAD_DIM // 2
     else:
         offs_c = tl.arange(0, BLOCK_D)
-        kv_mask = n_valid[:, None] & (offs_c < HEAD_DIM)[None, :]
-    k = tl.load(kc_ptr + off[:, None] + offs_c[None, :], mask=kv_mask, other=0)
+        c_valid = offs_c < HEAD_DIM
+    kv_other = 0
+    if MASKED:
+        kv_mask = n_valid[:, None] & c_valid[None, :]
+    elif BLOCK_D != HEAD_DIM:
+        kv_mask = c_valid[None, :]
+    else:
+        kv_mask = None
+        kv_other = None
+    k = tl.load(kc_ptr + off[:, None] + offs_c[None, :], mask=kv_mask, other=kv_other)
     if QUANT == 0:
         s = tl.dot(q, tl.trans(k))
     else:
         if QUANT == 8:
-            k2 = tl.load(kc_ptr + off[:, None] + HEAD_DIM // 2 + offs_c[None, :], mask=kv_mask, other=0)
+            k2 = tl.load(kc_ptr + off[:, None] + HEAD_DIM // 2 + offs_c[None, :], mask=kv_mask, other=kv_other)
             s = tl.dot(q, tl.trans(_codes(k, 0, q.dtype, ASM)))
             s = tl.dot(q2, tl.trans(_codes(k2, 0, q.dtype, ASM)), s)
         else:
@@ -162,12 +173,15 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, 
             s = tl.dot(q2, tl.trans(_codes(k, 2, q.dtype, ASM)), s)
         k_scale, k_zero = _load_scale_zero(ksz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs, stride_zh)
         s = s * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
-    s = tl.where(allowed, s * scale_log2, float('-inf'))
+    if MASKED:
+        s = tl.where(allowed, s * scale_log2, float('-inf'))
+    else:
+        s = s * scale_log2
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(vc_ptr + off[:, None] + offs_c[None, :], mask=kv_mask, other=0)
+    v = tl.load(vc_ptr + off[:, None] + offs_c[None, :], mask=kv_mask, other=kv_other)
     if QUANT == 0:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     else:
@@ -175,13 +189,25 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, 
         pv = (p * v_scale[None, :]).to(q.dtype)
         pz = tl.sum(p * v_zero[None, :], axis=1)[:, None]
         if QUANT == 8:
-            v2 = tl.load(vc_ptr + off[:, None] + HEAD_DIM // 2 + offs_c[None, :], mask=kv_mask, other=0)
+            v2 = tl.load(vc_ptr + off[:, None] + HEAD_DIM // 2 + offs_c[None, :], mask=kv_mask, other=kv_other)
             acc = tl.dot(pv, _codes(v, 0, q.dtype, ASM), acc * alpha[:, None]) + pz
             acc2 = tl.dot(pv, _codes(v2, 0, q.dtype, ASM), acc2 * alpha[:, None]) + pz
         else:
             acc = tl.dot(pv, _codes(v, 1, q.dtype, ASM), acc * alpha[:, None]) + pz
             acc2 = tl.dot(pv, _codes(v, 2, q.dtype, ASM), acc2 * alpha[:, None]) + pz
     return m_new, l_i, acc, acc2
+
+
+@triton.jit
+def _tile_pages(table, start_n, n_valid, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache block of each token of the tile at ``start_n`` and its place there: one block-table load
+    where the tile lies inside one block."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if BLOCK_SIZE % BLOCK_N == 0:
+        page = tl.load(table + start_n // BLOCK_SIZE).to(tl.int64)
+    else:
+        page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    return page, offs_n % BLOCK_SIZE
 
 
 @triton.jit(**no_respecialising(ints=['stride_bt'], pointers=['tables_ptr', 'q_start_ptr', 'q_lens_ptr',
@@ -191,9 +217,16 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
                     stride_zs, stride_zh, stride_bt, num_heads, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr):
-    m_block = tl.program_id(0)
+    """One program: BLOCK_M query rows of one head of sequence ``b``. The grid
+    runs heads fastest (the GROUP heads of a KV head read its tiles from L2
+    together) and query blocks last to first: a causal block's work grows
+    with its position, so the heaviest start first and the light ones fill
+    the tail. The context below the block's first row is attended without
+    masks; only the tiles that reach the diagonal (or the context's end)
+    take them."""
+    h = tl.program_id(0)
     b = tl.program_id(1)
-    h = tl.program_id(2)
+    m_block = tl.num_programs(2) - 1 - tl.program_id(2)
     q_len = tl.load(q_lens_ptr + b).to(tl.int32)
     if m_block * BLOCK_M < q_len:
         kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
@@ -208,24 +241,41 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_HALF if QUANT != 0 else BLOCK_D], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_M, BLOCK_HALF if QUANT != 0 else 1], dtype=tl.float32)
-        # causal: this block's last query sees up to its own position
-        kv_end = tl.minimum(kv_len, kv_len - q_len + (m_block + 1) * BLOCK_M)
+        # causal: this block's last query sees up to its own position, its first one everything before
+        # ``open_end``
+        first_pos = kv_len - q_len + m_block * BLOCK_M
+        kv_end = tl.minimum(kv_len, first_pos + BLOCK_M)
+        open_end = (first_pos + 1) // BLOCK_N * BLOCK_N
         table = tables_ptr + b.to(tl.int64) * stride_bt
-        for start_n in range(0, kv_end, BLOCK_N):
+        all_valid = tl.full([BLOCK_N], 1, tl.int1)
+        for start_n in range(0, open_end, BLOCK_N):
+            page, in_block = _tile_pages(table, start_n, all_valid, BLOCK_SIZE, BLOCK_N)
+            m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
+                                               all_valid, None, kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
+                                               stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM,
+                                               BLOCK_D, BLOCK_HALF, QUANT, ASM, MASKED=False)
+        for start_n in range(open_end, kv_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_end
             allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-            m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid,
-                                               allowed, kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn, stride_cs,
-                                               stride_ch, stride_zn, stride_zs, stride_zh, BLOCK_SIZE, HEAD_DIM,
+            page, in_block = _tile_pages(table, start_n, n_valid, BLOCK_SIZE, BLOCK_N)
+            m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
+                                               n_valid, allowed, kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
+                                               stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM,
                                                BLOCK_D, BLOCK_HALF, QUANT, ASM)
         _store_rows(out_ptr + (q_start + offs_m) * stride_ot + h * stride_oh, acc, acc2, l_i, m_valid, HEAD_DIM,
                     BLOCK_D, BLOCK_HALF, QUANT)
 
 
-def prefill_tiles(block_d: int):
-    """(query rows, context tokens) a program's tile holds, warps, stages."""
-    return (64 if block_d <= 128 else 32), (64 if block_d <= 64 else 32), 4, 2
+def prefill_tiles(block_d: int, max_q_len: int = 0):
+    """(query rows, context tokens) a program's tile holds, warps, stages.
+    64-token context tiles for long prompts, 32 for short ones (H100, head_dim
+    128, bf16, benchmark/prefill_attn_sweep.py: a step of three 3,000-token
+    prompts 562.6 -> 533.5 us, one 8,000-token prompt 1,477 -> 1,363; a
+    refill step of ~24 prompts of ~200 tokens 84.2 -> 95.6). A CUDA graph
+    recorded for n tokens keeps the tiles of ``max_q_len`` n."""
+    wide = block_d <= 64 or block_d <= 128 and max_q_len >= 1024
+    return (64 if block_d <= 128 else 32), (64 if wide else 32), 4, 2
 
 
 def _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero):
@@ -281,8 +331,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
     if t == 0 or q_seqlens.shape[0] == 0:
         return out
     block_d = triton.next_power_of_2(d)
-    block_m, block_n, warps, stages = tiles or prefill_tiles(block_d)
-    grid = (triton.cdiv(max_q_len, block_m), q_seqlens.shape[0], h)
+    block_m, block_n, warps, stages = tiles or prefill_tiles(block_d, max_q_len)
+    grid = (h, q_seqlens.shape[0], triton.cdiv(max_q_len, block_m))
     qk, ksz, vsz, zstrides, consts = _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero)
     _prefill_kernel[grid](qk, k_cache, v_cache, ksz, vsz, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
                           scale * _LOG2E, qk.stride(0), qk.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
@@ -333,10 +383,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
-        m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, table, offs_n, n_valid,
-                                           n_valid[None, :], kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
-                                           stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, BLOCK_SIZE, HEAD_DIM,
-                                           BLOCK_D, BLOCK_HALF, QUANT, ASM)
+        page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, offs_n % BLOCK_SIZE,
+                                           n_valid, n_valid[None, :], kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
+                                           stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM, BLOCK_D,
+                                           BLOCK_HALF, QUANT, ASM)
     if num_splits == 1:
         _store_rows(out_ptr + b * stride_ob + heads * stride_oh, acc, acc2, l_i, g_valid, HEAD_DIM, BLOCK_D,
                     BLOCK_HALF, QUANT)
