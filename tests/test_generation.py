@@ -444,7 +444,9 @@ def test_output_logits(pipe, tiny_path, prompt_ids, greedy16):
     assert tuple(every.logits.shape) == (p + n - 1, 49152)
     torch.testing.assert_close(every.logits, hf_logits(tiny_path, prompt_ids + every.token_ids[:-1]), atol=1e-4,
                                rtol=0)
-    torch.testing.assert_close(every.logits[p - 1:], gen.logits, atol=1e-5, rtol=0)
+    # the same rows from two runs: a logits GEMM over p + n - 1 rows or one row sums in another order on the
+    # cpu (CI saw 1.4e-5 apart, on logits of ~10), so to the tolerance both meet against transformers
+    torch.testing.assert_close(every.logits[p - 1:], gen.logits, atol=1e-4, rtol=0)
 
     # stopped by a stop token: no row for the (unreported) stop token
     eos_at_3 = force(lambda k: EOS if k == 3 else None)
