@@ -452,15 +452,16 @@ def test_quantized_decode_and_prefill_attention(policy, dtype, h, hkv, d, bs):
     assert rel_err(out, ref) < tol(dtype) * 3
 
 
-@pytest.mark.parametrize('policy', [8, 4])
+@pytest.mark.parametrize('policy,centred', [(8, False), (4, False), (4, True)])
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('fused', [False, True])
-def test_quantizing_fill_kernels_write_the_reference_codes(policy, dtype, fused):
+def test_quantizing_fill_kernels_write_the_reference_codes(policy, centred, dtype, fused):
     """The fill kernels (alone, and fused with rotary) quantize as the reference does: the same codes
     (a rounding tie may land one code off), the same float16 scales and zeros; negative slots write
-    nothing. The fused kernel quantizes the rotated k it returns (which matches the reference's rotation
-    to rounding: one ulp moves a row's minimum, and with it the zero, so the codes are compared with the
-    reference's quantization of that k)."""
+    nothing; int4's K less the layer's mean key where the cache has one. The fused kernel quantizes the
+    rotated k it returns (which matches the reference's rotation to rounding: one ulp moves a row's
+    minimum, and with it the zero, so the codes are compared with the reference's quantization of that
+    k)."""
     t, h, hkv, d, bs, nblocks = 9, 4, 2, 64, 4, 6
     q = torch.randn(t, h, d, dtype=dtype, device=DEV)
     k = (torch.randn(t, hkv, d) * torch.rand(t, hkv, 1) * 5).to(dtype).to(DEV)
@@ -471,15 +472,20 @@ def test_quantizing_fill_kernels_write_the_reference_codes(policy, dtype, fused)
     for c in (ref, got):
         for x in c.tensors().values():
             x.zero_()
+    if centred:  # a mean key of the size the keys have, not zero
+        mean = torch.randn(hkv, d) * 3
+        ref.set_key_mean(mean)
+        got.set_key_mean(mean.to(DEV))
     if fused:
         angles = torch.rand(t, d // 2, device=DEV) * 6.3
         cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-        oq, ok = kv_cache.rotary_fill_kv(q, k, v, cos, sin, got.k, got.v, slots, got.k_scale_zero, got.v_scale_zero)
+        oq, ok = kv_cache.rotary_fill_kv(q, k, v, cos, sin, got.k, got.v, slots, got.k_scale_zero, got.v_scale_zero,
+                                         got.k_mean)
         rq, rk = REF.rotary_fill_kv(q.cpu(), k.cpu(), v.cpu(), cos.cpu(), sin.cpu(), ref, slots.cpu())
         assert rel_err(ok, rk) < tol(dtype) * 2 and rel_err(oq, rq) < tol(dtype) * 2
         REF.fill_kv_cache(ok.cpu(), v.cpu(), ref, slots.cpu())
     else:
-        kv_cache.fill_kv_cache(k, v, got.k, got.v, slots, got.k_scale_zero, got.v_scale_zero)
+        kv_cache.fill_kv_cache(k, v, got.k, got.v, slots, got.k_scale_zero, got.v_scale_zero, got.k_mean)
         REF.fill_kv_cache(k.cpu(), v.cpu(), ref, slots.cpu())
     for name in ('k', 'v'):
         a, b = getattr(got, name).cpu(), getattr(ref, name)

@@ -151,15 +151,14 @@ def test_interactive_sessions_keep_a_quantized_cache(tiny_model_factory, policy)
 # ------------------------------------------------------------------- quality
 def test_quality_on_the_real_model(smollm2_path):
     """SmolLM2-135M, cpu, float32, 20,480 tokens of Python's own reference text (pydoc_data.topics) in
-    windows of 2,048: perplexity with quant_policy 8 within the issue's 0.5 % of quant_policy 0. With 4 the
-    issue asked for 5 %; this per-token, per-head int4 cache (K in the Hadamard basis) measures 7.1 % on
-    this 64-dim-head model (16.6 % unrotated; benchmark/RESULTS.md): checked here against 9 %, so a
-    regression shows, and reported as not met."""
+    windows of 2,048: perplexity with quant_policy 8 within the issue's 0.5 % of quant_policy 0, with 4
+    within its 5 % (measured: 0.05 % and 4.0 %; int4 keeps K in the Hadamard basis less each layer's mean
+    key, devices/cache.py; 7.1 % without the offset, 16.6 % unrotated too; benchmark/RESULTS.md)."""
     measure = benchmark_module('kv_quant_quality').measure
     res = measure(smollm2_path, 'cpu', 'float32', [0, 8, 4], 20480, 2048, 0, 0, 0)
     ppl = {p: r['ppl'] for p, r in res.items()}
     print('perplexity by quant_policy:', ppl)
     assert all(math.isfinite(v) and 1 < v < 100 for v in ppl.values())
     assert abs(ppl[8] / ppl[0] - 1) <= 0.005
-    assert ppl[4] / ppl[0] - 1 <= 0.09
+    assert ppl[4] / ppl[0] - 1 <= 0.05
     assert res[8]['kv_tokens'] > 1.9 * res[0]['kv_tokens'] and res[4]['kv_tokens'] > 3.5 * res[0]['kv_tokens']

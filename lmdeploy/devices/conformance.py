@@ -153,6 +153,11 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
             vs.append(q64(randn(n, Hkv, D)))
             slots += [blocks[j // S] * S + j % S for j in range(n)]
         cache = cache_of(num_blocks, S, Hkv, D, policy)
+        off = None
+        if cache_spec(S, Hkv, D, policy).centres_keys:  # int4's mean key, measured by the engine at start-up
+            cache.set_key_mean(q64(randn(Hkv, D, scale=2)).float())
+            off = cache.k_mean.cpu().double()
+        fill_ok = (True, '')
         ops.fill_kv_cache(on_dev(torch.cat(ks)), on_dev(torch.cat(vs)), cache,
                           torch.tensor(slots, dtype=torch.int64, device=dev))
         if policy:
@@ -165,14 +170,21 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
                     codes = codes if policy == 8 else unpack_int4(codes)
                     sz = scale_zero.cpu().flatten(0, 1)
                     return [dequantize(codes[i], sz[i]).double() for i in at]
+                written = ks
                 ks, vs = stored(cache.k, cache.k_scale_zero), stored(cache.v, cache.v_scale_zero)
+                if off is not None:  # each stored key within a step of its codes' range from k H - o
+                    steps = cache.k_scale_zero.cpu().flatten(0, 1).double()[..., :1]
+                    err = max(float(((y - ((x.double() @ h if h is not None else x.double()) - off)).abs()
+                                     / steps[i]).max()) for x, y, i in zip(written, ks, at))
+                    fill_ok = (err <= 1.01, f'int4 K stored less its mean: off by {err:.2f} of a step at most')
+                    ks = [x + off for x in ks]
             else:
                 vs = [dequantize(*quantize(x.to(dtype), policy)).double() for x in vs]
                 ks = [dequantize(*quantize(x.to(dtype).float() @ h.float() if h is not None else x.to(dtype),
                                           policy)).double() for x in ks]
             if h is not None:
                 ks = [x @ h for x in ks]
-        return ks, vs, cache, tables.to(dev)
+        return ks, vs, cache, tables.to(dev), fill_ok
 
     def _attend_ref(q, k, v, scale, n_visible):
         """q [H, D] of one position, k/v [L, Hkv, D]: softmax over the first n_visible keys."""
@@ -188,7 +200,7 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
     def paged_decode_attention(policy=0):
         kv_lens = [5, 11, 1]
         H, D = 4, 32
-        ks, vs, cache, tables = _paged_setup(kv_lens, H=H, D=D, policy=policy)
+        ks, vs, cache, tables, fill_ok = _paged_setup(kv_lens, H=H, D=D, policy=policy)
         q = q64(randn(len(kv_lens), H, D))
         scale = 1 / math.sqrt(D)
         lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
@@ -196,12 +208,12 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         longest_first = torch.tensor([1, 0, 2], device=dev)  # a work-order hint: same results
         return _all_ok(*(_compare('paged_decode_attention', ops.paged_decode_attention(
             on_dev(q), cache, tables, lens, scale, max(kv_lens), order), ref, dtype)
-                         for order in (None, longest_first)))
+                         for order in (None, longest_first)), fill_ok)
 
     def paged_prefill_attention(policy=0):
         kv_lens, q_lens = [9, 4], [3, 4]  # the first continues a cached prefix (chunked prefill)
         H, D = 4, 32
-        ks, vs, cache, tables = _paged_setup(kv_lens, H=H, D=D, policy=policy)
+        ks, vs, cache, tables, fill_ok = _paged_setup(kv_lens, H=H, D=D, policy=policy)
         q = q64(randn(sum(q_lens), H, D))
         starts = [0, q_lens[0]]
         scale = 1 / math.sqrt(D)
@@ -213,7 +225,7 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         for b, (st, ql, kl) in enumerate(zip(starts, q_lens, kv_lens)):
             for i in range(ql):
                 ref[st + i] = _attend_ref(q[st + i], ks[b], vs[b], scale, kl - ql + i + 1)
-        return _compare('paged_prefill_attention', out, ref, dtype)
+        return _all_ok(_compare('paged_prefill_attention', out, ref, dtype), fill_ok)
 
     def apply_token_bitmask():
         logits = randn(3, 70, scale=3).float()

@@ -114,6 +114,12 @@ class DeviceOps:
                              f'KV cache); it implements {list(self.quant_policies)}')
         return standard_spec(num_kv_heads, head_dim, block_size, dtype, quant_policy)
 
+    def mean_key(self, cache: KVCache, num_tokens: int) -> torch.Tensor:
+        """The mean key [Hkv, D] (float32) of slots 0 to ``num_tokens`` - 1 of an unquantized cache
+        (quant_policy 0): how the engine measures what int4 takes off K (devices/cache.py). The standard layout
+        here; a device whose unquantized cache is laid out otherwise overrides it."""
+        return cache.k.flatten(0, 1)[:num_tokens].float().mean(0)
+
     # ------------------------------------------------------ tensor parallelism
     # One process per rank, each on its own device; they talk through a torch.distributed process group
     # (the default group, one member per rank) of this backend: 'gloo' here and on the cpu, 'nccl' on cuda.

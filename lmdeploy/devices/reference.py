@@ -62,6 +62,8 @@ class ReferenceOps(DeviceOps):
                 continue
             if x is k and rotates_k(cache.quant_policy, rows.shape[-1]):
                 rows = rows.float() @ hadamard(rows.shape[-1], rows.device)
+            if x is k and cache.k_mean is not None:
+                rows = rows.float() - cache.k_mean
             codes, sz = quantize(rows, cache.quant_policy)
             flat[slots] = codes if cache.quant_policy == 8 else pack_int4(codes)
             scale_zero.view(-1, *scale_zero.shape[2:])[slots] = sz

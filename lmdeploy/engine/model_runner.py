@@ -6,7 +6,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from lmdeploy.devices import ops
-from lmdeploy.devices.cache import KVCache, KVCacheSpec
+from lmdeploy.devices.cache import KEY_MEAN_TOKENS, KVCache, KVCacheSpec
 from lmdeploy.devices.interface import DeviceOps
 
 from .graph_runner import GraphRunner
@@ -50,7 +50,12 @@ class ModelRunner:
         self.torch_device = device.torch_device()
         self.block_size = block_size
         spec = kv_cache_spec(device, cfg, block_size, dtype, quant_policy)
+        # measured before the cache takes its memory (a prompt's activations and a small cache of its own)
+        means = mean_keys(model, cfg, device, dtype, block_size,
+                          min(KEY_MEAN_TOKENS, session_len)) if spec.centres_keys else None
         self.kv_caches: List[KVCache] = [spec.allocate(num_blocks, self.torch_device) for _ in range(cfg.num_layers)]
+        for cache, mean in zip(self.kv_caches, means or ()):  # before anything is written or recorded
+            cache.set_key_mean(mean)
         # recorded steps where the device can record them: whole decode and mixed steps (graph_runner.py), or
         # mixed steps in pieces with attention live between them (piecewise.py) on devices that record only
         # those
@@ -190,20 +195,41 @@ def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: Device
     ``num_tokens`` plus logits for a full batch) so that the allocator has
     reserved its activation memory before the KV cache takes the rest."""
     dev = device.torch_device()
-    num_blocks = -(-num_tokens // block_size)
     spec = kv_cache_spec(device, cfg, block_size, dtype, quant_policy)
-    caches = [spec.allocate(num_blocks, dev) for _ in range(cfg.num_layers)]
-    positions = torch.arange(num_tokens, device=dev)
-    ids = torch.arange(num_tokens, device=dev) % cfg.vocab_size
-    lens = torch.tensor([num_tokens], device=dev)
-    table = torch.arange(num_blocks, dtype=torch.int32, device=dev)[None]
-    ctx = StepContext(is_decode=False, q_start_loc=torch.zeros(1, dtype=torch.int64, device=dev), q_seqlens=lens,
-                      kv_seqlens=lens.clone(), block_tables=table, slot_mapping=positions,
-                      rope_lens=torch.full((num_tokens, ), num_tokens, device=dev), max_q_len=num_tokens,
-                      max_kv_len=num_tokens, kv_caches=caches)
-    hidden = model(ids, positions, ctx)
+    caches = [spec.allocate(-(-num_tokens // block_size), dev) for _ in range(cfg.num_layers)]
+    hidden = _run_one_prompt(model, torch.arange(num_tokens, device=dev) % cfg.vocab_size, caches)
     logits = model.compute_logits(hidden[-1:].expand(max_batch_size, -1))
     ops.argmax(logits)  # greedy picks read the model-dtype logits: compiled now, not at the first request
     logits.float()
     device.synchronize()
     del caches, hidden
+
+
+def _run_one_prompt(model: torch.nn.Module, ids: torch.Tensor, caches: List[KVCache]) -> torch.Tensor:
+    """The model over one prompt ``ids`` whose K/V go to slots 0 to len - 1 of ``caches``."""
+    num_tokens, dev = ids.shape[0], ids.device
+    positions = torch.arange(num_tokens, device=dev)
+    lens = torch.tensor([num_tokens], device=dev)
+    table = torch.arange(-(-num_tokens // caches[0].block_size), dtype=torch.int32, device=dev)[None]
+    ctx = StepContext(is_decode=False, q_start_loc=torch.zeros(1, dtype=torch.int64, device=dev), q_seqlens=lens,
+                      kv_seqlens=lens.clone(), block_tables=table, slot_mapping=positions,
+                      rope_lens=torch.full((num_tokens, ), num_tokens, device=dev), max_q_len=num_tokens,
+                      max_kv_len=num_tokens, kv_caches=caches)
+    return model(ids, positions, ctx)
+
+
+@torch.inference_mode()
+def mean_keys(model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype, block_size: int,
+              num_tokens: int) -> List[torch.Tensor]:
+    """Each layer's mean key [Hkv, D] (after RoPE, float32) over ``num_tokens`` random tokens (the same on
+    every rank, whatever the machine: a seeded generator), read back from an unquantized cache: a quantized
+    int4 cache's centring (devices/cache.py). Random tokens rather than any text: the mean is the part of K that
+    every token shares, and it came out as good as the evaluation text's own (SmolLM2-135M, int4:
+    benchmark/RESULTS.md)."""
+    dev = device.torch_device()
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens, ), generator=torch.Generator().manual_seed(0)).to(dev)
+    spec = kv_cache_spec(device, cfg, block_size, dtype, 0)
+    caches = [spec.allocate(-(-num_tokens // block_size), dev) for _ in range(cfg.num_layers)]
+    _run_one_prompt(model, ids, caches)
+    return [device.mean_key(cache, num_tokens) for cache in caches]
+

@@ -60,12 +60,17 @@ def _hadamard_halves(x1, x2, d, HSCALE: tl.constexpr):
 
 @triton.jit
 def _write_cache(c_ptr, sz_ptr, slot, heads, d, x1, x2, mask, n_heads, HALF: tl.constexpr, QUANT: tl.constexpr,
-                 ROTATE: tl.constexpr = False, HSCALE: tl.constexpr = 1.0):
+                 ROTATE: tl.constexpr = False, HSCALE: tl.constexpr = 1.0, mean_ptr=None, CENTRE: tl.constexpr = False):
     """Store one token's heads (both halves of each) at ``slot`` in a cache of [slots, n_heads, ...];
-    ``ROTATE``: quantize them in the Hadamard basis (int4's K, devices/cache.py)."""
+    ``ROTATE``: quantize them in the Hadamard basis, ``CENTRE``: less the layer's mean key ``mean_ptr``
+    ([n_heads, 2 HALF] float32, in that basis) (int4's K, devices/cache.py)."""
     row = slot * n_heads + heads  # [H]
     if ROTATE:
         x1, x2 = _hadamard_halves(x1, x2, d, HSCALE)
+    if CENTRE:
+        mean = mean_ptr + heads[:, None] * (2 * HALF) + d[None, :]
+        x1 = x1.to(tl.float32) - tl.load(mean, mask=mask, other=0.0)
+        x2 = x2.to(tl.float32) - tl.load(mean + HALF, mask=mask, other=0.0)
     if QUANT == 0:
         base = c_ptr + row[:, None] * (2 * HALF) + d[None, :]
         tl.store(base, x1.to(c_ptr.dtype.element_ty), mask=mask)
@@ -84,9 +89,10 @@ def _write_cache(c_ptr, sz_ptr, slot, heads, d, x1, x2, mask, n_heads, HALF: tl.
 
 
 @triton.jit(**no_respecialising(pointers=['slot_ptr']))
-def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
-                    stride_vh, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                    QUANT: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr, PDL: tl.constexpr):
+def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, kmean_ptr, slot_ptr, stride_kt, stride_kh,
+                    stride_vt, stride_vh, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
+                    CENTRE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -97,7 +103,7 @@ def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, slot_ptr, st
         kb = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
         vb = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
         _write_cache(kc_ptr, ksz_ptr, slot, h, d, tl.load(kb, mask=m, other=0.0), tl.load(kb + HALF, mask=m, other=0.0),
-                     m, n_heads, HALF, QUANT, ROTATE, HSCALE)
+                     m, n_heads, HALF, QUANT, ROTATE, HSCALE, kmean_ptr, CENTRE)
         _write_cache(vc_ptr, vsz_ptr, slot, h, d, tl.load(vb, mask=m), tl.load(vb + HALF, mask=m), m, n_heads, HALF,
                      QUANT)
 
@@ -114,7 +120,8 @@ def _heads_block(n: int, rotate: bool) -> int:
     return max(16 if rotate else 1, triton.next_power_of_2(n))
 
 
-def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None):
+def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None, k_mean=None):
+    """``k_mean``: [Hkv, D] float32 taken off each key (in the basis it is stored in) before quantizing."""
     t, h, d = k.shape
     if t == 0:
         return
@@ -126,18 +133,28 @@ def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_sca
     quant = quant_of(k_cache, d, k_scale_zero)
     rotate = rotates_k(quant, d)
     _fill_kv_kernel[(t, )](k, v, k_cache, v_cache, k_scale_zero if quant else k_cache,
-                           v_scale_zero if quant else v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
-                           v.stride(1), h, HALF=d // 2, BLOCK_H=_heads_block(h, rotate),
-                           BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, ROTATE=rotate, HSCALE=d**-0.5,
-                           num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
+                           v_scale_zero if quant else v_cache, _mean_arg(k_mean, k_cache), slot_mapping,
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1), h, HALF=d // 2,
+                           BLOCK_H=_heads_block(h, rotate), BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant,
+                           ROTATE=rotate, HSCALE=d**-0.5, CENTRE=_centres(quant, k_mean), num_warps=2, PDL=pdl.ON,
+                           **pdl.LAUNCH)
+
+
+def _centres(quant: int, k_mean) -> bool:
+    return bool(quant) and k_mean is not None
+
+
+def _mean_arg(k_mean, stand_in):
+    """The layer's mean key, or for a cache without one another tensor in its place (unread)."""
+    return k_mean if k_mean is not None else stand_in
 
 
 @triton.jit(**no_respecialising(pointers=['slot_ptr']))
-def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, cos_ptr, sin_ptr, slot_ptr,
-                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_ct, n_q,
-                           n_kv, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
-                           BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
-                           PDL: tl.constexpr):
+def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, kmean_ptr, cos_ptr, sin_ptr,
+                           slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                           stride_ct, n_q, n_kv, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
+                           ROTATE: tl.constexpr, HSCALE: tl.constexpr, CENTRE: tl.constexpr, PDL: tl.constexpr):
     """Program (t, j): for j < cdiv(n_q, BLOCK_H), a block of token t's query
     heads is rotated into out[t, :n_q]; the last program rotates t's key
     heads into out[t, n_q:] and writes them and t's values to the cache at
@@ -168,13 +185,15 @@ def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, ksz_ptr
         tl.store(kbase + HALF, k2, mask=km)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
-            _write_cache(kc_ptr, ksz_ptr, slot, kh, d, k1, k2, km, n_kv, HALF, QUANT, ROTATE, HSCALE)
+            _write_cache(kc_ptr, ksz_ptr, slot, kh, d, k1, k2, km, n_kv, HALF, QUANT, ROTATE, HSCALE, kmean_ptr,
+                         CENTRE)
             vb = v_ptr + t * stride_vt + kh[:, None] * stride_vh + d[None, :]
             _write_cache(vc_ptr, vsz_ptr, slot, kh, d, tl.load(vb, mask=km), tl.load(vb + HALF, mask=km), km, n_kv,
                          HALF, QUANT)
 
 
-def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None):
+def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None,
+                   k_mean=None):
     """apply_rotary and fill_kv_cache in one launch: the step's q, k and v
     are read once (and K/V quantized there when the cache is); returns the
     rotated q and k (views of one buffer)."""
@@ -189,9 +208,9 @@ def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_ze
     quant = quant_of(k_cache, d, k_scale_zero)
     rotate = rotates_k(quant, d)
     _rotary_fill_kv_kernel[(t, triton.cdiv(h, block_h) + 1)](
-        q, k, v, out, k_cache, v_cache, k_scale_zero if quant else k_cache, v_scale_zero if quant else v_cache, cos,
-        sin, slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), cos.stride(0), h, hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_KV=_heads_block(hkv, rotate),
-        BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, ROTATE=rotate, HSCALE=d**-0.5, num_warps=2,
-        PDL=pdl.ON, **pdl.LAUNCH)
+        q, k, v, out, k_cache, v_cache, k_scale_zero if quant else k_cache, v_scale_zero if quant else v_cache,
+        _mean_arg(k_mean, cos) if quant else cos, cos, sin, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), out.stride(0), cos.stride(0), h, hkv, HEAD_DIM=d, BLOCK_H=block_h,
+        BLOCK_KV=_heads_block(hkv, rotate), BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, ROTATE=rotate,
+        HSCALE=d**-0.5, CENTRE=_centres(quant, k_mean), num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
     return out[:, :h], out[:, h:]
