@@ -72,7 +72,7 @@ def test_auto_runs_compiled_kernels_only_where_measured_faster(monkeypatch):
     assert {k for k, rows in plan.items() if rows is not None} == set(compiled.FASTER)
     int8, int4 = plan['paged_decode_attention[int8]'], plan['paged_decode_attention[int4]']
     assert 1 not in int8 and 256 in int8 and 1 in int4 and plan['paged_decode_attention'] is None
-    assert plan['rotary_fill_kv[int4]'] is None  # it does not centre int4's K (compiled.FASTER's note)
+    assert plan['rotary_fill_kv[int4]'] is None  # not yet run with int4's centred K (compiled.FASTER's note)
     # a range that stops: as the int4 fill's was (measured faster up to 256 tokens)
     monkeypatch.setitem(compiled.FASTER, 'rotary_fill_kv[int4]', {(9, 0): range(0, 257)})
     plan = compiled.compiled_from((9, 0))
@@ -152,9 +152,9 @@ def test_check_env_says_which_kernel_each_op_runs(monkeypatch):
     assert rows['paged_decode_attention'] == rows['rotary_fill_kv'] == rows['rotary_fill_kv[int4]'] == 'triton (sm90)'
 
 
-def test_compiled_fill_declines_a_cache_with_a_mean_key(monkeypatch):
-    """The compiled rotary fill does not centre int4's K (devices/cache.py) yet: it hands a cache with a mean
-    key back to Triton's kernel (returns None) without launching anything; without one it launches."""
+def test_compiled_fill_is_given_the_mean_key(monkeypatch):
+    """The compiled rotary fill gets the int4 cache's mean key (devices/cache.py), a null pointer for a cache
+    without one (the module faked: the kernel itself runs in tests/test_cuda_compiled.py on a GPU)."""
     from types import SimpleNamespace
 
     import torch
@@ -169,6 +169,9 @@ def test_compiled_fill_declines_a_cache_with_a_mean_key(monkeypatch):
     cache = standard_spec(2, 64, 16, torch.float16, 4).allocate(2, 'cpu')
     q, k, v = torch.randn(3, 4, 64).half(), torch.randn(3, 2, 64).half(), torch.randn(3, 2, 64).half()
     cos, sin, slots = torch.rand(3, 64), torch.rand(3, 64), torch.arange(3)
-    assert compiled.rotary_fill_kv(q, k, v, cos, sin, cache, slots) is not None and len(launched) == 1
+    assert compiled.rotary_fill_kv(q, k, v, cos, sin, cache, slots) is not None
     cache.set_key_mean(torch.randn(2, 64))
-    assert compiled.rotary_fill_kv(q, k, v, cos, sin, cache, slots) is None and len(launched) == 1
+    assert compiled.rotary_fill_kv(q, k, v, cos, sin, cache, slots) is not None
+    # (q, k, v, out, cos, sin, slots, k cache, v cache, k scales, v scales, k mean, ...): out is new each call
+    assert launched[0][4:11] == launched[1][4:11] and launched[0][:3] == launched[1][:3]
+    assert launched[0][11] == 0 and launched[1][11] == cache.k_mean.data_ptr() != 0

@@ -129,13 +129,14 @@ def test_unsupported_inputs_fall_back():
                                            132) is None
 
 
-@pytest.mark.parametrize('policy', [0, 8, 4])
+@pytest.mark.parametrize('policy,centred', [(0, False), (8, False), (4, False), (4, True)])
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize('h,hkv,d', [(8, 8, 64), (32, 8, 128), (14, 2, 64), (4, 1, 256)])
-def test_rotary_fill_kv_equals_reference_and_triton(policy, dtype, h, hkv, d):
+def test_rotary_fill_kv_equals_reference_and_triton(policy, centred, dtype, h, hkv, d):
     """Rotated q and k to rounding; the cache as the reference writes the returned k and v: the same codes
     (a rounding tie may land one code off), float16 scales and zeros equal (int4 K: rotated by a transform
-    in another order, so within ulps); negative slots write nothing; strided q/k/v (views of one qkv)."""
+    in another order, so within ulps); int4's K less the layer's mean key where the cache has one;
+    negative slots write nothing; strided q/k/v (views of one qkv)."""
     from lmdeploy.devices.cache import unpack_int4
     from lmdeploy.devices.cuda.kernels import kv_cache
     t, bs, nblocks = 37, 16, 5
@@ -151,13 +152,18 @@ def test_rotary_fill_kv_equals_reference_and_triton(policy, dtype, h, hkv, d):
     for c in (ref, got, tri):
         for x in c.tensors().values():
             x.zero_()
+    if centred:
+        mean = torch.randn(hkv, d) * 3
+        for c in (ref, got, tri):
+            c.set_key_mean(mean)
     done = compiled.rotary_fill_kv(q, k, v, cos, sin, got, slots)
     assert done is not None
     oq, ok = done
     rq, rk = REF.rotary_fill_kv(q.cpu(), k.cpu(), v.cpu(), cos.cpu(), sin.cpu(),
                                 spec.allocate(nblocks, 'cpu'), slots.cpu())
     assert rel_err(oq, rq) < TOL[dtype] * 2 and rel_err(ok, rk) < TOL[dtype] * 2
-    tq, tk = kv_cache.rotary_fill_kv(q, k, v, cos, sin, tri.k, tri.v, slots, tri.k_scale_zero, tri.v_scale_zero)
+    tq, tk = kv_cache.rotary_fill_kv(q, k, v, cos, sin, tri.k, tri.v, slots, tri.k_scale_zero, tri.v_scale_zero,
+                                     tri.k_mean)
     assert rel_err(oq, tq) < TOL[dtype] and rel_err(ok, tk) < TOL[dtype]
     REF.fill_kv_cache(ok.cpu(), v.cpu(), ref, slots.cpu())
     for name in ('k', 'v'):

@@ -30,14 +30,14 @@ void* mut(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
 void rotary_fill_kv(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t cos, uintptr_t sin,
                     uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scale_zero,
-                    uintptr_t v_scale_zero, int dtype, int quant_policy, int rotate_k, int num_tokens, int num_heads,
-                    int num_kv_heads, int head_dim, int64_t stride_qt, int64_t stride_qh, int64_t stride_kt,
-                    int64_t stride_kh, int64_t stride_vt, int64_t stride_vh, int64_t stride_cos, uintptr_t stream,
-                    int pdl) {
+                    uintptr_t v_scale_zero, uintptr_t k_mean, int dtype, int quant_policy, int rotate_k,
+                    int num_tokens, int num_heads, int num_kv_heads, int head_dim, int64_t stride_qt,
+                    int64_t stride_qh, int64_t stride_kt, int64_t stride_kh, int64_t stride_vt, int64_t stride_vh,
+                    int64_t stride_cos, uintptr_t stream, int pdl) {
     RotaryFillArgs a{ptr(q), ptr(k), ptr(v), mut(out), ptr(cos), ptr(sin), ptr(slots), mut(k_cache), mut(v_cache),
-                     mut(k_scale_zero), mut(v_scale_zero), dtype, quant_policy, rotate_k, num_tokens, num_heads,
-                     num_kv_heads, head_dim, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cos, pdl};
+                     mut(k_scale_zero), mut(v_scale_zero), ptr(k_mean), dtype, quant_policy, rotate_k, num_tokens,
+                     num_heads, num_kv_heads, head_dim, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                     stride_vh, stride_cos, pdl};
     lmdeploy::rotary_fill_kv(a, reinterpret_cast<cudaStream_t>(stream));
 }
 

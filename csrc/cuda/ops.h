@@ -52,6 +52,7 @@ struct RotaryFillArgs {
     void* v_cache;
     void* k_scale_zero;  // nullptr for a 16-bit cache
     void* v_scale_zero;
+    const void* k_mean;  // float32 [Hkv, D]: taken off each key (after rotate_k) before it is quantized, or nullptr
     int dtype, quant_policy, rotate_k;
     int num_tokens, num_heads, num_kv_heads, head_dim;
     int64_t stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos;

@@ -7,7 +7,7 @@
 // int4 cache stores K in the Hadamard basis (devices/cache.py): a Walsh-Hadamard transform over the
 // warp (shuffles for the index bits below 32, registers above). Quantization follows
 // devices/cache.py's quantize(): float16 scale and zero from the row's min and max, codes rounded
-// half to even.
+// half to even; K less the layer's mean key first where the cache centres K (int4).
 #include "common.cuh"
 #include "ops.h"
 
@@ -133,6 +133,14 @@ __global__ void __launch_bounds__(kRotaryWarps * 32) rotary_fill_kernel(RotaryFi
         if (is_q || slot < 0) return;
         const int64_t row = slot * args.num_kv_heads + kv;
         if (args.rotate_k) hadamard_rows<R>(a, b, lane, d);
+        if (args.k_mean != nullptr) {  // int4's K stored centred (devices/cache.py)
+            const float* mean = static_cast<const float*>(args.k_mean) + kv * d;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                a[r] -= mean[lane + 32 * r];
+                b[r] -= mean[lane + 32 * r + half];
+            }
+        }
         store_row<T, R>(a, b, args.k_cache, args.k_scale_zero, row, d, args.quant_policy, lane);
         const T* vx = static_cast<const T*>(args.v) + t * args.stride_vt + kv * args.stride_vh;
 #pragma unroll

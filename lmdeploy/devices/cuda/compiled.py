@@ -44,9 +44,9 @@ FASTER: Dict[str, Dict[Tuple[int, int], range]] = {
     # H100: 1.13-1.27x at 64-256 sequences alone; under a graph's bound 1.1x at 1, 1.07-1.36x at 4, equal
     # at 16; one sequence as fast end to end (165.7 / 163.8 against 165.4 / 163.3)
     'paged_decode_attention[int4]': {(9, 0): ANY},
-    # (rotary_fill_kv[int4] measured 1.54x at 64 tokens and 1.63x at 256 on an H100, 0.90x at 2,048, but the
-    # compiled kernel does not yet take the mean key every int4 cache now takes off K (devices/cache.py): it
-    # declines such caches, so auto lists it nowhere until it does)
+    # (rotary_fill_kv[int4] measured 1.54x at 64 tokens and 1.63x at 256 on an H100, 0.90x at 2,048, before
+    # int4 caches took each layer's mean key off K (devices/cache.py); the kernel takes it now, but that has
+    # not run on a GPU yet (tests/test_cuda_compiled.py checks it there): auto keeps Triton's until it has)
 }
 _BEFORE_TRITON = (8, 0)
 
@@ -198,8 +198,6 @@ def rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping) -> Optional[Tuple[tor
         return None
     if policy and not (cache.k_scale_zero.is_contiguous() and cache.v_scale_zero.is_contiguous()):
         return None
-    if cache.k_mean is not None:  # int4's mean key (devices/cache.py): the Triton kernel's alone, for now
-        return None
     if slot_mapping.dtype != torch.int64:
         return None
     out = torch.empty((t, h + hkv, d), dtype=q.dtype, device=q.device)
@@ -210,7 +208,8 @@ def rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping) -> Optional[Tuple[tor
     ksz = cache.k_scale_zero.data_ptr() if policy else 0
     vsz = cache.v_scale_zero.data_ptr() if policy else 0
     mod.rotary_fill_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                       slots.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), ksz, vsz, _DTYPES[q.dtype], policy,
+                       slots.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), ksz, vsz,
+                       cache.k_mean.data_ptr() if cache.k_mean is not None else 0, _DTYPES[q.dtype], policy,
                        int(rotates_k(policy, d)), t, h, hkv, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                        v.stride(0), v.stride(1), cos.stride(0), torch.cuda.current_stream(q.device).cuda_stream,
                        _pdl(q.device))
