@@ -197,6 +197,8 @@ def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: Device
     dev = device.torch_device()
     spec = kv_cache_spec(device, cfg, block_size, dtype, quant_policy)
     caches = [spec.allocate(-(-num_tokens // block_size), dev) for _ in range(cfg.num_layers)]
+    for cache in caches if spec.centres_keys else ():  # the fill kernels the engine will run compile here
+        cache.set_key_mean(torch.zeros(spec.num_kv_heads, spec.head_dim))
     hidden = _run_one_prompt(model, torch.arange(num_tokens, device=dev) % cfg.vocab_size, caches)
     logits = model.compute_logits(hidden[-1:].expand(max_batch_size, -1))
     ops.argmax(logits)  # greedy picks read the model-dtype logits: compiled now, not at the first request
