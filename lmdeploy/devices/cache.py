@@ -120,10 +120,10 @@ class KVCache:
         if not centres_keys(self.quant_policy):
             raise ValueError(f'quant_policy {self.quant_policy} stores K uncentred')
         d = mean_key.shape[-1]
-        off = mean_key.float().to(self.k.device)
+        mean = mean_key.float().to(self.k.device)
         if rotates_k(self.quant_policy, d):
-            off = off @ hadamard(d, off.device)
-        self.k_mean = off.contiguous()
+            mean = mean @ hadamard(d, mean.device)
+        self.k_mean = mean.contiguous()
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         named = dict(k=self.k, v=self.v, k_scale_zero=self.k_scale_zero, v_scale_zero=self.v_scale_zero)

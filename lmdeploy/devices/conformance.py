@@ -153,10 +153,10 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
             vs.append(q64(randn(n, Hkv, D)))
             slots += [blocks[j // S] * S + j % S for j in range(n)]
         cache = cache_of(num_blocks, S, Hkv, D, policy)
-        off = None
+        mean = None
         if cache_spec(S, Hkv, D, policy).centres_keys:  # int4's mean key, measured by the engine at start-up
             cache.set_key_mean(q64(randn(Hkv, D, scale=2)).float())
-            off = cache.k_mean.cpu().double()
+            mean = cache.k_mean.cpu().double()
         fill_ok = (True, '')
         ops.fill_kv_cache(on_dev(torch.cat(ks)), on_dev(torch.cat(vs)), cache,
                           torch.tensor(slots, dtype=torch.int64, device=dev))
@@ -172,12 +172,12 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
                     return [dequantize(codes[i], sz[i]).double() for i in at]
                 written = ks
                 ks, vs = stored(cache.k, cache.k_scale_zero), stored(cache.v, cache.v_scale_zero)
-                if off is not None:  # each stored key within a step of its codes' range from k H - o
+                if mean is not None:  # each stored key within a step of its codes' range from k H - mean
                     steps = cache.k_scale_zero.cpu().flatten(0, 1).double()[..., :1]
-                    err = max(float(((y - ((x.double() @ h if h is not None else x.double()) - off)).abs()
+                    err = max(float(((y - ((x.double() @ h if h is not None else x.double()) - mean)).abs()
                                      / steps[i]).max()) for x, y, i in zip(written, ks, at))
                     fill_ok = (err <= 1.01, f'int4 K stored less its mean: off by {err:.2f} of a step at most')
-                    ks = [x + off for x in ks]
+                    ks = [x + mean for x in ks]
             else:
                 vs = [dequantize(*quantize(x.to(dtype), policy)).double() for x in vs]
                 ks = [dequantize(*quantize(x.to(dtype).float() @ h.float() if h is not None else x.to(dtype),

@@ -224,8 +224,8 @@ def _run_one_prompt(model: torch.nn.Module, ids: torch.Tensor, caches: List[KVCa
 def mean_keys(model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype, block_size: int,
               num_tokens: int) -> List[torch.Tensor]:
     """Each layer's mean key [Hkv, D] (after RoPE, float32) over ``num_tokens`` random tokens (the same on
-    every rank, whatever the machine: a seeded generator), read back from an unquantized cache: a quantized
-    int4 cache's centring (devices/cache.py). Random tokens rather than any text: the mean is the part of K that
+    every rank, whatever the machine: a seeded generator), read back from an unquantized cache: what an int4
+    cache takes off K (devices/cache.py). Random tokens rather than any text: the mean is the part of K that
     every token shares, and it came out as good as the evaluation text's own (SmolLM2-135M, int4:
     benchmark/RESULTS.md)."""
     dev = device.torch_device()
