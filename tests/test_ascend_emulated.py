@@ -357,7 +357,12 @@ def cpu_int8_tokens(smollm2_path):
                                                                      dtype='float32', max_batch_size=4,
                                                                      quant_policy=8))
     try:
-        return _generate(pipe)
+        from lmdeploy import GenerationConfig
+        margins = []  # per greedy sequence and step: the cpu's top logit over the runner-up
+        for r in pipe(PROMPTS, GenerationConfig(max_new_tokens=8, do_sample=False, output_logits='generation')):
+            top2 = r.logits.float().topk(2, dim=-1).values
+            margins.append((top2[:, 0] - top2[:, 1]).tolist())
+        return _generate(pipe), margins
     finally:
         pipe.close()
 
@@ -365,7 +370,10 @@ def cpu_int8_tokens(smollm2_path):
 @pytest.mark.parametrize('eager', [True, False], ids=['eager', 'graphs'])
 def test_int8_kv_cache_tokens_match_the_cpu_device(npu, smollm2_path, cpu_int8_tokens, eager, monkeypatch):
     """quant_policy=8 on the emulated NPU (prompts over dequantized own blocks, decode steps through the
-    fused attention's int8 antiquant, replayed graphs too): the cpu device's quant_policy=8 tokens."""
+    fused attention's int8 antiquant, replayed graphs too): the cpu device's quant_policy=8 tokens. The two
+    round scales differently (float32 here, float16 on the cpu), which moves logits by ~1e-2: a greedy
+    sequence may part from the cpu's only where the cpu's top two logits were that close (CI saw one part at
+    its first token, 0.022 apart), and is compared up to there."""
     from lmdeploy import PytorchEngineConfig, pipeline
     replays, antiquant_calls = [], []
     real_replay = torch.npu.NPUGraph.replay
@@ -384,7 +392,19 @@ def test_int8_kv_cache_tokens_match_the_cpu_device(npu, smollm2_path, cpu_int8_t
         got = _generate(pipe)
     finally:
         pipe.close()
-    assert got == cpu_int8_tokens
+    want, margins = cpu_int8_tokens
+    n = len(PROMPTS)
+    assert got[n:] == want[n:]  # the seeded samples
+    compared = 0
+    for g, w, m in zip(got[:n], want[:n], margins):
+        part = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if part is None:
+            assert g == w
+            compared += len(w)
+        else:
+            assert m[part] < 0.05, f'parted at step {part}, where the cpu top logit led by {m[part]:.3f}'
+            compared += part
+    assert compared >= len(sum(want[:n], [])) // 2  # most of it compared
     assert (len(replays) > 0) == (not eager)
     assert 5 in antiquant_calls  # decode steps read the int8 cache through antiquant mode 5
 

@@ -45,17 +45,23 @@ def kernel_specs(cap: int):
                                                                                PDL=pdl), dict(num_warps=2)),
     ] + [  # the cache's writers and readers for each KV policy (uint8 codes, float16 scales when quantized)
         spec for quant in (0, 8, 4) for spec in (
-            (kv_cache._fill_kv_kernel, dict(kv_ptrs(quant), slot_ptr='i64'), {},
+            # int4 takes each layer's mean key (float32) off K; the others pass a tensor of their own, unread
+            (kv_cache._fill_kv_kernel,
+             dict(kv_ptrs(quant), slot_ptr='i64', kmean_ptr='fp32' if quant == 4 else 'u8' if quant else act), {},
              dict(HALF=64, BLOCK_H=16 if quant == 4 else 8, BLOCK_HALF=64, QUANT=quant, ROTATE=quant == 4,
-                  HSCALE=128**-0.5, PDL=pdl), dict(num_warps=2)),
-            (kv_cache._rotary_fill_kv_kernel, dict(kv_ptrs(quant), cos_ptr='fp32', sin_ptr='fp32', slot_ptr='i64'),
+                  HSCALE=128**-0.5, CENTRE=quant == 4, PDL=pdl), dict(num_warps=2)),
+            (kv_cache._rotary_fill_kv_kernel,
+             dict(kv_ptrs(quant), cos_ptr='fp32', sin_ptr='fp32', slot_ptr='i64', kmean_ptr='fp32'),
              {}, dict(HEAD_DIM=128, BLOCK_H=16, BLOCK_KV=16 if quant == 4 else 8, BLOCK_HALF=64, QUANT=quant,
-                      ROTATE=quant == 4, HSCALE=128**-0.5, PDL=pdl), dict(num_warps=2)),
-            (attention._prefill_kernel, dict(kv_ptrs(quant), tables_ptr='i32', q_start_ptr='i64', q_lens_ptr='i64',
-                                             kv_lens_ptr='i64', q_ptr='fp16' if quant else act),
-             {'scale_log2': 'fp32'},
-             dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=32, BLOCK_D=128, BLOCK_HALF=64,
-                  QUANT=quant, ASM=True), dict(num_warps=4, num_stages=2)))
+                      ROTATE=quant == 4, HSCALE=128**-0.5, CENTRE=quant == 4, PDL=pdl), dict(num_warps=2)))
+    ] + [  # prefill attention with the short prompts' tiles and the long ones'
+        (attention._prefill_kernel, dict(kv_ptrs(quant), tables_ptr='i32', q_start_ptr='i64', q_lens_ptr='i64',
+                                         kv_lens_ptr='i64', q_ptr='fp16' if quant else act),
+         {'scale_log2': 'fp32'},
+         dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=128, BLOCK_HALF=64,
+              QUANT=quant, ASM=True), dict(num_warps=warps, num_stages=stages))
+        for quant in (0, 8, 4)
+        for block_m, block_n, warps, stages in {attention.prefill_tiles(128, 100), attention.prefill_tiles(128, 4000)}
     ] + [  # the small-batch tiles (no order below 16 sequences) and the large-batch ones
         (attention._decode_kernel, dict(kv_ptrs(quant), part_ptr='fp32', tables_ptr='i32', kv_lens_ptr='i64',
                                         order_ptr='i64', q_ptr='fp16' if quant else act),
@@ -119,7 +125,7 @@ def test_kernels_compile_and_fit_shared_memory(cap):
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == 24
+    assert len(results) == 27  # (prefill: both tile sizes of each policy)
     for name, shared in results.items():
         assert isinstance(shared, int), f'{name} does not compile for sm{cap}: {shared}'
         limit = shared_memory_of(cap)
