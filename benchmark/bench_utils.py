@@ -5,7 +5,8 @@ a batch of requests run through it."""
 from __future__ import annotations
 
 import threading
-from typing import Callable, List, Sequence
+import time
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -39,9 +40,11 @@ def stub_model(engine, max_rows: int):
     engine.runner.logits = lambda h, rows=None: top[:h.shape[0]]
 
 
-def run_requests(engine, prompts: Sequence[List[int]], outs: Sequence[int], stream: bool = False):
+def run_requests(engine, prompts: Sequence[List[int]], outs: Sequence[int], stream: bool = False,
+                 arrivals: Optional[Sequence[float]] = None):
     """Greedy requests of ``outs[i]`` tokens, submitted as Pipeline.infer submits a batch (longest output
-    first; ``stream=False``: one output at the end) and waited for."""
+    first; ``stream=False``: one output at the end) and waited for; or with ``arrivals`` (seconds from the
+    call, one per request) request i submitted at arrivals[i], as a server receives them."""
     from lmdeploy.engine.engine import EngineRequest
     from lmdeploy.engine.sequence import SamplingParams
     left, done = [len(prompts)], threading.Event()
@@ -52,7 +55,11 @@ def run_requests(engine, prompts: Sequence[List[int]], outs: Sequence[int], stre
             if not left[0]:
                 done.set()
 
-    for i in sorted(range(len(outs)), key=lambda i: -outs[i]):
+    order = sorted(range(len(outs)), key=lambda i: -outs[i]) if arrivals is None else range(len(outs))
+    start = time.perf_counter()
+    for i in order:
+        if arrivals is not None:
+            time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
         engine.submit(EngineRequest(i + 1, prompts[i], SamplingParams(max_new_tokens=int(outs[i]), greedy=True),
                                     on_output, stream=stream))
     done.wait()

@@ -7,7 +7,9 @@ A run's device time is its steps' kernels plus whatever keeps the GPU from runni
    the real engine and scheduler on the cpu device with the model taken out (as host_overhead.py does),
    with the KV capacity of the GPU run, and every step is recorded: each sequence's tokens this step, its
    context, its KV blocks (on the H100 the step counts of one run exactly, of another within 6 steps: when
-   a step may run ahead of the one in flight depends a little on timing). Printed: the steps and the work they fix, GEMM FLOPs per phase and the KV bytes
+   a step may run ahead of the one in flight depends a little on timing). With ``--request-rate`` the
+   requests arrive as a server receives them and each step takes a modelled device time (a serving
+   schedule). Printed: the steps and the work they fix, GEMM FLOPs per phase and the KV bytes
    decode attention reads. Every generated token reads its whole context once, so the KV bytes are the
    same under any schedule; so are the GEMM rows (each token passes through the model once).
 2. ``--measure`` (a CUDA GPU): one decoder layer of the model's shape, random weights, runs every
@@ -18,12 +20,18 @@ A run's device time is its steps' kernels plus whatever keeps the GPU from runni
 
     python benchmark/step_floor.py                                 # schedule and work (cpu, ~10 s)
     python benchmark/step_floor.py --measure --kv-tokens 312000    # + the floor on this GPU (~1 min)
+    python benchmark/step_floor.py --num-requests 800 --request-rate 20      # a serving schedule (~45 s)
+    python benchmark/step_floor.py --num-requests 300 --input-len 3000 --output-len 64 --sigma 0 \
+        --max-input-len 4000                                       # the prefill-bound workload
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import random
 import tempfile
+import time
 import types
 from typing import List, NamedTuple, Tuple
 
@@ -75,10 +83,16 @@ def engine_config(shape: str, out: str, **overrides):
 
 def record_schedule(model_dir: str, prompts: List[List[int]], outs: List[int], max_batch_size: int,
                     num_blocks: int, block_size: int, max_prefill_tokens: int, refill_slots: int = 0,
-                    mix: bool = False) -> List[Step]:
+                    mix: bool = False, request_rate: float = 0.0, step_cost: Tuple[float, float] = (0.0, 0.0),
+                    seed: int = 0) -> List[Step]:
     """Every step the engine runs for these requests, submitted as Pipeline.infer submits a batch, scheduled
     as a graph device schedules them (``refill_slots`` other than the scheduler's own), or with ``mix`` as an
-    eager device does (prompts join every step)."""
+    eager device does (prompts join every step).
+
+    A serving schedule: ``request_rate`` > 0 submits the requests one by one at Poisson arrival times (req/s,
+    seeded) instead, and each step takes the device time ``step_cost`` models, (ms a step, ms per 1,000 of
+    its tokens) (the stubbed model sleeps that long), so which arrivals join which step follows the GPU's
+    pace rather than the cpu's."""
     from lmdeploy.engine.engine import Engine
     from lmdeploy.messages import PytorchEngineConfig
     eng = Engine(model_dir, PytorchEngineConfig(device_type='cpu', max_batch_size=max_batch_size,
@@ -92,12 +106,20 @@ def record_schedule(model_dir: str, prompts: List[List[int]], outs: List[int], m
     run_step = eng._run_step
 
     def recorded(batch):
-        steps.append(Step(batch.is_decode, [Row(s.num_computed, n, s.num_tokens, tuple(s.block_ids))
-                                            for s, n in zip(batch.seqs, batch.num_new_tokens)]))
+        step = Step(batch.is_decode, [Row(s.num_computed, n, s.num_tokens, tuple(s.block_ids))
+                                      for s, n in zip(batch.seqs, batch.num_new_tokens)])
+        steps.append(step)
+        if step_cost != (0.0, 0.0):
+            time.sleep((step_cost[0] + step_cost[1] * step.tokens / 1000) / 1000)
         run_step(batch)
 
     eng._run_step = recorded
-    run_requests(eng, prompts, outs)
+    if request_rate > 0:
+        rng = random.Random(seed)
+        arrivals = list(itertools.accumulate(rng.expovariate(request_rate) for _ in prompts))
+        run_requests(eng, prompts, outs, arrivals=arrivals)
+    else:
+        run_requests(eng, prompts, outs)
     eng.close()
     return steps
 
@@ -232,6 +254,11 @@ def main():
                    "(default: the scheduler's)")
     p.add_argument('--mix', action='store_true', help='prompts join every step, as on an eager device (what '
                    'the floor of such a schedule is; the engine replays graphs only for decode-only steps)')
+    p.add_argument('--request-rate', type=float, default=0.0, help='a serving schedule: requests arrive one by '
+                   'one at this Poisson rate (req/s) instead of all at once (see --step-cost)')
+    p.add_argument('--step-cost', type=float, nargs=2, default=(8.0, 26.0), metavar=('MS', 'MS_PER_1K'),
+                   help='with --request-rate: the device time a step takes, ms plus ms per 1,000 of its tokens '
+                   '(default: an H100 on the Llama-3-8B shape, a decode step ~8 ms, prompt tokens ~26 us each)')
     p.add_argument('--measure', action='store_true', help='time every step on the device')
     p.add_argument('--device', default='cuda', help='where --measure times the steps')
     p.add_argument('--max-steps', type=int, default=None, help='time only the first steps (a check)')
@@ -245,11 +272,15 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         stand_in = stand_in_model(os.path.join(tmp, 'stand-in'), shape['vocab_size'], shape['max_position_embeddings'])
         steps = record_schedule(stand_in, prompts, outs, args.max_batch_size, -(-args.kv_tokens // args.block_size),
-                                args.block_size, args.max_prefill_token_num, args.refill_slots, args.mix)
+                                args.block_size, args.max_prefill_token_num, args.refill_slots, args.mix,
+                                args.request_rate, tuple(args.step_cost) if args.request_rate > 0 else (0.0, 0.0),
+                                args.seed)
         cfg = engine_config(args.shape, os.path.join(tmp, 'config'))
     generated = sum(outs)
     print(f'{args.num_requests} requests, {sum(map(len, prompts))} prompt and {generated} output tokens, '
-          f'{cfg.num_layers} layers of the {args.shape} shape, KV for {args.kv_tokens} tokens')
+          f'{cfg.num_layers} layers of the {args.shape} shape, KV for {args.kv_tokens} tokens' +
+          (f', arriving at {args.request_rate:g} req/s (steps of {args.step_cost[0]:g} ms + '
+           f'{args.step_cost[1]:g} ms per 1,000 tokens)' if args.request_rate > 0 else ', all at once'))
     for phase, w in work(steps, cfg).items():
         print(f"  {phase}: {w['steps']} steps, {w['rows'] / max(1, w['steps']):.1f} rows/step, "
               f"{w['tflop']:,.1f} TFLOP of GEMMs, decode attention reads {w['kv_tb']:.2f} TB of KV")

@@ -41,3 +41,25 @@ def test_step_times_on_the_cpu_device(tmp_path):
     assert all(0 < gemm < total for total, gemm in times)
     work = sf.work(steps, cfg)
     assert work['prefill']['rows'] + work['decode']['rows'] == 40 + 9 + 17 + (3 - 1) + (5 - 1) + (2 - 1)
+
+
+def test_serving_schedule_takes_arrivals_as_they_come(tmp_path):
+    """--request-rate: requests arrive one by one while steps take the modelled device time, so prompts
+    join a running batch in small groups (most steps with prompt rows carry decode rows too), and every
+    token is still computed once."""
+    sf = benchmark_module('step_floor')
+    rng = random.Random(3)
+    ins = [rng.randint(4, 60) for _ in range(24)]
+    outs = [rng.randint(8, 30) for _ in range(24)]
+    prompts = [[rng.randrange(100, 32000) for _ in range(n)] for n in ins]
+    model = sf.stand_in_model(str(tmp_path / 'stand-in'), 32000, 4096)
+    steps = sf.record_schedule(model, prompts, outs, max_batch_size=16, num_blocks=400, block_size=16,
+                               max_prefill_tokens=512, request_rate=200.0, step_cost=(2.0, 0.0), seed=1)
+    prompt_steps = [s for s in steps if not s.is_decode]
+    assert sum(r.new for s in steps for r in s.rows if r.new > 1) == sum(ins)  # (no prompt is chunked here)
+    assert sum(s.sampled for s in steps) == sum(outs)
+    # arrivals ~5 ms apart against 2 ms steps: prompts come a few at a time, not all in the first step
+    assert len(prompt_steps) >= 6 and max(sum(r.new > 1 for r in s.rows) for s in prompt_steps) < len(prompts)
+    all_at_once = sf.record_schedule(model, prompts, outs, max_batch_size=16, num_blocks=400, block_size=16,
+                                     max_prefill_tokens=512)
+    assert len([s for s in all_at_once if not s.is_decode]) < len(prompt_steps)
