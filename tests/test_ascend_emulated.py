@@ -320,11 +320,17 @@ def cpu_tokens(smollm2_path):
 PROMPTS = ['What is the capital of France?', 'Count to five.', 'Name a colour.']
 
 
-def _generate(pipe):
+def _generate(pipe, margins=None):
     """Greedy tokens of PROMPTS, then seeded samples (top-k, top-p, temperature: the sampling ops on the
-    device) of the first two."""
+    device) of the first two. ``margins``: a list that gets, per greedy sequence and step, the top logit's
+    lead over the runner-up."""
     from lmdeploy import GenerationConfig
-    greedy = [r.token_ids for r in pipe(PROMPTS, GenerationConfig(max_new_tokens=8, do_sample=False))]
+    results = pipe(PROMPTS, GenerationConfig(max_new_tokens=8, do_sample=False,
+                                             output_logits='generation' if margins is not None else None))
+    greedy = [r.token_ids for r in results]
+    for r in results if margins is not None else ():
+        top2 = r.logits.float().topk(2, dim=-1).values
+        margins.append((top2[:, 0] - top2[:, 1]).tolist())
     sampled = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=20, top_p=0.9, temperature=0.8,
                                random_seed=7)
     return greedy + [r.token_ids for r in pipe(PROMPTS[:2], sampled)]
@@ -357,12 +363,8 @@ def cpu_int8_tokens(smollm2_path):
                                                                      dtype='float32', max_batch_size=4,
                                                                      quant_policy=8))
     try:
-        from lmdeploy import GenerationConfig
-        margins = []  # per greedy sequence and step: the cpu's top logit over the runner-up
-        for r in pipe(PROMPTS, GenerationConfig(max_new_tokens=8, do_sample=False, output_logits='generation')):
-            top2 = r.logits.float().topk(2, dim=-1).values
-            margins.append((top2[:, 0] - top2[:, 1]).tolist())
-        return _generate(pipe), margins
+        margins = []  # of the same greedy run whose tokens are compared
+        return _generate(pipe, margins), margins
     finally:
         pipe.close()
 

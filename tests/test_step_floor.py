@@ -5,12 +5,17 @@ import random
 from helpers import benchmark_module
 
 
+def random_workload(seed, n, max_in, out_range):
+    """n prompts of 4 to ``max_in`` random tokens and their output lengths."""
+    rng = random.Random(seed)
+    ins = [rng.randint(4, max_in) for _ in range(n)]
+    outs = [rng.randint(*out_range) for _ in range(n)]
+    return ins, outs, [[rng.randrange(100, 32000) for _ in range(k)] for k in ins]
+
+
 def test_recorded_schedule_carries_every_token_once(tmp_path):
     sf = benchmark_module('step_floor')
-    rng = random.Random(7)
-    ins = [rng.randint(4, 90) for _ in range(30)]
-    outs = [rng.randint(2, 40) for _ in range(30)]
-    prompts = [[rng.randrange(100, 32000) for _ in range(n)] for n in ins]
+    ins, outs, prompts = random_workload(7, 30, 90, (2, 40))
     model = sf.stand_in_model(str(tmp_path / 'stand-in'), 32000, 4096)
     steps = sf.record_schedule(model, prompts, outs, max_batch_size=8, num_blocks=200, block_size=16,
                                max_prefill_tokens=256)
@@ -45,13 +50,10 @@ def test_step_times_on_the_cpu_device(tmp_path):
 
 def test_serving_schedule_takes_arrivals_as_they_come(tmp_path):
     """--request-rate: requests arrive one by one while steps take the modelled device time, so prompts
-    join a running batch in small groups (most steps with prompt rows carry decode rows too), and every
-    token is still computed once."""
+    join in small groups over more steps than when all arrive at once, and every token is still computed
+    once."""
     sf = benchmark_module('step_floor')
-    rng = random.Random(3)
-    ins = [rng.randint(4, 60) for _ in range(24)]
-    outs = [rng.randint(8, 30) for _ in range(24)]
-    prompts = [[rng.randrange(100, 32000) for _ in range(n)] for n in ins]
+    ins, outs, prompts = random_workload(3, 24, 60, (8, 30))
     model = sf.stand_in_model(str(tmp_path / 'stand-in'), 32000, 4096)
     steps = sf.record_schedule(model, prompts, outs, max_batch_size=16, num_blocks=400, block_size=16,
                                max_prefill_tokens=512, request_rate=200.0, step_cost=(2.0, 0.0), seed=1)

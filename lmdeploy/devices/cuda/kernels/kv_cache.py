@@ -209,7 +209,7 @@ def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_ze
     rotate = rotates_k(quant, d)
     _rotary_fill_kv_kernel[(t, triton.cdiv(h, block_h) + 1)](
         q, k, v, out, k_cache, v_cache, k_scale_zero if quant else k_cache, v_scale_zero if quant else v_cache,
-        _mean_arg(k_mean, cos) if quant else cos, cos, sin, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
+        _mean_arg(k_mean, cos), cos, sin, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), cos.stride(0), h, hkv, HEAD_DIM=d, BLOCK_H=block_h,
         BLOCK_KV=_heads_block(hkv, rotate), BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, ROTATE=rotate,
         HSCALE=d**-0.5, CENTRE=_centres(quant, k_mean), num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
