@@ -46,22 +46,29 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
-// kernel<<<grid, block, 0, stream>>>(args...), with programmatic dependent launch allowed when pdl is set
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic dependent launch allowed when pdl is set
 // (the caller sets it on sm90+ only; the kernel must start with pdl_wait_then_release()).
 template <typename... Params, typename... Args>
-inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl,
-                                 Args&&... args) {
+inline cudaError_t launch_kernel_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                      cudaStream_t stream, bool pdl, Args&&... args) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = block;
-    config.dynamicSmemBytes = 0;
+    config.dynamicSmemBytes = smem;
     config.stream = stream;
     config.attrs = pdl ? attr : nullptr;
     config.numAttrs = pdl ? 1 : 0;
     return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// The same without dynamic shared memory.
+template <typename... Params, typename... Args>
+inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl,
+                                 Args&&... args) {
+    return launch_kernel_smem(kernel, grid, block, 0, stream, pdl, std::forward<Args>(args)...);
 }
 
 __device__ __forceinline__ float warp_max(float x, int width) {

@@ -13,7 +13,10 @@
 //     q's fragment uses the same assignment: elem_of below);
 //   - for P V, the V rows of tokens 2t, 2t + 1, 2t + 8, 2t + 9 (the P fragment's columns), the D / 8
 //     output columns of position g (col_of below).
-// Every load is 4-16 contiguous bytes per lane straight from global memory into registers.
+// A warp copies its tiles into shared memory with cp.async, kStages - 1 tiles ahead of the one it works on
+// (whole rows, 16 bytes a lane, so the copy is coalesced; no registers held while the bytes are on their
+// way), then each lane reads its 4-16 contiguous bytes a row from there. Rows sit at padded strides in the
+// copy so that those reads meet no bank conflicts (Stage below).
 //
 // A quantized cache enters the dots as its integer codes biased by 1024, exact in float16 (one byte
 // permute per two codes puts 0x64 above each byte: the float16 1024 + c), with each token's scale and
@@ -31,12 +34,18 @@
 namespace lmdeploy {
 namespace {
 
-// Tuning (H100, benchmark/kv_quant_attn.py --impl compiled): blocks an SM, by KV policy: 3 for a 16-bit
-// cache (up to 170 registers a thread; 4 would spill), 4 for int8 / int4 (up to 128 registers: 3-12 %
-// faster than 3, though head_dim 128 spills 64-80 bytes). Loading a warp's next tile during this one's
-// math (twice the registers) was no faster at any point and 10 % slower for int4.
+// Tuning (H100, benchmark/kv_quant_attn.py --impl compiled, LMDEPLOY_NVCC_FLAGS=-D...): 3 blocks an SM
+// (up to 168 registers a thread: int8 / int4 run without spills) and 2 / 3 stages for int8 / int4. With
+// the stages, 3 blocks beat 4 (128 registers, spilling 60-116 bytes) by 1.14-1.23x for int8 and up to
+// 1.26x for int4 (equal at 64 x 1k); int4 with 2 stages is within 5 % of 3 (faster at 64 sequences,
+// slower at 256 x 1k); 4 stages gained nothing for either. (Before the stages, lanes loaded straight
+// into registers: 4 blocks were faster than 3 there.)
 #ifndef LMDEPLOY_DECODE_MMA_MIN_BLOCKS
-#define LMDEPLOY_DECODE_MMA_MIN_BLOCKS(POLICY) ((POLICY) == 0 ? 3 : 4)
+#define LMDEPLOY_DECODE_MMA_MIN_BLOCKS(POLICY) 3
+#endif
+// Tiles a warp keeps in shared memory (the one it works on and those on their way), by KV policy.
+#ifndef LMDEPLOY_DECODE_MMA_STAGES
+#define LMDEPLOY_DECODE_MMA_STAGES(POLICY) ((POLICY) == 4 ? 3 : 2)
 #endif
 constexpr int kWarps = 4;
 constexpr int kTile = 16;  // tokens a warp takes at once
@@ -96,17 +105,56 @@ struct Shape {
     static constexpr int kRowBytes = POLICY == 0 ? 2 * D : (POLICY == 8 ? D : D / 2);
     static constexpr int kKBytes = kRowBytes / 4;  // quad position t: a quarter of the row
     static constexpr int kVBytes = kRowBytes / 8;  // position g: an eighth
-    static constexpr int kKWords = kKBytes / 4;
     static constexpr int kVWords = kVBytes / 4;
 };
 
-// What a lane holds of one 16-token tile before the math: K and V words, (scale, zero) of K and V.
+// What a lane holds of one 16-token tile for the scores' scaling and P V: V words, (scale, zero) of K and V.
 template <int POLICY, int D>
 struct Tile {
-    uint32_t kw[2][Shape<POLICY, D>::kKWords];
     uint32_t vw[4][Shape<POLICY, D>::kVWords];
     float2 ks[4], vs[4];
 };
+
+// One warp's shared-memory copy of one tile: K rows, V rows, then each token's K and V (scale, zero).
+// Strides: a K read (quad position t: bytes t kKBytes.. of rows g and g + 8) and a V read (position g:
+// bytes g kVBytes.. of rows 2t, 2t + 1, 2t + 8, 2t + 9) hit distinct banks in each phase of a warp's
+// access: K rows of 128 bytes or more get 16 bytes of padding (shorter ones are 64 or 32 bytes, whose
+// reads of two or four rows fill the 32 banks as they are), V rows always 16.
+template <int POLICY, int D>
+struct Stage {
+    using S = Shape<POLICY, D>;
+    static constexpr int kKStride = S::kRowBytes + (S::kRowBytes >= 128 ? 16 : 0);
+    static constexpr int kVStride = S::kRowBytes + 16;
+    static constexpr int kV = kTile * kKStride;
+    static constexpr int kKsz = kV + kTile * kVStride;
+    static constexpr int kVsz = kKsz + kTile * 4;
+    static constexpr int kBytes = kVsz + kTile * 4;
+    static_assert(kBytes % 16 == 0, "stages must stay 16-byte aligned");
+};
+
+// Dynamic shared memory of a block: q's rows, then the warps' stages, which the warps' partial outputs
+// (rows padded by kOutPad floats against bank conflicts) reuse once every tile is done.
+constexpr int kOutPad = 4;
+template <int POLICY, int D>
+constexpr int smem_bytes() {
+    constexpr int stages = LMDEPLOY_DECODE_MMA_STAGES(POLICY) * kWarps * Stage<POLICY, D>::kBytes;
+    constexpr int outs = kWarps * 8 * (D + kOutPad) * 4;
+    return 8 * D * 4 + (stages > outs ? stages : outs);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 template <int BYTES>
 __device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
@@ -203,9 +251,13 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     constexpr int kCols = D / 8;    // n-tiles of P V
     constexpr bool kRotate = POLICY == 4;  // devices/cache.py rotates_k (int4, power-of-two D >= 32)
 
-    __shared__ float sq[8][D];
+    constexpr int kStages = LMDEPLOY_DECODE_MMA_STAGES(POLICY);
+    using St = Stage<POLICY, D>;
+    extern __shared__ __align__(16) uint8_t smem[];
+    float(*sq)[D] = reinterpret_cast<float(*)[D]>(smem);
+    uint8_t* stages = smem + 8 * D * 4;
+    float(*sm_o)[8][D + kOutPad] = reinterpret_cast<float(*)[8][D + kOutPad]>(stages);  // after the tiles
     __shared__ float sm_m[kWarps][8], sm_l[kWarps][8], sm_z[kWarps][8];
-    __shared__ float sm_o[kWarps][8][D];
 
     const T* q = static_cast<const T*>(args.q);
     const uint8_t* kc = static_cast<const uint8_t*>(args.k_cache);
@@ -238,32 +290,53 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     const int warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
 
-    // A tile's loads: K rows of tokens g and g + 8, V rows (and every scale / zero) of tokens 2t, 2t + 1,
-    // 2t + 8, 2t + 9; tokens past the slice read its last token's row (their scores are masked)
+    // A lane reads K rows of tokens g and g + 8 of a tile, V rows (and every scale / zero) of tokens 2t,
+    // 2t + 1, 2t + 8, 2t + 9; tokens past the slice are copies of its last token (their scores are masked)
     const int32_t* table = static_cast<const int32_t*>(args.block_tables) + b * args.stride_bt;
     // (one division a tile: the tile lies in one block; then a token is a multiple of the slot stride away)
     const bool pow2 = (block_size & (block_size - 1)) == 0;
     const int shift = __ffs(block_size) - 1;
-    const int slot_bytes = num_kv_heads * S::kRowBytes;
-    auto load_tile = [&](int base, Tile<POLICY, D>& x) {
+    auto tile_row0 = [&](int base) {  // the slot row of the tile's first token (of this KV head)
         const int blk = pow2 ? base >> shift : base / block_size;
-        const int64_t row0 = (static_cast<int64_t>(table[blk]) * block_size + (base - blk * block_size)) *
-                                 num_kv_heads + kvh;
-        const int last = end - 1 - base;  // offsets past it read it
-        const uint8_t* k0 = kc + row0 * S::kRowBytes + t * S::kKBytes;
-        const uint8_t* v0 = vc + row0 * S::kRowBytes + g * S::kVBytes;
+        return (static_cast<int64_t>(table[blk]) * block_size + (base - blk * block_size)) * num_kv_heads + kvh;
+    };
+    // into a stage of shared memory: whole rows, 16 bytes a lane (and a token's K or V scale and zero)
+    auto copy_tile = [&](int base, uint8_t* st) {
+        const int64_t row0 = tile_row0(base);
+        const int last = end - 1 - base;
+        constexpr int kChunks = S::kRowBytes / 16;  // 16-byte pieces of a row
 #pragma unroll
-        for (int r = 0; r < 2; ++r) load_words<S::kKBytes>(k0 + min(g + 8 * r, last) * slot_bytes, x.kw[r]);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int dt = min(2 * t + (r % 2) + 8 * (r / 2), last);
-            load_words<S::kVBytes>(v0 + dt * slot_bytes, x.vw[r]);
-            if constexpr (POLICY != 0) {
-                x.ks[r] = load_sz(ksz, row0 + dt * num_kv_heads);
-                x.vs[r] = load_sz(vsz, row0 + dt * num_kv_heads);
-            }
+        for (int i = 0; i < kTile * kChunks / 32; ++i) {
+            const int idx = i * 32 + lane, r = idx / kChunks, c = idx % kChunks;
+            const int64_t src = (row0 + static_cast<int64_t>(min(r, last)) * num_kv_heads) * S::kRowBytes + 16 * c;
+            cp_async16(st + r * St::kKStride + 16 * c, kc + src);
+            cp_async16(st + St::kV + r * St::kVStride + 16 * c, vc + src);
+        }
+        if constexpr (POLICY != 0) {
+            const int r = lane % kTile;
+            const int64_t row = row0 + static_cast<int64_t>(min(r, last)) * num_kv_heads;
+            cp_async4(st + (lane < kTile ? St::kKsz : St::kVsz) + 4 * r, (lane < kTile ? ksz : vsz) + 2 * row);
         }
     };
+    // a lane's V words of a tile in shared memory (and the V scales)
+    auto read_v = [&](const uint8_t* st, Tile<POLICY, D>& x) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int dt = 2 * t + (r % 2) + 8 * (r / 2);
+            load_words<S::kVBytes>(st + St::kV + dt * St::kVStride + g * S::kVBytes, x.vw[r]);
+            if constexpr (POLICY != 0) x.vs[r] = load_sz(reinterpret_cast<const __half*>(st + St::kVsz), dt);
+        }
+    };
+
+    // this warp's tiles: first, first + kWarps kTile, ...; the first kStages - 1 set off before q is ready
+    const int first = start + warp * kTile;
+    const int num_tiles = first < end ? (end - first + kWarps * kTile - 1) / (kWarps * kTile) : 0;
+    uint8_t* ring = stages + warp * kStages * St::kBytes;
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (i < num_tiles) copy_tile(first + i * kWarps * kTile, ring + i * St::kBytes);
+        cp_async_commit();
+    }
 
     for (int i = tid; i < 8 * D; i += blockDim.x) {
         const int h = i / D, d = i % D;
@@ -298,21 +371,42 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 #pragma unroll
     for (int j = 0; j < kCols; ++j) o[j][0] = o[j][1] = 0.f;
 
-    for (int base = start + warp * kTile; base < end; base += kWarps * kTile) {
-        Tile<POLICY, D> cur;
-        load_tile(base, cur);
+    for (int i = 0; i < num_tiles; ++i) {
+        const int base = first + i * kWarps * kTile;
+        const int ahead = i + kStages - 1;  // into the stage the previous tile used
+        if (ahead < num_tiles) copy_tile(first + ahead * kWarps * kTile, ring + (ahead % kStages) * St::kBytes);
+        cp_async_commit();
+        cp_async_wait<kStages - 1>();  // tile i is in
+        __syncwarp();
+        const uint8_t* st = ring + (i % kStages) * St::kBytes;
         const int vtok[4] = {base + 2 * t, base + 2 * t + 1, base + 2 * t + 8, base + 2 * t + 9};
 
-        // scores of row g for tokens vtok[0..3] (n-tile 0: tokens 0-7, n-tile 1: 8-15)
+        // scores of row g for tokens vtok[0..3] (n-tile 0: tokens 0-7, n-tile 1: 8-15), K read 16 bytes a
+        // row at a time (the k steps those bytes feed), which keeps fewer registers live than all at once
         float c[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+        constexpr int kChunkBytes = S::kKBytes < 16 ? S::kKBytes : 16;
+        constexpr int kChunkSteps = kSteps * kChunkBytes / S::kKBytes;
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
+        for (int ch = 0; ch < S::kKBytes / kChunkBytes; ++ch) {
+            uint32_t kw[2][kChunkBytes / 4];
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                uint32_t b0, b1;
-                k_operand<POLICY>(cur.kw[r], s, b0, b1);
-                mma<E>(c[r], qa[s][0], qa[s][1], b0, b1);
+            for (int r = 0; r < 2; ++r)
+                load_words<kChunkBytes>(st + (g + 8 * r) * St::kKStride + t * S::kKBytes + ch * kChunkBytes, kw[r]);
+#pragma unroll
+            for (int s = 0; s < kChunkSteps; ++s) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    uint32_t b0, b1;
+                    k_operand<POLICY>(kw[r], s, b0, b1);
+                    mma<E>(c[r], qa[ch * kChunkSteps + s][0], qa[ch * kChunkSteps + s][1], b0, b1);
+                }
             }
+        }
+        Tile<POLICY, D> cur;
+        if constexpr (POLICY != 0) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                cur.ks[r] = load_sz(reinterpret_cast<const __half*>(st + St::kKsz), 2 * t + (r % 2) + 8 * (r / 2));
         }
         float sc[4] = {c[0][0], c[0][1], c[1][0], c[1][1]};
         float tmax = -INFINITY;
@@ -336,6 +430,8 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 #pragma unroll
             for (int j = 0; j < kCols; ++j) o[j][0] *= corr, o[j][1] *= corr;
         }
+        read_v(st, cur);
+        __syncwarp();  // every lane has its words before the stage is refilled
         uint32_t pa0, pa2;  // P's A fragment, row g: tokens (2t, 2t + 1) and (2t + 8, 2t + 9)
         if constexpr (POLICY == 0) {
             pa0 = pack2<E>(p[0], p[1]);
@@ -355,6 +451,9 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     }
 
     // merge the block's warps: each head's per-warp weights first, then every output element is a few FMAs
+    // (the partial outputs reuse the stages: every warp must be done with its tiles)
+    cp_async_wait<0>();
+    __syncthreads();
     l = quad_sum(l);
     lz = quad_sum(lz);
     if (g < group) {
@@ -408,8 +507,13 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 
 template <typename T, int POLICY, int D>
 void launch(const DecodeArgs& a, cudaStream_t stream) {
-    launch_kernel(decode_mma_kernel<T, POLICY, D>, dim3(a.batch * a.num_kv_heads * a.num_splits),
-                  dim3(kWarps * 32), stream, a.pdl != 0, a, a.scale * 1.4426950408889634f);
+    constexpr int smem = smem_bytes<POLICY, D>();
+    // above 48 KB a block must be allowed it (once; a failure shows as the launch's error)
+    static const cudaError_t allowed =
+        cudaFuncSetAttribute(decode_mma_kernel<T, POLICY, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    (void)allowed;
+    launch_kernel_smem(decode_mma_kernel<T, POLICY, D>, dim3(a.batch * a.num_kv_heads * a.num_splits),
+                       dim3(kWarps * 32), smem, stream, a.pdl != 0, a, a.scale * 1.4426950408889634f);
 }
 
 }  // namespace

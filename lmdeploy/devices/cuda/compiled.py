@@ -37,16 +37,16 @@ ANY = range(0, 1 << 62)  # every call
 # rotary_fill.py and latency.py; benchmark/RESULTS.md). auto runs it there, and for every call on GPUs
 # Triton serves poorly (before sm80 Triton's attention runs without bfloat16 and its tensor-core paths).
 FASTER: Dict[str, Dict[Tuple[int, int], range]] = {
-    # H100: 1.02-1.30x at 64-256 sequences alone, long decode 1.09x end to end; under a decode graph's
-    # slicing bound slower at 1-16 sequences alone (16: 29 against 21 us), one sequence 2-3 % slower end
-    # to end (decode 164.3 / 166.4 tok/s against 168.9 / 170.4)
+    # H100: 1.29-1.44x at 64-256 sequences alone (since its tiles are copied into shared memory ahead);
+    # under a decode graph's slicing bound slower at 1 and 16 sequences alone (16: 25.7 against 20.8 us),
+    # and one sequence decoded 2-3 % slower with the kernel before that end to end
     'paged_decode_attention[int8]': {(9, 0): range(64, ANY.stop)},
-    # H100: 1.13-1.27x at 64-256 sequences alone; under a graph's bound 1.1x at 1, 1.07-1.36x at 4, equal
-    # at 16; one sequence as fast end to end (165.7 / 163.8 against 165.4 / 163.3)
+    # H100: 1.30-1.61x at 64-256 sequences alone; under a graph's bound 1.14x at 1, 1.36x at 4, 0.87x at 16;
+    # one sequence as fast end to end
     'paged_decode_attention[int4]': {(9, 0): ANY},
-    # (rotary_fill_kv[int4] measured 1.54x at 64 tokens and 1.63x at 256 on an H100, 0.90x at 2,048, before
-    # int4 caches took each layer's mean key off K (devices/cache.py); the kernel takes it now, but that has
-    # not run on a GPU yet (tests/test_cuda_compiled.py checks it there): auto keeps Triton's until it has)
+    # H100: 1.54x at 64 tokens a call, 1.63x at 256, 0.90x at 2,048 (int4's K rotation is a tensor-core dot a
+    # token in Triton's kernel); the mean key (devices/cache.py) taken off K as Triton's does
+    'rotary_fill_kv[int4]': {(9, 0): range(0, 257)},
 }
 _BEFORE_TRITON = (8, 0)
 
