@@ -5,14 +5,17 @@
 //
 // One thread block per (sequence, KV head, context slice); each warp takes 16-token tiles of the slice
 // in turn and keeps its own online softmax; the block merges its warps at the end (and a second kernel
-// merges slices, decode_attention.cu's reduce). In each mma the G query heads sharing the KV head are the
-// rows (padded to 16 with zeros), so the score fragment of Q K^T is already the A operand of P V
-// (FlashAttention-2's register reuse). Lane (g = lane / 4, t = lane % 4) reads:
-//   - for Q K^T, the K row of tokens g and g + 8 of the tile, the D / 4 elements the mma's k slots of
-//     quad position t stand for (a dot product does not care which slot holds which element, as long as
-//     q's fragment uses the same assignment: elem_of below);
-//   - for P V, the V rows of tokens 2t, 2t + 1, 2t + 8, 2t + 9 (the P fragment's columns), the D / 8
-//     output columns of position g (col_of below).
+// merges slices, decode_attention.cu's reduce). Both products are computed transposed, so that the G
+// query heads sharing the KV head are an mma's 8 columns (padded with zero heads) rather than its 16
+// rows: the scores as S^T = K Q^T (rows: the tile's 16 tokens), the output as O^T = V^T P^T (rows: head
+// elements). Lane (g = lane / 4, t = lane % 4) reads:
+//   - for S^T, the K rows of tokens g and g + 8, the D / 4 elements the mma's k slots of quad position
+//     t stand for (a dot product does not care which slot holds which element, as long as q's fragment
+//     uses the same assignment: elem_of below); it gets the scores of heads 2t and 2t + 1 for those
+//     tokens, keeps those two heads' softmax, and transposes P^T's fragment into P's (movmatrix) for:
+//   - O^T, the V rows of tokens 2t, 2t + 1, 2t + 8, 2t + 9 (the k slots), the D / 8 head elements of
+//     position g (col_of below), two of them (rows g and g + 8) for each m-tile; it gets heads 2t and
+//     2t + 1 of those elements, which its own softmax scales.
 // A warp copies its tiles into shared memory with cp.async, kStages - 1 tiles ahead of the one it works on
 // (whole rows, 16 bytes a lane, so the copy is coalesced; no registers held while the bytes are on their
 // way), then each lane reads its 4-16 contiguous bytes a row from there. Rows sit at padded strides in the
@@ -22,7 +25,7 @@
 // permute per two codes puts 0x64 above each byte: the float16 1024 + c), with each token's scale and
 // zero, and the bias, applied outside them: q.k = scale (q.(1024 + c) - 1024 sum(q)) + zero sum(q), and
 // sum_t p_t v_t = sum_t (p_t scale_t) (1024 + c_t) - 1024 sum_t p_t scale_t + sum_t p_t zero_t, the
-// last two (with p_t scale_t as the dot rounded it) summed per row apart. q and p go into those dots as
+// last two (with p_t scale_t as the dot rounded it) summed per head apart. q and p go into those dots as
 // float16 (for bf16 models too: 11 bits where bf16 has 8); the products are exact and summed in float32,
 // so the bias costs about 10 of float32's 24 bits, where the result needs about 11.
 #include <cmath>
@@ -35,11 +38,10 @@ namespace lmdeploy {
 namespace {
 
 // Tuning (H100, benchmark/kv_quant_attn.py --impl compiled, LMDEPLOY_NVCC_FLAGS=-D...): 3 blocks an SM
-// (up to 168 registers a thread: int8 / int4 run without spills) and 2 / 3 stages for int8 / int4. With
-// the stages, 3 blocks beat 4 (128 registers, spilling 60-116 bytes) by 1.14-1.23x for int8 and up to
-// 1.26x for int4 (equal at 64 x 1k); int4 with 2 stages is within 5 % of 3 (faster at 64 sequences,
-// slower at 256 x 1k); 4 stages gained nothing for either. (Before the stages, lanes loaded straight
-// into registers: 4 blocks were faster than 3 there.)
+// and 2 / 3 stages for int8 / int4. With the heads as the mmas' rows (before the products were
+// transposed) 3 blocks (168 registers) beat 4 (128, spilling 60-116 bytes) by 1.14-1.23x for int8 and up
+// to 1.26x for int4; transposed, the kernel needs 121-136 registers and 4 blocks are equal to 3 (within
+// 2 %). int4 with 2 stages was within 5 % of 3; 4 stages gained nothing for either.
 #ifndef LMDEPLOY_DECODE_MMA_MIN_BLOCKS
 #define LMDEPLOY_DECODE_MMA_MIN_BLOCKS(POLICY) 3
 #endif
@@ -72,34 +74,38 @@ __device__ __forceinline__ uint32_t codes_to_half2(uint32_t w) {
     return __byte_perm(w, kMagic, SEL);
 }
 
-__device__ __forceinline__ float half2_sum(uint32_t h) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    return f.x + f.y;
-}
-
 constexpr float kBias = 1024.f;
 
-// D (16 x 8, rows g and g + 8, columns 2t, 2t + 1) += A (16 x 16) B (16 x 8); rows g + 8 of A are the
-// padding (zero), so their results are dropped: c holds row g's two columns.
+// D (16 x 8) += A (16 x 16) B (16 x 8). Lane (g, t) holds A's rows g (a0, a2) and g + 8 (a1, a3) at
+// columns (2t, 2t + 1) (a0, a1) and (2t + 8, 2t + 9) (a2, a3); B's column g at rows (2t, 2t + 1) (b0) and
+// (2t + 8, 2t + 9) (b1); D's rows g (d0, d1) and g + 8 (d2, d3) at columns 2t, 2t + 1.
 template <typename E>
-__device__ __forceinline__ void mma(float (&c)[2], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-    float junk0, junk1;
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
     if constexpr (std::is_same<E, __half>::value) {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%10,%11,%12,%13};\n"
-            : "=f"(c[0]), "=f"(c[1]), "=f"(junk0), "=f"(junk1)
-            : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(0.f), "f"(0.f));
+            "{%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     } else {
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%10,%11,%12,%13};\n"
-            : "=f"(c[0]), "=f"(c[1]), "=f"(junk0), "=f"(junk1)
-            : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(0.f), "f"(0.f));
+            "{%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     }
 }
 
-// Bytes one lane reads of one K row (for Q K^T) and of one V row (for P V).
+// The 8 x 8 matrix of 16-bit pairs a warp holds (lane: row lane / 4, columns 2 (lane % 4) and + 1),
+// transposed, in the same layout.
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+    uint32_t y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// Bytes one lane reads of one K row (for the scores) and of one V row (for the output).
 template <int POLICY, int D>
 struct Shape {
     static constexpr int kRowBytes = POLICY == 0 ? 2 * D : (POLICY == 8 ? D : D / 2);
@@ -108,12 +114,6 @@ struct Shape {
     static constexpr int kVWords = kVBytes / 4;
 };
 
-// What a lane holds of one 16-token tile for the scores' scaling and P V: V words, (scale, zero) of K and V.
-template <int POLICY, int D>
-struct Tile {
-    uint32_t vw[4][Shape<POLICY, D>::kVWords];
-    float2 ks[4], vs[4];
-};
 
 // One warp's shared-memory copy of one tile: K rows, V rows, then each token's K and V (scale, zero).
 // Strides: a K read (quad position t: bytes t kKBytes.. of rows g and g + 8) and a V read (position g:
@@ -230,9 +230,17 @@ __device__ __forceinline__ float2 load_sz(const __half* sz, int64_t row) {
     return make_float2(__low2float(s), __high2float(s));
 }
 
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+// Over the 8 lanes of one quad position (lanes t, t + 4, ..., t + 28: the rows g of a fragment).
+__device__ __forceinline__ float column_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+
+__device__ __forceinline__ float column_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 4);
+    x += __shfl_xor_sync(0xffffffffu, x, 8);
+    return x + __shfl_xor_sync(0xffffffffu, x, 16);
 }
 
 __device__ __forceinline__ float quad_sum(float x) {
@@ -247,8 +255,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     using S = Shape<POLICY, D>;
     using E = typename std::conditional<POLICY == 0, T, __half>::type;  // the dots' operand type
-    constexpr int kSteps = D / 16;  // k steps of Q K^T
-    constexpr int kCols = D / 8;    // n-tiles of P V
+    constexpr int kSteps = D / 16;  // k steps of K Q^T, m-tiles of V^T P^T
     constexpr bool kRotate = POLICY == 4;  // devices/cache.py rotates_k (int4, power-of-two D >= 32)
 
     constexpr int kStages = LMDEPLOY_DECODE_MMA_STAGES(POLICY);
@@ -318,14 +325,12 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
             cp_async4(st + (lane < kTile ? St::kKsz : St::kVsz) + 4 * r, (lane < kTile ? ksz : vsz) + 2 * row);
         }
     };
-    // a lane's V words of a tile in shared memory (and the V scales)
-    auto read_v = [&](const uint8_t* st, Tile<POLICY, D>& x) {
+    // a lane's V words of a tile in shared memory: rows 2t, 2t + 1, 2t + 8, 2t + 9
+    auto read_v = [&](const uint8_t* st, uint32_t (&vw)[4][S::kVWords]) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int dt = 2 * t + (r % 2) + 8 * (r / 2);
-            load_words<S::kVBytes>(st + St::kV + dt * St::kVStride + g * S::kVBytes, x.vw[r]);
-            if constexpr (POLICY != 0) x.vs[r] = load_sz(reinterpret_cast<const __half*>(st + St::kVsz), dt);
-        }
+        for (int r = 0; r < 4; ++r)
+            load_words<S::kVBytes>(st + St::kV + (2 * t + (r % 2) + 8 * (r / 2)) * St::kVStride + g * S::kVBytes,
+                                   vw[r]);
     };
 
     // this warp's tiles: first, first + kWarps kTile, ...; the first kStages - 1 set off before q is ready
@@ -346,9 +351,10 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     if constexpr (kRotate) hadamard_shared_rows<D>(sq, group);  // q H (normalised below)
 
     const float qnorm = kRotate ? rsqrtf(static_cast<float>(D)) : 1.f;
-    // q's A fragment, row g (rows g + 8 are the padding): slots (2t, 2t + 1) and (2t + 8, 2t + 9) of each
-    // k step; and sum(q) over the rounded values the dots see (for the zeros of a quantized K)
-    uint32_t qa[kSteps][2];
+    // q's fragment as the B operand of S^T = K Q^T, column g (head g; heads from group on are zero):
+    // k slots (2t, 2t + 1) and (2t + 8, 2t + 9) of each k step; and sum(q) over the rounded values the
+    // dots see (for the zeros of a quantized K)
+    uint32_t qb[kSteps][2];
     float qsum = 0.f;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
@@ -356,20 +362,23 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
         for (int r = 0; r < 2; ++r) {
             const float x0 = sq[g][elem_of<POLICY, D>(t, s, 2 * r)] * qnorm;
             const float x1 = sq[g][elem_of<POLICY, D>(t, s, 2 * r + 1)] * qnorm;
-            qa[s][r] = pack2<E>(x0, x1);
+            qb[s][r] = pack2<E>(x0, x1);
             const float2 back = std::is_same<E, __half>::value
-                                    ? __half22float2(*reinterpret_cast<const __half2*>(&qa[s][r]))
-                                    : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qa[s][r]));
+                                    ? __half22float2(*reinterpret_cast<const __half2*>(&qb[s][r]))
+                                    : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qb[s][r]));
             qsum += back.x + back.y;
         }
     }
-    qsum = quad_sum(qsum);
-
-    // row g's running max (log2 units); this lane's sums of p and of the terms outside the P V dot
-    float m = -INFINITY, l = 0.f, lz = 0.f;
-    float o[kCols][2];
+    qsum = quad_sum(qsum);  // head g's
+    // This lane's columns of S^T and of O^T are heads 2t and 2t + 1 (h = 0, 1 below): their sums of q,
+    // running maxima (log2 units), and this lane's sums of p and of the terms outside the V dot.
+    const float qs[2] = {__shfl_sync(0xffffffffu, qsum, 8 * t), __shfl_sync(0xffffffffu, qsum, 8 * t + 4)};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, lz[2] = {0.f, 0.f};
+    // O^T (head elements x heads), m-tile i: rows g and g + 8 are elements j = 2i and 2i + 1 of position
+    // g's part (col_of), columns heads 2t and 2t + 1
+    float o[kSteps][4];
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) o[j][0] = o[j][1] = 0.f;
+    for (int i = 0; i < kSteps; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
 
     for (int i = 0; i < num_tiles; ++i) {
         const int base = first + i * kWarps * kTile;
@@ -379,11 +388,10 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
         cp_async_wait<kStages - 1>();  // tile i is in
         __syncwarp();
         const uint8_t* st = ring + (i % kStages) * St::kBytes;
-        const int vtok[4] = {base + 2 * t, base + 2 * t + 1, base + 2 * t + 8, base + 2 * t + 9};
 
-        // scores of row g for tokens vtok[0..3] (n-tile 0: tokens 0-7, n-tile 1: 8-15), K read 16 bytes a
-        // row at a time (the k steps those bytes feed), which keeps fewer registers live than all at once
-        float c[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+        // S^T = K Q^T: rows g and g + 8 are the tile's tokens g and g + 8 (A: their K rows, read 16 bytes a
+        // row at a time with the k steps those bytes feed), columns heads; sc[2 u + h] = (token g + 8u, head 2t + h)
+        float sc[4] = {0.f, 0.f, 0.f, 0.f};
         constexpr int kChunkBytes = S::kKBytes < 16 ? S::kKBytes : 16;
         constexpr int kChunkSteps = kSteps * kChunkBytes / S::kKBytes;
 #pragma unroll
@@ -394,78 +402,94 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
                 load_words<kChunkBytes>(st + (g + 8 * r) * St::kKStride + t * S::kKBytes + ch * kChunkBytes, kw[r]);
 #pragma unroll
             for (int s = 0; s < kChunkSteps; ++s) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    uint32_t b0, b1;
-                    k_operand<POLICY>(kw[r], s, b0, b1);
-                    mma<E>(c[r], qa[ch * kChunkSteps + s][0], qa[ch * kChunkSteps + s][1], b0, b1);
-                }
+                uint32_t a0, a1, a2, a3;
+                k_operand<POLICY>(kw[0], s, a0, a2);
+                k_operand<POLICY>(kw[1], s, a1, a3);
+                mma<E>(sc, a0, a1, a2, a3, qb[ch * kChunkSteps + s][0], qb[ch * kChunkSteps + s][1]);
             }
         }
-        Tile<POLICY, D> cur;
+        float2 ksz_u[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)}, vsz_u[2] = {ksz_u[0], ksz_u[1]};
         if constexpr (POLICY != 0) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r)
-                cur.ks[r] = load_sz(reinterpret_cast<const __half*>(st + St::kKsz), 2 * t + (r % 2) + 8 * (r / 2));
+            for (int u = 0; u < 2; ++u) {
+                ksz_u[u] = load_sz(reinterpret_cast<const __half*>(st + St::kKsz), g + 8 * u);
+                vsz_u[u] = load_sz(reinterpret_cast<const __half*>(st + St::kVsz), g + 8 * u);
+            }
         }
-        float sc[4] = {c[0][0], c[0][1], c[1][0], c[1][1]};
-        float tmax = -INFINITY;
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
+            const int u = r / 2, h = r % 2;
             float x = sc[r];
-            if constexpr (POLICY != 0) x = fmaf(cur.ks[r].x, x - kBias * qsum, cur.ks[r].y * qsum);
-            sc[r] = vtok[r] < end ? x * scale_log2 : -INFINITY;
-            tmax = fmaxf(tmax, sc[r]);
+            if constexpr (POLICY != 0) x = fmaf(ksz_u[u].x, x - kBias * qs[h], ksz_u[u].y * qs[h]);
+            sc[r] = base + g + 8 * u < end ? x * scale_log2 : -INFINITY;
         }
-        const float m_new = fmaxf(m, quad_max(tmax));  // finite: the tile has a token
-        const float corr = exp2f(m - m_new);           // 0 on the first tile (m = -inf)
-        m = m_new;
-        float p[4];
+        // each head's maximum over the tile's 16 tokens (the 8 lanes of position t hold them); finite: the
+        // tile's first token is in the slice
+        float corr[2], p[4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            p[r] = exp2f(sc[r] - m_new);
-            l = fmaf(l, r == 0 ? corr : 1.f, p[r]);
+        for (int h = 0; h < 2; ++h) {
+            const float m_new = fmaxf(m[h], column_max(fmaxf(sc[h], sc[2 + h])));
+            corr[h] = exp2f(m[h] - m_new);  // 0 on the first tile (m = -inf)
+            m[h] = m_new;
         }
-        if (__any_sync(0xffffffffu, corr != 1.f)) {  // most tiles after the first raise no row's max
 #pragma unroll
-            for (int j = 0; j < kCols; ++j) o[j][0] *= corr, o[j][1] *= corr;
+        for (int r = 0; r < 4; ++r) p[r] = exp2f(sc[r] - m[r % 2]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l[h] = fmaf(l[h], corr[h], p[h] + p[2 + h]);
+        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {  // most tiles raise no maximum
+#pragma unroll
+            for (int j = 0; j < kSteps; ++j) {
+                o[j][0] *= corr[0], o[j][1] *= corr[1];
+                o[j][2] *= corr[0], o[j][3] *= corr[1];
+            }
         }
-        read_v(st, cur);
+        uint32_t vw[4][S::kVWords];
+        read_v(st, vw);
         __syncwarp();  // every lane has its words before the stage is refilled
-        uint32_t pa0, pa2;  // P's A fragment, row g: tokens (2t, 2t + 1) and (2t + 8, 2t + 9)
-        if constexpr (POLICY == 0) {
-            pa0 = pack2<E>(p[0], p[1]);
-            pa2 = pack2<E>(p[2], p[3]);
-        } else {
-            lz *= corr;
+
+        // P^T's rows g and g + 8 (heads 2t, 2t + 1 packed), scaled by each token's V scale for a quantized
+        // cache, then transposed into P's rows: the B operand of O^T = V^T P^T (tokens 2t, 2t + 1 and
+        // 2t + 8, 2t + 9 of head g)
+        uint32_t pt[2];
+        if constexpr (POLICY != 0) lz[0] *= corr[0], lz[1] *= corr[1];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) lz = fmaf(p[r], cur.vs[r].y, lz);
-            pa0 = pack2<E>(p[0] * cur.vs[0].x, p[1] * cur.vs[1].x);
-            pa2 = pack2<E>(p[2] * cur.vs[2].x, p[3] * cur.vs[3].x);
-            lz = fmaf(-kBias, half2_sum(pa0) + half2_sum(pa2), lz);  // the codes' bias, as the dot sees p
+        for (int u = 0; u < 2; ++u) {
+            if constexpr (POLICY == 0) {
+                pt[u] = pack2<E>(p[2 * u], p[2 * u + 1]);
+            } else {
+                pt[u] = pack2<E>(p[2 * u] * vsz_u[u].x, p[2 * u + 1] * vsz_u[u].x);
+                const float2 seen = __half22float2(*reinterpret_cast<const __half2*>(&pt[u]));  // as the dot sees p
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    lz[h] = fmaf(p[2 * u + h], vsz_u[u].y, fmaf(-kBias, h ? seen.y : seen.x, lz[h]));
+            }
         }
+        const uint32_t pb0 = transpose8x8(pt[0]), pb1 = transpose8x8(pt[1]);
 #pragma unroll
-        for (int j = 0; j < kCols; ++j)
-            mma<E>(o[j], pa0, pa2, v_pair<POLICY, D>(cur.vw[0], cur.vw[1], j),
-                   v_pair<POLICY, D>(cur.vw[2], cur.vw[3], j));
+        for (int j = 0; j < kSteps; ++j)
+            mma<E>(o[j], v_pair<POLICY, D>(vw[0], vw[1], 2 * j), v_pair<POLICY, D>(vw[0], vw[1], 2 * j + 1),
+                   v_pair<POLICY, D>(vw[2], vw[3], 2 * j), v_pair<POLICY, D>(vw[2], vw[3], 2 * j + 1), pb0, pb1);
     }
 
     // merge the block's warps: each head's per-warp weights first, then every output element is a few FMAs
     // (the partial outputs reuse the stages: every warp must be done with its tiles)
     cp_async_wait<0>();
     __syncthreads();
-    l = quad_sum(l);
-    lz = quad_sum(lz);
-    if (g < group) {
-        if (t == 0) {
-            sm_m[warp][g] = m;
-            sm_l[warp][g] = l;
-            sm_z[warp][g] = lz;
-        }
 #pragma unroll
-        for (int j = 0; j < kCols; ++j) {
-            sm_o[warp][g][col_of<POLICY, D>(2 * t, j)] = o[j][0];
-            sm_o[warp][g][col_of<POLICY, D>(2 * t + 1, j)] = o[j][1];
+    for (int h = 0; h < 2; ++h) {
+        const int head = 2 * t + h;
+        const float lsum = column_sum(l[h]), zsum = column_sum(lz[h]);
+        if (head < group) {
+            if (g == 0) {
+                sm_m[warp][head] = m[h];
+                sm_l[warp][head] = lsum;
+                sm_z[warp][head] = zsum;
+            }
+#pragma unroll
+            for (int j = 0; j < kSteps; ++j) {
+                sm_o[warp][head][col_of<POLICY, D>(g, 2 * j)] = o[j][h];
+                sm_o[warp][head][col_of<POLICY, D>(g, 2 * j + 1)] = o[j][2 + h];
+            }
         }
     }
     __syncthreads();

@@ -37,12 +37,12 @@ ANY = range(0, 1 << 62)  # every call
 # rotary_fill.py and latency.py; benchmark/RESULTS.md). auto runs it there, and for every call on GPUs
 # Triton serves poorly (before sm80 Triton's attention runs without bfloat16 and its tensor-core paths).
 FASTER: Dict[str, Dict[Tuple[int, int], range]] = {
-    # H100: 1.29-1.44x at 64-256 sequences alone (since its tiles are copied into shared memory ahead);
-    # under a decode graph's slicing bound slower at 1 and 16 sequences alone (16: 25.7 against 20.8 us),
-    # and one sequence decoded 2-3 % slower with the kernel before that end to end
+    # H100: 1.32-1.48x at 64-256 sequences alone; under a decode graph's slicing bound slower at one
+    # sequence alone (9.2 against 7.9 us), as fast at 16 (20.6 / 21.1), and one sequence decoded 2-3 %
+    # slower with an earlier version of it end to end
     'paged_decode_attention[int8]': {(9, 0): range(64, ANY.stop)},
-    # H100: 1.30-1.61x at 64-256 sequences alone; under a graph's bound 1.14x at 1, 1.36x at 4, 0.87x at 16;
-    # one sequence as fast end to end
+    # H100: 1.37-1.57x at 64-256 sequences alone; under a graph's bound 1.13x at 1, 1.10x at 16; one
+    # sequence decodes as fast or faster end to end
     'paged_decode_attention[int4]': {(9, 0): ANY},
     # H100: 1.54x at 64 tokens a call, 1.63x at 256, 0.90x at 2,048 (int4's K rotation is a tensor-core dot a
     # token in Triton's kernel); the mean key (devices/cache.py) taken off K as Triton's does
