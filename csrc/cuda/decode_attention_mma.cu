@@ -297,7 +297,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     const int warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
 
-    // A lane reads K rows of tokens g and g + 8 of a tile, V rows (and every scale / zero) of tokens 2t,
+    // A lane reads K rows (and K and V scales / zeros) of tokens g and g + 8 of a tile, V rows of tokens 2t,
     // 2t + 1, 2t + 8, 2t + 9; tokens past the slice are copies of its last token (their scores are masked)
     const int32_t* table = static_cast<const int32_t*>(args.block_tables) + b * args.stride_bt;
     // (one division a tile: the tile lies in one block; then a token is a multiple of the slot stride away)
