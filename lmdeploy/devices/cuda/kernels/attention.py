@@ -200,8 +200,8 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
 
 @triton.jit
 def _tile_pages(table, start_n, n_valid, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The cache block of each token of the tile at ``start_n`` and its place there: one block-table load
-    where the tile lies inside one block."""
+    """The cache block of each token of the tile at ``start_n`` (a multiple of ``BLOCK_N``) and its place
+    there: one block-table load where the tile lies inside one block."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if BLOCK_SIZE % BLOCK_N == 0:
         page = tl.load(table + start_n // BLOCK_SIZE).to(tl.int64)
@@ -383,9 +383,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
-        page = tl.load(table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, offs_n % BLOCK_SIZE,
-                                           n_valid, n_valid[None, :], kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
+        page, in_block = _tile_pages(table, start_n, n_valid, BLOCK_SIZE, BLOCK_N)  # (slices start on tiles)
+        m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block, n_valid,
+                                           n_valid[None, :], kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
                                            stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM, BLOCK_D,
                                            BLOCK_HALF, QUANT, ASM)
     if num_splits == 1:
