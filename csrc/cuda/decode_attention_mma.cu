@@ -28,6 +28,7 @@
 // last two (with p_t scale_t as the dot rounded it) summed per head apart. q and p go into those dots as
 // float16 (for bf16 models too: 11 bits where bf16 has 8); the products are exact and summed in float32,
 // so the bias costs about 10 of float32's 24 bits, where the result needs about 11.
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -532,10 +533,18 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 template <typename T, int POLICY, int D>
 void launch(const DecodeArgs& a, cudaStream_t stream) {
     constexpr int smem = smem_bytes<POLICY, D>();
-    // above 48 KB a block must be allowed it (once; a failure shows as the launch's error)
-    static const cudaError_t allowed =
-        cudaFuncSetAttribute(decode_mma_kernel<T, POLICY, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    (void)allowed;
+    // above 48 KB a block must be allowed it, once on each device (a function's attributes are a device's;
+    // a failure shows as the launch's error)
+    if constexpr (smem > 48 * 1024) {
+        static std::atomic<uint64_t> allowed{0};  // a bit a device
+        int device = 0;
+        cudaGetDevice(&device);
+        const uint64_t bit = uint64_t{1} << (device % 64);
+        if (!(allowed.load(std::memory_order_relaxed) & bit)) {
+            cudaFuncSetAttribute(decode_mma_kernel<T, POLICY, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+            allowed.fetch_or(bit, std::memory_order_relaxed);
+        }
+    }
     launch_kernel_smem(decode_mma_kernel<T, POLICY, D>, dim3(a.batch * a.num_kv_heads * a.num_splits),
                        dim3(kWarps * 32), smem, stream, a.pdl != 0, a, a.scale * 1.4426950408889634f);
 }
