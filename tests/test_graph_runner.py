@@ -106,11 +106,13 @@ def test_mixed_steps_replayed_whole_give_transformers_tokens(tiny_model_factory,
         for p, n in zip(prompts[:10], limits):
             cols.append(submit(eng, p, SamplingParams(max_new_tokens=n)))
             cols[0].done.wait(0.05)  # staggered arrivals
-        # room in the batch (8 sequences at most) for the burst, so that one step takes 3+ of its prompts
+        # room in the batch (8 sequences at most) for the burst, so that one step takes 3+ of its prompts:
+        # every earlier prompt prefilled (a request still in the engine's inbox counts nowhere in its stats;
+        # one that reached the engine late would take the burst's slots) and at most 3 still decoding
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             stats = eng.stats()
-            if stats.num_running + stats.num_waiting <= 3:
+            if all(c.token_ids for c in cols) and stats.num_running + stats.num_waiting <= 3:
                 break
             time.sleep(0.005)
         with eng._lock:  # the burst reaches the engine in one pass of its loop
