@@ -14,18 +14,34 @@ quantized cache buys over the copy ceiling.
     python benchmark/kv_quant_attn.py --batch 128 --context 4096 --policy 0 8
     python benchmark/kv_quant_attn.py --impl triton compiled   # the Triton kernel and csrc/cuda's side by side
     python benchmark/kv_quant_attn.py --impl compiled compiled-cuda-cores  # csrc/cuda's two kernels (sm80+)
+    python benchmark/kv_quant_attn.py --impl compiled --splits 0 1 2 4 8   # slices a context is cut into
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 
 import torch
 
 from lmdeploy.devices.cache import standard_spec
 from lmdeploy.devices.cuda.kernels import attention
+from lmdeploy.devices.cuda.splits import num_decode_splits
 
 H, HKV, D, BLOCK = 32, 8, 128, 64
+
+
+@contextlib.contextmanager
+def fixed_splits(n: int):
+    """Both kernels cut every context into n slices (0: the engine's choice, splits.num_decode_splits)."""
+    from lmdeploy.devices.cuda import compiled
+    saved = compiled.num_decode_splits, attention.num_decode_splits
+    if n:
+        compiled.num_decode_splits = attention.num_decode_splits = lambda *args: n
+    try:
+        yield
+    finally:
+        compiled.num_decode_splits, attention.num_decode_splits = saved
 
 
 def make(batch: int, context: int, policy: int, seed: int = 0):
@@ -63,6 +79,8 @@ def main():
     p.add_argument('--impl', nargs='+', default=['triton'], choices=['triton', 'compiled', 'compiled-cuda-cores'],
                    help='which kernels: Triton\'s, the compiled one (csrc/cuda; python csrc/build.py first: '
                    'tensor cores on sm80+), the compiled CUDA-core one')
+    p.add_argument('--splits', type=int, nargs='+', default=[0],
+                   help='slices each context is cut into, to sweep (default 0: the choice the engine makes)')
     args = p.parse_args()
     from triton.testing import do_bench_cudagraph
 
@@ -70,13 +88,14 @@ def main():
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f'decode attention on {torch.cuda.get_device_name()}: {H} heads, {HKV} KV heads, head_dim {D}, '
           f'block {BLOCK}; copy ceiling {args.ceiling} TB/s')
-    print('| batch | context | policy | kernel | tiles | us / call | read GB | read TB/s | of ceiling | '
+    print('| batch | context | policy | kernel | tiles | splits | us / call | read GB | read TB/s | of ceiling | '
           'bf16-equivalent TB/s | vs Triton, policy 0 |')
-    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
     for batch in args.batch:
         for context in args.context:
             base = None
-            for policy, tiles, impl in ((p, t, i) for p in args.policy for t in args.tiles for i in args.impl):
+            for policy, tiles, splits, impl in ((p, t, n, i) for p in args.policy for t in args.tiles
+                                                for n in args.splits for i in args.impl):
                 if impl.startswith('compiled') and tiles is not None:
                     continue
                 spec, cache, tables, q, lens = make(batch, context, policy)
@@ -93,13 +112,16 @@ def main():
                                              D**-0.5, args.max_kv_len or context, num_sms,
                                              k_scale_zero=cache.k_scale_zero,
                                              v_scale_zero=cache.v_scale_zero, tiles=tiles)
-                us = 1e3 * do_bench_cudagraph(call)
+                with fixed_splits(splits):
+                    us = 1e3 * do_bench_cudagraph(call)
                 torch.cuda.synchronize()
-                base = base or (us if policy == 0 and tiles is None and impl == 'triton' else None)
+                base = base or (us if policy == 0 and tiles is None and not splits and impl == 'triton' else None)
                 rate = read / us * 1e6 / 1e3
                 vs = f'{base / us:.2f}x' if base else '-'
                 shown = ','.join(map(str, tiles)) if tiles else 'default'
-                print(f'| {batch} | {context} | {policy} | {impl} | {shown} | {us:.1f} | {read:.3f} | {rate:.2f} | '
+                chosen = splits or num_decode_splits(batch, HKV, args.max_kv_len or context, num_sms)
+                print(f'| {batch} | {context} | {policy} | {impl} | {shown} | {chosen} | {us:.1f} | {read:.3f} | '
+                      f'{rate:.2f} | '
                       f'{100 * rate / args.ceiling:.0f}% | {bf16 / us * 1e6 / 1e3:.2f} | {vs} |', flush=True)
                 del cache, tables, q, call
                 torch.cuda.empty_cache()
