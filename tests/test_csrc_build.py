@@ -3,6 +3,7 @@ and imports, on any machine with nvcc (CI has one, no GPU): a compile error fail
 are checked on a GPU in test_cuda_compiled.py."""
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'csrc'))
 import build  # noqa: E402  (csrc/build.py)
+import sass_loops  # noqa: E402  (csrc/sass_loops.py)
 
 pytestmark = pytest.mark.skipif(build.find_nvcc() is None, reason='needs nvcc')
 
@@ -172,3 +174,27 @@ def test_compiled_fill_is_given_the_mean_key(monkeypatch):
     # (q, k, v, out, cos, sin, slots, k cache, v cache, k scales, v scales, k mean, ...): out is new each call
     assert launched[0][4:11] == launched[1][4:11] and launched[0][:3] == launched[1][:3]
     assert launched[0][11] == 0 and launched[1][11] == cache.k_mean.data_ptr() != 0
+
+
+def test_the_decode_kernels_tile_loop_as_its_sass_shows_it():
+    """csrc/sass_loops.py reads each kernel's loops from its SASS (sm90). The tensor-core decode kernel's
+    tile loop holds the D / 16 mmas of S^T = K Q^T and the D / 16 of O^T = V^T P^T, one 16-byte cp.async a
+    lane for each 16 x 32 bytes of K rows and of V rows (and one 4-byte copy of a scale and zero for a
+    quantized cache), and six exponentials (two corrections, four probabilities)."""
+    if sass_loops.find_nvdisasm() is None:
+        pytest.skip('needs nvdisasm (pip install nvidia-cuda-nvdisasm)')
+    kernels = sass_loops.disassemble('decode_attention_mma', 90)
+    seen = set()
+    for k in kernels:
+        m = re.search(r'decode_mma_kernel<(__half|__nv_bfloat16), (\d+), (\d+)>', k.name)
+        assert m, k.name
+        policy, d = int(m.group(2)), int(m.group(3))
+        seen.add((m.group(1), policy, d))
+        loop = k.main_loop
+        row_bytes = {0: 2 * d, 8: d, 4: d // 2}[policy]
+        pieces = 16 * row_bytes // (16 * 32)  # a lane's 16-byte copies of a 16-token tile's K rows (or V rows)
+        assert loop.family('HMMA') == 2 * d // 16, (k.name, loop.ops)
+        assert loop.ops.count('LDGSTS.E.BYPASS.128') == 2 * pieces, (k.name, loop.ops)
+        assert loop.family('LDGSTS') == 2 * pieces + (policy != 0), (k.name, loop.ops)
+        assert loop.ops.count('MUFU.EX2') == 6, (k.name, loop.ops)
+    assert seen == {(t, p, d) for t in ('__half', '__nv_bfloat16') for p in (0, 8, 4) for d in (64, 128)}
