@@ -121,8 +121,8 @@ def main():
                 shown = ','.join(map(str, tiles)) if tiles else 'default'
                 chosen = splits or num_decode_splits(batch, HKV, args.max_kv_len or context, num_sms)
                 print(f'| {batch} | {context} | {policy} | {impl} | {shown} | {chosen} | {us:.1f} | {read:.3f} | '
-                      f'{rate:.2f} | '
-                      f'{100 * rate / args.ceiling:.0f}% | {bf16 / us * 1e6 / 1e3:.2f} | {vs} |', flush=True)
+                      f'{rate:.2f} | {100 * rate / args.ceiling:.0f}% | {bf16 / us * 1e6 / 1e3:.2f} | {vs} |',
+                      flush=True)
                 del cache, tables, q, call
                 torch.cuda.empty_cache()
 

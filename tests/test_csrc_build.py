@@ -4,6 +4,7 @@ are checked on a GPU in test_cuda_compiled.py."""
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -181,8 +182,8 @@ def test_the_decode_kernels_tile_loop_as_its_sass_shows_it():
     tile loop holds the D / 16 mmas of S^T = K Q^T and the D / 16 of O^T = V^T P^T, one 16-byte cp.async a
     lane for each 16 x 32 bytes of K rows and of V rows (and one 4-byte copy of a scale and zero for a
     quantized cache), and six exponentials (two corrections, four probabilities)."""
-    if sass_loops.find_nvdisasm() is None:
-        pytest.skip('needs nvdisasm (pip install nvidia-cuda-nvdisasm)')
+    if sass_loops.find_nvdisasm() is None or shutil.which('c++filt') is None:
+        pytest.skip('needs nvdisasm (pip install nvidia-cuda-nvdisasm) and c++filt')
     kernels = sass_loops.disassemble('decode_attention_mma', 90)
     seen = set()
     for k in kernels:
