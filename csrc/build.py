@@ -34,13 +34,19 @@ SRC = os.path.join(HERE, 'cuda')
 PACKAGE_DIR = os.path.join(ROOT, 'lmdeploy', 'devices', 'cuda')
 DEFAULT_ARCHS = (70, 75, 80, 86, 89, 90)
 HEADERS = ('common.cuh', 'ops.h')
+COMMON_FLAGS = ('-O3', '-std=c++17', '-Xcompiler', '-fPIC', '-I', SRC)  # kernel units and bindings alike
+
+
+def find_cuda_tool(name: str) -> Optional[str]:
+    """A CUDA toolkit program: from $CUDA_HOME, $CUDA_PATH or /usr/local/cuda, else on PATH."""
+    for home in (os.environ.get('CUDA_HOME'), os.environ.get('CUDA_PATH'), '/usr/local/cuda'):
+        if home and os.path.isfile(os.path.join(home, 'bin', name)):
+            return os.path.join(home, 'bin', name)
+    return shutil.which(name)
 
 
 def find_nvcc() -> Optional[str]:
-    for home in (os.environ.get('CUDA_HOME'), os.environ.get('CUDA_PATH'), '/usr/local/cuda'):
-        if home and os.path.isfile(os.path.join(home, 'bin', 'nvcc')):
-            return os.path.join(home, 'bin', 'nvcc')
-    return shutil.which('nvcc')
+    return find_cuda_tool('nvcc')
 
 
 def nvcc_version(nvcc: str) -> str:
@@ -86,6 +92,12 @@ def gencode_flags(archs: Sequence[int]) -> List[str]:
     return flags
 
 
+def kernel_flags(gencode: Sequence[str]) -> List[str]:
+    """nvcc's flags for a kernel unit (its -gencode flags given), $LMDEPLOY_NVCC_FLAGS last."""
+    extra = os.environ.get('LMDEPLOY_NVCC_FLAGS', '').split()  # e.g. tuning macros: -DLMDEPLOY_DECODE_UNROLL=8
+    return [*COMMON_FLAGS, '--expt-relaxed-constexpr', '-lineinfo', *gencode, *extra]
+
+
 def _digest(paths: Sequence[str], flags: Sequence[str], version: str) -> str:
     """What an object depends on, named relative to the checkout: a cache built in one checkout (or on
     another machine with the same nvcc) serves another."""
@@ -126,12 +138,10 @@ def build(archs: Optional[Sequence[int]] = None, out_dir: str = PACKAGE_DIR, cac
     jobs = jobs or max(1, os.cpu_count() or 1)
     units = sorted(f for f in os.listdir(SRC) if f.endswith('.cu'))
     headers = [os.path.join(SRC, h) for h in HEADERS]
-    common = ['-O3', '-std=c++17', '-Xcompiler', '-fPIC', '-I', SRC]
-    extra = os.environ.get('LMDEPLOY_NVCC_FLAGS', '').split()  # e.g. tuning macros: -DLMDEPLOY_DECODE_UNROLL=8
-    cu_flags = common + ['--expt-relaxed-constexpr', '-lineinfo', *gencode_flags(archs), *extra]
+    cu_flags = kernel_flags(gencode_flags(archs))
     threads = ['--threads', str(max(1, jobs // len(units)))]  # how, not what: left out of the digest
     import pybind11
-    py_flags = common + ['-I', pybind11.get_include(), '-I', sysconfig.get_paths()['include']]
+    py_flags = [*COMMON_FLAGS, '-I', pybind11.get_include(), '-I', sysconfig.get_paths()['include']]
     tasks = []
     for unit in units:
         path = os.path.join(SRC, unit)

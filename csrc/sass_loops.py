@@ -7,8 +7,9 @@
 A decode kernel's main loop is what a warp runs for each tile of the context, so an issue-bound kernel's
 speed follows its instruction count (and its mix: mma, copies, exponentials, byte permutes). The counts
 are static: a branch inside a loop counts whole, so an experiment that adds a fast path next to the slow
-one shows as more instructions (read --dump). Needs nvdisasm: on PATH, in $CUDA_HOME/bin, or from PyPI
-(``pip install nvidia-cuda-nvdisasm``, part of the test extra).
+one shows as more instructions (read --dump). Compiled with the flags build.py gives the module
+($LMDEPLOY_NVCC_FLAGS included). Needs nvdisasm: from the CUDA toolkit (found as build.py finds nvcc),
+or from PyPI (``pip install nvidia-cuda-nvdisasm``, part of the test extra).
 """
 from __future__ import annotations
 
@@ -33,12 +34,9 @@ FAMILIES = ('HMMA', 'LDGSTS', 'LDS', 'MUFU', 'PRMT', 'SHFL', 'IMAD', 'FMUL', 'FF
 
 
 def find_nvdisasm() -> Optional[str]:
-    found = shutil.which('nvdisasm')
+    found = build.find_cuda_tool('nvdisasm')
     if found:
         return found
-    home = os.environ.get('CUDA_HOME') or os.environ.get('CUDA_PATH')
-    if home and os.path.isfile(os.path.join(home, 'bin', 'nvdisasm')):
-        return os.path.join(home, 'bin', 'nvdisasm')
     for site in sys.path:  # PyPI's nvidia-cuda-nvdisasm: nvidia/cu<major>/bin/nvdisasm
         hits = sorted(glob.glob(os.path.join(site, 'nvidia', '*', 'bin', 'nvdisasm')))
         if hits:
@@ -107,8 +105,10 @@ def disassemble(unit: str, arch: int = 90, flags: Sequence[str] = ()) -> List[Ke
         raise RuntimeError('needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm)')
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, f'{unit}.cubin')
-        cmd = [nvcc, '-cubin', '-O3', '-std=c++17', '--expt-relaxed-constexpr', '-I', build.SRC, '-gencode',
-               f'arch=compute_{arch},code=sm_{arch}', *flags, os.path.join(build.SRC, f'{unit}.cu'), '-o', cubin]
+        # the flags the module is built with (a cubin holds one target: no PTX beside it)
+        gencode = ['-gencode', f'arch=compute_{arch},code=sm_{arch}']
+        cmd = [nvcc, '-cubin', *build.kernel_flags(gencode), *flags, os.path.join(build.SRC, f'{unit}.cu'),
+               '-o', cubin]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f'compiling failed: {" ".join(cmd)}\n{r.stdout}{r.stderr}')
