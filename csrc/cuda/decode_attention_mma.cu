@@ -21,8 +21,10 @@
 // way), then each lane reads its 4-16 contiguous bytes a row from there. Rows sit at padded strides in the
 // copy so that those reads meet no bank conflicts (Stage below).
 //
-// A quantized cache enters the dots as its integer codes biased by 1024, exact in float16 (one byte
-// permute per two codes puts 0x64 above each byte: the float16 1024 + c), with each token's scale and
+// A quantized cache enters the dots as its integer codes biased by 1024, exact in float16 (int8: one byte
+// permute per two codes puts 0x64 above each byte, the float16 1024 + c; int4: one LOP3 per two codes
+// masks two nibbles of a word and ORs 0x64 above them, so a high nibble enters as 1024 + 16 c: those
+// k steps sum apart and are scaled by 1/16, those output rows too), with each token's scale and
 // zero, and the bias, applied outside them: q.k = scale (q.(1024 + c) - 1024 sum(q)) + zero sum(q), and
 // sum_t p_t v_t = sum_t (p_t scale_t) (1024 + c_t) - 1024 sum_t p_t scale_t + sum_t p_t zero_t, the
 // last two (with p_t scale_t as the dot rounded it) summed per head apart. q and p go into those dots as
@@ -76,6 +78,17 @@ __device__ __forceinline__ uint32_t codes_to_half2(uint32_t w) {
 }
 
 constexpr float kBias = 1024.f;
+
+// Two 4-bit codes of w as float16, one LOP3: MASK 0x000F000F takes the low nibbles of bytes 0 and 2
+// (1024 + c), 0x00F000F0 their high nibbles, at four bits up (1024 + 16 c: exact, the mantissa has 10 bits).
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t nibbles_to_half2(uint32_t w) {
+    uint32_t r;  // (w & MASK) | magic; as C, the compiler spends two instructions (an AND, then an OR)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(w), "n"(MASK), "r"(0x64006400u));
+    return r;
+}
+constexpr uint32_t kLow = 0x000F000Fu, kHigh = 0x00F000F0u;
+constexpr float kHighScale = 1.f / 16.f;  // a high nibble's code is 16 c in the dots
 
 // D (16 x 8) += A (16 x 16) B (16 x 8). Lane (g, t) holds A's rows g (a0, a2) and g + 8 (a1, a3) at
 // columns (2t, 2t + 1) (a0, a1) and (2t + 8, 2t + 9) (a2, a3); B's column g at rows (2t, 2t + 1) (b0) and
@@ -176,18 +189,19 @@ __device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
 // Head element of quad position t's k slot i (0..3) in k step s: a 16-bit or int8 lane reads elements
 // t D/4 .. t D/4 + D/4 - 1 in order; an int4 lane reads bytes t D/8.., whose low nibbles are elements
 // t D/8 + j and high ones D/2 + t D/8 + j (devices/cache.py), taken a 4-byte word at a time: low nibbles
-// in step 2w, high in 2w + 1.
+// in step 2w, high in 2w + 1, slots (2t, 2t + 1) from bytes 0 and 2 of the word, (2t + 8, 2t + 9) from 1
+// and 3 (the pairs one LOP3 decodes).
 template <int POLICY, int D>
 __device__ __forceinline__ int elem_of(int t, int s, int i) {
-    if constexpr (POLICY == 4) return (s % 2) * (D / 2) + t * (D / 8) + 4 * (s / 2) + i;
+    if constexpr (POLICY == 4) return (s % 2) * (D / 2) + t * (D / 8) + 4 * (s / 2) + (i % 2) * 2 + i / 2;
     return t * (D / 4) + 4 * s + i;
 }
 
 // Head element of output column n (0..7) of P V's n-tile j: position g reads elements g D/8.. in order
-// (int4: the low and high nibbles of bytes g D/16..).
+// (int4: bytes g D/16..; m-tile i's row g is byte i's low nibble, row g + 8 its high one: j = 2i, 2i + 1).
 template <int POLICY, int D>
 __device__ __forceinline__ int col_of(int n, int j) {
-    if constexpr (POLICY == 4) return j < D / 16 ? n * (D / 16) + j : D / 2 + n * (D / 16) + (j - D / 16);
+    if constexpr (POLICY == 4) return (j % 2) * (D / 2) + n * (D / 16) + j / 2;
     return n * (D / 8) + j;
 }
 
@@ -196,11 +210,13 @@ template <int POLICY>
 __device__ __forceinline__ void k_operand(const uint32_t* w, int s, uint32_t& b0, uint32_t& b1) {
     if constexpr (POLICY == 0) {
         b0 = w[2 * s], b1 = w[2 * s + 1];
-    } else {
-        uint32_t x = w[POLICY == 8 ? s : s / 2];
-        if constexpr (POLICY == 4) x = (s % 2 ? x >> 4 : x) & 0x0F0F0F0Fu;
-        b0 = codes_to_half2<0x4140>(x);
-        b1 = codes_to_half2<0x4342>(x);
+    } else if constexpr (POLICY == 8) {
+        b0 = codes_to_half2<0x4140>(w[s]);
+        b1 = codes_to_half2<0x4342>(w[s]);
+    } else {  // int4: bytes (0, 2) and (1, 3) of word s / 2, low nibbles in even steps, high (16 c) in odd
+        const uint32_t x = w[s / 2];
+        b0 = s % 2 ? nibbles_to_half2<kHigh>(x) : nibbles_to_half2<kLow>(x);
+        b1 = s % 2 ? nibbles_to_half2<kHigh>(x >> 8) : nibbles_to_half2<kLow>(x >> 8);
     }
 }
 
@@ -210,18 +226,16 @@ __device__ __forceinline__ uint32_t v_pair(const uint32_t* a, const uint32_t* b,
     if constexpr (POLICY == 0) {
         return __byte_perm(a[j / 2], b[j / 2], j % 2 ? 0x7632 : 0x5410);
     } else {
-        int byte = j;
-        uint32_t x = a[0], y = b[0];
-        if constexpr (POLICY == 4) {
-            const bool high = j >= D / 16;
-            byte = high ? j - D / 16 : j;
-            x = (high ? a[byte / 4] >> 4 : a[byte / 4]) & 0x0F0F0F0Fu;
-            y = (high ? b[byte / 4] >> 4 : b[byte / 4]) & 0x0F0F0F0Fu;
-        } else {
-            x = a[byte / 4], y = b[byte / 4];
+        if constexpr (POLICY == 4) {  // byte j / 2 of both: its low nibbles (j even) or high ones (16 c)
+            const int byte = j / 2;
+            // (a_k, a_k+1, b_k, b_k+1) for the even k at or below byte % 4, moved down a byte for k + 1
+            uint32_t xy = __byte_perm(a[byte / 4], b[byte / 4], (byte % 4) < 2 ? 0x5410 : 0x7632);
+            if (byte % 2) xy >>= 8;
+            return j % 2 ? nibbles_to_half2<kHigh>(xy) : nibbles_to_half2<kLow>(xy);
         }
+        const int byte = j;
         // (a_k, b_k, a_k+1, b_k+1) for the even k at or below byte % 4, then the pair holding byte
-        const uint32_t xy = __byte_perm(x, y, (byte % 4) < 2 ? 0x5140 : 0x7362);
+        const uint32_t xy = __byte_perm(a[byte / 4], b[byte / 4], (byte % 4) < 2 ? 0x5140 : 0x7362);
         return byte % 2 ? codes_to_half2<0x4342>(xy) : codes_to_half2<0x4140>(xy);
     }
 }
@@ -356,7 +370,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     // k slots (2t, 2t + 1) and (2t + 8, 2t + 9) of each k step; and sum(q) over the rounded values the
     // dots see (for the zeros of a quantized K)
     uint32_t qb[kSteps][2];
-    float qsum = 0.f;
+    float qsum = 0.f, qbias = 0.f;  // and the bias the codes carry in the dots (int4: 1024 low, 64 high)
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
 #pragma unroll
@@ -368,13 +382,17 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
                                     ? __half22float2(*reinterpret_cast<const __half2*>(&qb[s][r]))
                                     : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qb[s][r]));
             qsum += back.x + back.y;
+            qbias += (POLICY == 4 && s % 2 ? kBias * kHighScale : kBias) * (back.x + back.y);
         }
     }
     qsum = quad_sum(qsum);  // head g's
-    // This lane's columns of S^T and of O^T are heads 2t and 2t + 1 (h = 0, 1 below): their sums of q,
-    // running maxima (log2 units), and this lane's sums of p and of the terms outside the V dot.
+    qbias = quad_sum(qbias);
+    // This lane's columns of S^T and of O^T are heads 2t and 2t + 1 (h = 0, 1 below): their sums of q and
+    // biases, running maxima (log2 units), and this lane's sums of p, of the terms outside the V dot and
+    // (int4) of p times the V scale as the dot saw it.
     const float qs[2] = {__shfl_sync(0xffffffffu, qsum, 8 * t), __shfl_sync(0xffffffffu, qsum, 8 * t + 4)};
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, lz[2] = {0.f, 0.f};
+    const float qbs[2] = {__shfl_sync(0xffffffffu, qbias, 8 * t), __shfl_sync(0xffffffffu, qbias, 8 * t + 4)};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, lz[2] = {0.f, 0.f}, lps[2] = {0.f, 0.f};
     // O^T (head elements x heads), m-tile i: rows g and g + 8 are elements j = 2i and 2i + 1 of position
     // g's part (col_of), columns heads 2t and 2t + 1
     float o[kSteps][4];
@@ -392,7 +410,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 
         // S^T = K Q^T: rows g and g + 8 are the tile's tokens g and g + 8 (A: their K rows, read 16 bytes a
         // row at a time with the k steps those bytes feed), columns heads; sc[2 u + h] = (token g + 8u, head 2t + h)
-        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+        float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc_high[4] = {0.f, 0.f, 0.f, 0.f};  // int4: odd steps apart (16 c)
         constexpr int kChunkBytes = S::kKBytes < 16 ? S::kKBytes : 16;
         constexpr int kChunkSteps = kSteps * kChunkBytes / S::kKBytes;
 #pragma unroll
@@ -406,8 +424,13 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
                 uint32_t a0, a1, a2, a3;
                 k_operand<POLICY>(kw[0], s, a0, a2);
                 k_operand<POLICY>(kw[1], s, a1, a3);
-                mma<E>(sc, a0, a1, a2, a3, qb[ch * kChunkSteps + s][0], qb[ch * kChunkSteps + s][1]);
+                const int step = ch * kChunkSteps + s;
+                mma<E>(POLICY == 4 && step % 2 ? sc_high : sc, a0, a1, a2, a3, qb[step][0], qb[step][1]);
             }
+        }
+        if constexpr (POLICY == 4) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) sc[r] = fmaf(sc_high[r], kHighScale, sc[r]);
         }
         float2 ksz_u[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)}, vsz_u[2] = {ksz_u[0], ksz_u[1]};
         if constexpr (POLICY != 0) {
@@ -421,7 +444,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
         for (int r = 0; r < 4; ++r) {
             const int u = r / 2, h = r % 2;
             float x = sc[r];
-            if constexpr (POLICY != 0) x = fmaf(ksz_u[u].x, x - kBias * qs[h], ksz_u[u].y * qs[h]);
+            if constexpr (POLICY != 0) x = fmaf(ksz_u[u].x, x - qbs[h], ksz_u[u].y * qs[h]);
             sc[r] = base + g + 8 * u < end ? x * scale_log2 : -INFINITY;
         }
         // each head's maximum over the tile's 16 tokens (the 8 lanes of position t hold them); finite: the
@@ -453,6 +476,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
         // 2t + 8, 2t + 9 of head g)
         uint32_t pt[2];
         if constexpr (POLICY != 0) lz[0] *= corr[0], lz[1] *= corr[1];
+        if constexpr (POLICY == 4) lps[0] *= corr[0], lps[1] *= corr[1];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             if constexpr (POLICY == 0) {
@@ -461,8 +485,14 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
                 pt[u] = pack2<E>(p[2 * u] * vsz_u[u].x, p[2 * u + 1] * vsz_u[u].x);
                 const float2 seen = __half22float2(*reinterpret_cast<const __half2*>(&pt[u]));  // as the dot sees p
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    lz[h] = fmaf(p[2 * u + h], vsz_u[u].y, fmaf(-kBias, h ? seen.y : seen.x, lz[h]));
+                for (int h = 0; h < 2; ++h) {
+                    if constexpr (POLICY == 4) {  // the bias is taken off per row at the end (1024 or 64)
+                        lz[h] = fmaf(p[2 * u + h], vsz_u[u].y, lz[h]);
+                        lps[h] += h ? seen.y : seen.x;
+                    } else {
+                        lz[h] = fmaf(p[2 * u + h], vsz_u[u].y, fmaf(-kBias, h ? seen.y : seen.x, lz[h]));
+                    }
+                }
             }
         }
         const uint32_t pb0 = transpose8x8(pt[0]), pb1 = transpose8x8(pt[1]);
@@ -480,6 +510,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     for (int h = 0; h < 2; ++h) {
         const int head = 2 * t + h;
         const float lsum = column_sum(l[h]), zsum = column_sum(lz[h]);
+        const float psum = POLICY == 4 ? column_sum(lps[h]) : 0.f;  // rows g: 1024 + c, rows g + 8: 16 (64 + c)
         if (head < group) {
             if (g == 0) {
                 sm_m[warp][head] = m[h];
@@ -488,8 +519,9 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
             }
 #pragma unroll
             for (int j = 0; j < kSteps; ++j) {
-                sm_o[warp][head][col_of<POLICY, D>(g, 2 * j)] = o[j][h];
-                sm_o[warp][head][col_of<POLICY, D>(g, 2 * j + 1)] = o[j][2 + h];
+                sm_o[warp][head][col_of<POLICY, D>(g, 2 * j)] = POLICY == 4 ? o[j][h] - kBias * psum : o[j][h];
+                sm_o[warp][head][col_of<POLICY, D>(g, 2 * j + 1)] =
+                    POLICY == 4 ? fmaf(o[j][2 + h], kHighScale, -kBias * kHighScale * psum) : o[j][2 + h];
             }
         }
     }
