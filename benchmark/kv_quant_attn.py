@@ -15,16 +15,18 @@ quantized cache buys over the copy ceiling.
     python benchmark/kv_quant_attn.py --impl triton compiled   # the Triton kernel and csrc/cuda's side by side
     python benchmark/kv_quant_attn.py --impl compiled compiled-cuda-cores  # csrc/cuda's two kernels (sm80+)
     python benchmark/kv_quant_attn.py --impl compiled --splits 0 1 2 4 8   # slices a context is cut into
+    python benchmark/kv_quant_attn.py --layout token head  # blocks stored token- / head-major (devices/cache.py)
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 
 import torch
 
-from lmdeploy.devices.cache import standard_spec
+from lmdeploy.devices import get_device
 from lmdeploy.devices.cuda.kernels import attention
 from lmdeploy.devices.cuda.splits import num_decode_splits
 
@@ -44,8 +46,11 @@ def fixed_splits(n: int):
         compiled.num_decode_splits, attention.num_decode_splits = saved
 
 
-def make(batch: int, context: int, policy: int, seed: int = 0):
-    spec = standard_spec(HKV, D, BLOCK, torch.bfloat16, policy)
+def make(batch: int, context: int, policy: int, layout: str, seed: int = 0):
+    """``layout``: ``device`` (the cuda device's spec), ``token`` or ``head`` (blocks stored so)."""
+    spec = get_device('cuda').kv_cache_spec(HKV, D, BLOCK, torch.bfloat16, policy)
+    if layout != 'device':
+        spec = dataclasses.replace(spec, head_major=layout == 'head')
     per_seq = -(-context // BLOCK)
     gen = torch.Generator(device='cuda').manual_seed(seed)
     cache = spec.allocate(batch * per_seq, 'cuda')
@@ -81,6 +86,9 @@ def main():
                    'tensor cores on sm80+), the compiled CUDA-core one')
     p.add_argument('--splits', type=int, nargs='+', default=[0],
                    help='slices each context is cut into, to sweep (default 0: the choice the engine makes)')
+    p.add_argument('--layout', nargs='+', default=['device'], choices=['device', 'token', 'head'],
+                   help='how cache blocks are stored: as the cuda device allocates them (default: head-major '
+                   'when quantized), token-major [S, Hkv, ...] or head-major [Hkv, S, ...]')
     args = p.parse_args()
     from triton.testing import do_bench_cudagraph
 
@@ -88,17 +96,18 @@ def main():
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f'decode attention on {torch.cuda.get_device_name()}: {H} heads, {HKV} KV heads, head_dim {D}, '
           f'block {BLOCK}; copy ceiling {args.ceiling} TB/s')
-    print('| batch | context | policy | kernel | tiles | splits | us / call | read GB | read TB/s | of ceiling | '
-          'bf16-equivalent TB/s | vs Triton, policy 0 |')
-    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+    print('| batch | context | policy | layout | kernel | tiles | splits | us / call | read GB | read TB/s | '
+          'of ceiling | bf16-equivalent TB/s | vs Triton, policy 0 |')
+    print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
     for batch in args.batch:
         for context in args.context:
             base = None
-            for policy, tiles, splits, impl in ((p, t, n, i) for p in args.policy for t in args.tiles
-                                                for n in args.splits for i in args.impl):
+            for policy, layout, tiles, splits, impl in ((p, la, t, n, i) for p in args.policy for la in args.layout
+                                                        for t in args.tiles for n in args.splits for i in args.impl):
                 if impl.startswith('compiled') and tiles is not None:
                     continue
-                spec, cache, tables, q, lens = make(batch, context, policy)
+                spec, cache, tables, q, lens = make(batch, context, policy, layout)
+                shown_layout = 'head' if spec.head_major else 'token'
                 per_token = spec.bytes_per_block / BLOCK
                 read = batch * context * per_token / 1e9
                 bf16 = batch * context * HKV * D * 2 * 2 / 1e9
@@ -115,14 +124,15 @@ def main():
                 with fixed_splits(splits):
                     us = 1e3 * do_bench_cudagraph(call)
                 torch.cuda.synchronize()
-                base = base or (us if policy == 0 and tiles is None and not splits and impl == 'triton' else None)
+                base = base or (us if policy == 0 and tiles is None and not splits and impl == 'triton'
+                                and not spec.head_major else None)
                 rate = read / us * 1e6 / 1e3
                 vs = f'{base / us:.2f}x' if base else '-'
                 shown = ','.join(map(str, tiles)) if tiles else 'default'
                 chosen = splits or num_decode_splits(batch, HKV, args.max_kv_len or context, num_sms)
-                print(f'| {batch} | {context} | {policy} | {impl} | {shown} | {chosen} | {us:.1f} | {read:.3f} | '
-                      f'{rate:.2f} | {100 * rate / args.ceiling:.0f}% | {bf16 / us * 1e6 / 1e3:.2f} | {vs} |',
-                      flush=True)
+                print(f'| {batch} | {context} | {policy} | {shown_layout} | {impl} | {shown} | {chosen} | {us:.1f} | '
+                      f'{read:.3f} | {rate:.2f} | {100 * rate / args.ceiling:.0f}% | {bf16 / us * 1e6 / 1e3:.2f} | '
+                      f'{vs} |', flush=True)
                 del cache, tables, q, call
                 torch.cuda.empty_cache()
 

@@ -1,6 +1,7 @@
 """The compiled CUDA kernels (csrc/cuda) on a GPU: against the reference ops and the Triton kernels, and
 end to end with the compiled kernels forced. Skipped without a GPU or without the built module
 (``python csrc/build.py``); test_csrc_build.py compiles them everywhere nvcc is."""
+import dataclasses
 import os
 import random
 import sys
@@ -34,8 +35,8 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
-def make_cache(lengths, hkv, d, block_size, dtype, policy):
-    return reference_filled_cache(lengths, hkv, d, block_size, dtype, policy, 'cuda')
+def make_cache(lengths, hkv, d, block_size, dtype, policy, head_major=False):
+    return reference_filled_cache(lengths, hkv, d, block_size, dtype, policy, 'cuda', head_major=head_major)
 
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -50,15 +51,16 @@ def tensor_cores() -> bool:
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize('h,hkv,d,bs', [(8, 8, 64, 16), (32, 8, 128, 64), (16, 2, 128, 16), (14, 2, 64, 64),
                                         (12, 6, 128, 16)])
-def test_decode_attention_equals_reference_and_triton(kernel, policy, dtype, h, hkv, d, bs):
+@pytest.mark.parametrize('head_major', [False, True])
+def test_decode_attention_equals_reference_and_triton(kernel, policy, dtype, h, hkv, d, bs, head_major):
     """Both compiled kernels (tensor cores on sm80+, CUDA cores): GQA 1/2/4/7/8, head_dim 64/128, block size
     16/64, contexts over many blocks of odd lengths (and one of 0: zeros), one slice and several, rows in
-    order and longest first."""
+    order and longest first; blocks stored token- or head-major (devices/cache.py)."""
     if kernel == 'tensor_cores' and not tensor_cores():
         pytest.skip('the tensor-core kernel needs sm80+')
     from lmdeploy.devices.cuda.kernels import attention
     lens_list = [4000, 1, 517, 2049, 64, 333, 0, random.randint(1, 3000)]
-    ref_cache, cache, tables = make_cache([max(1, n) for n in lens_list], hkv, d, bs, dtype, policy)
+    ref_cache, cache, tables = make_cache([max(1, n) for n in lens_list], hkv, d, bs, dtype, policy, head_major)
     lens = torch.tensor(lens_list)
     q = torch.randn(len(lens_list), h, d, dtype=dtype, device='cuda')
     ref = REF.paged_decode_attention(q.cpu().float(), ref_cache, tables, lens, d**-0.5, max(lens_list))
@@ -132,11 +134,13 @@ def test_unsupported_inputs_fall_back():
 @pytest.mark.parametrize('policy,centred', [(0, False), (8, False), (4, False), (4, True)])
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize('h,hkv,d', [(8, 8, 64), (32, 8, 128), (14, 2, 64), (4, 1, 256)])
-def test_rotary_fill_kv_equals_reference_and_triton(policy, centred, dtype, h, hkv, d):
+@pytest.mark.parametrize('head_major', [False, True])
+def test_rotary_fill_kv_equals_reference_and_triton(policy, centred, dtype, h, hkv, d, head_major):
     """Rotated q and k to rounding; the cache as the reference writes the returned k and v: the same codes
     (a rounding tie may land one code off), float16 scales and zeros equal (int4 K: rotated by a transform
     in another order, so within ulps); int4's K less the layer's mean key where the cache has one;
-    negative slots write nothing; strided q/k/v (views of one qkv)."""
+    negative slots write nothing; strided q/k/v (views of one qkv); the cache's blocks stored token- or
+    head-major (the reference's: token-major)."""
     from lmdeploy.devices.cache import unpack_int4
     from lmdeploy.devices.cuda.kernels import kv_cache
     t, bs, nblocks = 37, 16, 5
@@ -148,7 +152,8 @@ def test_rotary_fill_kv_equals_reference_and_triton(policy, centred, dtype, h, h
     angles = torch.rand(t, d // 2, device='cuda') * 6.3
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     spec = REF.kv_cache_spec(hkv, d, bs, dtype, policy)
-    ref, got, tri = spec.allocate(nblocks, 'cpu'), spec.allocate(nblocks, 'cuda'), spec.allocate(nblocks, 'cuda')
+    laid = dataclasses.replace(spec, head_major=head_major)
+    ref, got, tri = spec.allocate(nblocks, 'cpu'), laid.allocate(nblocks, 'cuda'), laid.allocate(nblocks, 'cuda')
     for c in (ref, got, tri):
         for x in c.tensors().values():
             x.zero_()
@@ -184,11 +189,13 @@ def test_rotary_fill_kv_equals_reference_and_triton(policy, centred, dtype, h, h
     assert (got.k.cpu().flatten(0, 1)[untouched] == 0).all()
 
 
-@pytest.mark.parametrize('shape,policy', [('llama-small', 0), ('llama-small', 8), ('qwen2-small', 0)])
+@pytest.mark.parametrize('shape,policy', [('llama-small', 0), ('llama-small', 8), ('llama-small', 4),
+                                          ('qwen2-small', 0)])
 def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatch):
     """Random-weight Llama and Qwen2 shapes, bf16: greedy tokens with the compiled kernels (decode attention,
     rotary + cache fill) equal those with Triton's, or their logits agree within 1e-2 relative error up to
-    where they diverge."""
+    where they diverge. Quantized caches in the layout the device allocates (head-major); int4's fill stays
+    Triton's and its bound is 5e-2 (below)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'benchmark'))
     from engine_utils import submit
     from random_model import make_model
@@ -201,9 +208,18 @@ def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatc
     prompts = [[rng.randrange(3, 32000) for _ in range(n)] for n in (1, 7, 200, 1000)]
     device = get_device('cuda')
     runs = {}
+    # int4: the cache is filled by Triton's kernel in both runs, so that both attend over the same codes (the
+    # compiled fill rotates K by a transform in another order, and a code a step apart here and there moves a
+    # random model's logits; its codes are held to the reference's in test_rotary_fill_kv_equals_...). Even
+    # so int4 gets a looser bound: both decode kernels' outputs are within the output dtype's rounding of the
+    # float32 reference (H100: 0.17 % bf16, at contexts of 1 to 1,000 tokens), yet from a one-token prompt
+    # this random model's logits moved by 2.5 % one step later (int8: 0.7 %; longer prompts: <= 1.5 %).
+    same_fill = compiled.choice_key('rotary_fill_kv', 4)
+    bound = 5e-2 if policy == 4 else 1e-2
     for kind in ('triton', 'compiled'):
         for key in compiled.CHOICES:
-            monkeypatch.setitem(device.compiled_from, key, compiled.ANY if kind == 'compiled' else None)
+            forced = kind == 'compiled' and key != same_fill
+            monkeypatch.setitem(device.compiled_from, key, compiled.ANY if forced else None)
         config = PytorchEngineConfig(device_type='cuda', dtype='bfloat16', session_len=2048, eager_mode=True,
                                      cache_max_entry_count=0.1, block_size=64, quant_policy=policy)
         engine = Engine(path, config)
@@ -220,4 +236,4 @@ def test_engine_with_compiled_kernels_forced(shape, policy, tmp_path, monkeypatc
         same = next((i for i, (a, b) in enumerate(zip(tri, com)) if a != b), len(tri))
         for i in range(min(same + 1, len(tri))):
             err = ((com_logits[i] - tri_logits[i]).norm() / tri_logits[i].norm()).item()
-            assert err < 1e-2, (shape, policy, i, err)
+            assert err < bound, (shape, policy, i, err)

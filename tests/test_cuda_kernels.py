@@ -4,6 +4,7 @@ Without a GPU they run through Triton's interpreter (TRITON_INTERPRET=1) on
 small shapes; with one (LMDEPLOY_TEST_FULL=1) at full size on the GPU.
 """
 import ctypes
+import dataclasses
 import os
 
 import pytest
@@ -18,7 +19,7 @@ from helpers import benchmark_module  # noqa: E402
 from paged_cache import reference_filled_cache  # noqa: E402
 
 from lmdeploy.devices import get_device  # noqa: E402
-from lmdeploy.devices.cache import KVCache, unpack_int4  # noqa: E402
+from lmdeploy.devices.cache import KVCache, row_strides, unpack_int4  # noqa: E402
 from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary  # noqa: E402
 
 DEV = 'cuda' if HAS_CUDA else 'cpu'
@@ -416,22 +417,24 @@ def test_cublaslt_heuristic_result_has_the_headers_layout():
 
 
 # ------------------------------------------------------------ quantized KV cache
-def quant_cache(lengths, hkv, d, block_size, dtype, policy):
-    """A quantized cache (the standard layout) filled by the reference, with shuffled blocks: the
+def quant_cache(lengths, hkv, d, block_size, dtype, policy, head_major=False):
+    """A quantized cache filled by the reference, with shuffled blocks (stored token- or head-major): the
     attention kernels must read exactly what the reference's attention reads."""
-    return reference_filled_cache(lengths, hkv, d, block_size, dtype, policy, DEV)
+    return reference_filled_cache(lengths, hkv, d, block_size, dtype, policy, DEV, head_major=head_major)
 
 
 @pytest.mark.parametrize('policy', [8, 4])
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('h,hkv,d,bs', CONFIGS)
-def test_quantized_decode_and_prefill_attention(policy, dtype, h, hkv, d, bs):
+@pytest.mark.parametrize('head_major', [False, True])
+def test_quantized_decode_and_prefill_attention(policy, dtype, h, hkv, d, bs, head_major):
     """Dequantized in the kernels' registers, a quantized cache gives the reference's attention over the
-    same cache (GQA 1/4/8, head_dim 64/128, block size 16/64, odd lengths over many blocks)."""
+    same cache (GQA 1/4/8, head_dim 64/128, block size 16/64, odd lengths over many blocks), whichever
+    order its blocks are stored in (the cuda device's: head-major)."""
     kv_lens = [4000, 1, 517, 2049, 64, 333] if FULL else [1, 70, 43, 17, 140]
     if FULL:
         h, hkv = h * 4, hkv * 4
-    ref_cache, cache, tables = quant_cache(kv_lens, hkv, d, bs, dtype, policy)
+    ref_cache, cache, tables = quant_cache(kv_lens, hkv, d, bs, dtype, policy, head_major)
     lens = torch.tensor(kv_lens)
     q = torch.randn(len(kv_lens), h, d, dtype=dtype, device=DEV)
     ref = REF.paged_decode_attention(q.cpu().float(), ref_cache, tables, lens, d**-0.5, max(kv_lens))
@@ -455,20 +458,24 @@ def test_quantized_decode_and_prefill_attention(policy, dtype, h, hkv, d, bs):
 @pytest.mark.parametrize('policy,centred', [(8, False), (4, False), (4, True)])
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('fused', [False, True])
-def test_quantizing_fill_kernels_write_the_reference_codes(policy, centred, dtype, fused):
+@pytest.mark.parametrize('head_major', [False, True])
+def test_quantizing_fill_kernels_write_the_reference_codes(policy, centred, dtype, fused, head_major):
     """The fill kernels (alone, and fused with rotary) quantize as the reference does: the same codes
     (a rounding tie may land one code off), the same float16 scales and zeros; negative slots write
     nothing; int4's K less the layer's mean key where the cache has one. The fused kernel quantizes the
     rotated k it returns (which matches the reference's rotation to rounding: one ulp moves a row's
     minimum, and with it the zero, so the codes are compared with the reference's quantization of that
-    k)."""
+    k). The cache on the device stores its blocks token- or head-major (the cuda device's), the reference's
+    token-major: the same values in another order."""
     t, h, hkv, d, bs, nblocks = 9, 4, 2, 64, 4, 6
     q = torch.randn(t, h, d, dtype=dtype, device=DEV)
     k = (torch.randn(t, hkv, d) * torch.rand(t, hkv, 1) * 5).to(dtype).to(DEV)
     v = torch.randn(t, hkv, d, dtype=dtype, device=DEV)
     slots = torch.tensor([3, -1, 9, 0, 14, 22, 5, -1, 17], device=DEV)
     spec = REF.kv_cache_spec(hkv, d, bs, dtype, policy)
-    ref, got = spec.allocate(nblocks, 'cpu'), spec.allocate(nblocks, DEV)
+    ref, got = spec.allocate(nblocks, 'cpu'), dataclasses.replace(spec, head_major=head_major).allocate(nblocks, DEV)
+    assert row_strides(got.k, got.v, got.k_scale_zero, got.v_scale_zero) == ((hkv * bs, 1, bs) if head_major
+                                                                             else (hkv * bs, hkv, 1))
     for c in (ref, got):
         for x in c.tensors().values():
             x.zero_()

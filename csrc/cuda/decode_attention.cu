@@ -89,7 +89,7 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
               T* __restrict__ out, const int32_t* __restrict__ tables, const int64_t* __restrict__ kv_lens,
               const int64_t* __restrict__ order, float scale_log2, int64_t stride_qb, int64_t stride_qh,
               int64_t stride_ob, int64_t stride_oh, int64_t stride_bt, int num_kv_heads, int group,
-              int block_size, int num_splits) {
+              int block_size, int num_splits, CacheRows rows) {
     constexpr int kLanes = D / 8;               // lanes that read one token's row
     constexpr int kSlots = 32 / kLanes;         // tokens a warp reads at once
     constexpr int kSub = kWarps * kSlots;       // lane groups in the block, each with its own softmax
@@ -156,8 +156,8 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
             const int t = base + u * kSub + sub;
             valid[u] = t < end;
             if (valid[u]) {
-                const int64_t slot_id = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-                const int64_t row = slot_id * num_kv_heads + kvh;
+                const int blk = t / block_size;
+                const int64_t row = table[blk] * rows.block + (t - blk * block_size) * rows.slot + kvh * rows.head;
                 kraw[u] = load_raw<T, POLICY, D>(kc, row, chunk);
                 vraw[u] = load_raw<T, POLICY, D>(vc, row, chunk);
                 if constexpr (POLICY != 0) {
@@ -301,7 +301,7 @@ void launch(const DecodeArgs& a, cudaStream_t stream) {
         reinterpret_cast<T*>(a.out), reinterpret_cast<const int32_t*>(a.block_tables),
         reinterpret_cast<const int64_t*>(a.kv_lens), reinterpret_cast<const int64_t*>(a.order),
         a.scale * 1.4426950408889634f, a.stride_qb, a.stride_qh, a.stride_ob, a.stride_oh, a.stride_bt,
-        a.num_kv_heads, a.num_heads / a.num_kv_heads, a.block_size, a.num_splits);
+        a.num_kv_heads, a.num_heads / a.num_kv_heads, a.block_size, a.num_splits, a.rows);
 }
 
 template <typename T>

@@ -19,7 +19,10 @@
 // A warp copies its tiles into shared memory with cp.async, kStages - 1 tiles ahead of the one it works on
 // (whole rows, 16 bytes a lane, so the copy is coalesced; no registers held while the bytes are on their
 // way), then each lane reads its 4-16 contiguous bytes a row from there. Rows sit at padded strides in the
-// copy so that those reads meet no bank conflicts (Stage below).
+// copy so that those reads meet no bank conflicts (Stage below). Rows are found by the cache's strides in
+// rows (ops.h CacheRows): over the cuda device's head-major quantized caches a tile's 16 rows are one run
+// of bytes; over token-major blocks they are 64-128-byte pieces among the other heads' rows, and DRAM
+// served int4's at two thirds of the rate (H100: int4 66 % of the copy ceiling there, 92 % head-major).
 //
 // A quantized cache enters the dots as its integer codes biased by 1024, exact in float16 (int8: one byte
 // permute per two codes puts 0x64 above each byte, the float16 1024 + c; int4: one LOP3 per two codes
@@ -44,7 +47,8 @@ namespace {
 // and 2 / 3 stages for int8 / int4. With the heads as the mmas' rows (before the products were
 // transposed) 3 blocks (168 registers) beat 4 (128, spilling 60-116 bytes) by 1.14-1.23x for int8 and up
 // to 1.26x for int4; transposed, the kernel needs 121-136 registers and 4 blocks are equal to 3 (within
-// 2 %). int4 with 2 stages was within 5 % of 3; 4 stages gained nothing for either.
+// 2 %). int4 with 2 stages was within 5 % of 3; 4 stages gained nothing for either (nor, for int4 over
+// token-major blocks, 4 blocks, 4 or 6 stages: within 2 %; 6 stages 28 % slower at 64 x 1k).
 #ifndef LMDEPLOY_DECODE_MMA_MIN_BLOCKS
 #define LMDEPLOY_DECODE_MMA_MIN_BLOCKS(POLICY) 3
 #endif
@@ -326,9 +330,10 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     // (one division a tile: the tile lies in one block; then a token is a multiple of the slot stride away)
     const bool pow2 = (block_size & (block_size - 1)) == 0;
     const int shift = __ffs(block_size) - 1;
-    auto tile_row0 = [&](int base) {  // the slot row of the tile's first token (of this KV head)
+    const CacheRows rows = args.rows;  // (head-major blocks: a tile's rows are one run of bytes)
+    auto tile_row0 = [&](int base) {  // the row of the tile's first token (of this KV head)
         const int blk = pow2 ? base >> shift : base / block_size;
-        return (static_cast<int64_t>(table[blk]) * block_size + (base - blk * block_size)) * num_kv_heads + kvh;
+        return table[blk] * rows.block + (base - blk * block_size) * rows.slot + kvh * rows.head;
     };
     // into a stage of shared memory: whole rows, 16 bytes a lane (and a token's K or V scale and zero)
     auto copy_tile = [&](int base, uint8_t* st) {
@@ -338,13 +343,13 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 #pragma unroll
         for (int i = 0; i < kTile * kChunks / 32; ++i) {
             const int idx = i * 32 + lane, r = idx / kChunks, c = idx % kChunks;
-            const int64_t src = (row0 + static_cast<int64_t>(min(r, last)) * num_kv_heads) * S::kRowBytes + 16 * c;
+            const int64_t src = (row0 + min(r, last) * rows.slot) * S::kRowBytes + 16 * c;
             cp_async16(st + r * St::kKStride + 16 * c, kc + src);
             cp_async16(st + St::kV + r * St::kVStride + 16 * c, vc + src);
         }
         if constexpr (POLICY != 0) {
             const int r = lane % kTile;
-            const int64_t row = row0 + static_cast<int64_t>(min(r, last)) * num_kv_heads;
+            const int64_t row = row0 + min(r, last) * rows.slot;
             cp_async4(st + (lane < kTile ? St::kKsz : St::kVsz) + 4 * r, (lane < kTile ? ksz : vsz) + 2 * row);
         }
     };
@@ -359,10 +364,11 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     // this warp's tiles: first, first + kWarps kTile, ...; the first kStages - 1 set off before q is ready
     const int first = start + warp * kTile;
     const int num_tiles = first < end ? (end - first + kWarps * kTile - 1) / (kWarps * kTile) : 0;
+    auto tile_base = [&](int i) { return first + i * kWarps * kTile; };
     uint8_t* ring = stages + warp * kStages * St::kBytes;
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
-        if (i < num_tiles) copy_tile(first + i * kWarps * kTile, ring + i * St::kBytes);
+        if (i < num_tiles) copy_tile(tile_base(i), ring + i * St::kBytes);
         cp_async_commit();
     }
 
@@ -408,9 +414,9 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     for (int i = 0; i < kSteps; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
 
     for (int i = 0; i < num_tiles; ++i) {
-        const int base = first + i * kWarps * kTile;
+        const int base = tile_base(i);
         const int ahead = i + kStages - 1;  // into the stage the previous tile used
-        if (ahead < num_tiles) copy_tile(first + ahead * kWarps * kTile, ring + (ahead % kStages) * St::kBytes);
+        if (ahead < num_tiles) copy_tile(tile_base(ahead), ring + (ahead % kStages) * St::kBytes);
         cp_async_commit();
         cp_async_wait<kStages - 1>();  // tile i is in
         __syncwarp();

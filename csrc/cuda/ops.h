@@ -12,10 +12,18 @@ constexpr int kMaxDecodeSplits = 64;  // as the Triton kernel's MAX_DECODE_SPLIT
 // runs (sm80+, block size a multiple of 16), else the CUDA-core one (decode_attention.cu, sm75+).
 constexpr int kDecodeAuto = 0, kDecodeCudaCores = 1, kDecodeTensorCores = 2;
 
+// Where a cache row lies (a row: one token's codes of one KV head, W bytes or D elements, or its scale
+// and zero): block * block + offset * slot + head * head rows from the start, for the token at offset
+// `offset` of cache block `block`. K, V and their scales share these; they are the layout the device
+// chose (devices/cache.py): token-major blocks [S, Hkv] (slot Hkv, head 1) or head-major [Hkv, S] (1, S).
+struct CacheRows {
+    int64_t block, slot, head;
+};
+
 // DeviceOps.paged_decode_attention's arguments as raw device pointers and sizes. The Python wrapper
 // (lmdeploy/devices/cuda/compiled.py) checks them: q / out [B, H, D] with unit stride in D; caches
-// contiguous [N, S, Hkv, W] (W = D for 16-bit and int8, D / 2 for int4), scale/zero [N, S, Hkv, 2]
-// float16; block_tables int32 [B, *]; kv_lens and order int64 [B]; partial float32
+// [N, S, Hkv, W] (W = D for 16-bit and int8, D / 2 for int4) and scale/zero [N, S, Hkv, 2] float16,
+// laid out as `rows` says; block_tables int32 [B, *]; kv_lens and order int64 [B]; partial float32
 // [B, H, num_splits, D + 1] when num_splits > 1.
 struct DecodeArgs {
     const void* q;
@@ -31,6 +39,7 @@ struct DecodeArgs {
     int dtype;          // DType of q and out (and of a 16-bit cache)
     int quant_policy;   // 0, 8 or 4
     int batch, num_heads, num_kv_heads, head_dim, block_size, num_splits;
+    CacheRows rows;
     int64_t stride_qb, stride_qh, stride_ob, stride_oh, stride_bt;
     float scale;
     int kernel;  // kDecodeAuto, kDecodeCudaCores or kDecodeTensorCores
@@ -54,7 +63,8 @@ struct RotaryFillArgs {
     void* v_scale_zero;
     const void* k_mean;  // float32 [Hkv, D]: taken off each key (after rotate_k) before it is quantized, or nullptr
     int dtype, quant_policy, rotate_k;
-    int num_tokens, num_heads, num_kv_heads, head_dim;
+    int num_tokens, num_heads, num_kv_heads, head_dim, block_size;
+    CacheRows rows;
     int64_t stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos;
     int pdl;  // as DecodeArgs::pdl
 };

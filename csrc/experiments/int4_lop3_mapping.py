@@ -1,9 +1,12 @@
 """Trace which head element each half of the int4 operand registers holds (new decode), vs elem_of / col_of."""
 import random
-D = 128
 import sys
+
 D = int(sys.argv[1]) if len(sys.argv) > 1 else 128
-row_bytes = D // 2; kKBytes = row_bytes // 4; kVBytes = row_bytes // 8; kSteps = D // 16
+row_bytes = D // 2
+kKBytes = row_bytes // 4
+kVBytes = row_bytes // 8
+kSteps = D // 16
 M = 0x64006400
 
 def byte_perm(x, y, s):

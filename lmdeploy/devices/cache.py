@@ -20,6 +20,16 @@ per KV head: asymmetric, online (computed when the token is written),
 ``x ~ q * scale + zero`` with ``q`` in ``[0, 2**bits - 1]``
 (:func:`quantize` and :func:`dequantize` are the definition).
 
+Those shapes are the cache's meaning; where its bytes lie is the device's
+choice. A spec may store each block head-major (``KVCacheSpec.head_major``:
+``[Hkv, S, ...]`` in memory, each KV head's tokens one run of bytes), and its
+:class:`KVCache` then holds views in the order above (``[N, S, Hkv, ...]``,
+strided), so that code indexing them means the same whatever the order. The
+cuda device stores its quantized caches so: an int4 row is 64 bytes (head_dim
+128), and 16 rows 512 bytes apart, as token-major blocks of 8 KV heads lay a
+head's tokens, read at two thirds of the speed of 16 rows in a row (H100,
+decode attention).
+
 With ``quant_policy`` 4 and a power-of-two head_dim of at least 32, K is
 stored rotated, ``k @ H`` (:func:`hadamard`), and attention rotates q the same
 way: ``(q H) . (k H) = q . k`` as H is orthonormal. The rotation spreads K's
@@ -60,6 +70,7 @@ class KVCacheSpec:
     dtype: torch.dtype  # the model's K/V dtype (what attention reads them as)
     quant_policy: int
     tensors: Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]  # (name, shape of one block, dtype)
+    head_major: bool = False  # blocks stored [Hkv, S, ...] (the module docstring); the views are [S, Hkv, ...]
 
     @property
     def bytes_per_block(self) -> int:
@@ -72,14 +83,20 @@ class KVCacheSpec:
         return centres_keys(self.quant_policy)
 
     def allocate(self, num_blocks: int, device) -> 'KVCache':
-        made = {name: torch.empty((num_blocks, *shape), dtype=dt, device=device) for name, shape, dt in self.tensors}
+        made = {name: self._empty(num_blocks, shape, dt, device) for name, shape, dt in self.tensors}
         return KVCache(made.pop('k'), made.pop('v'), self.quant_policy, made.pop('k_scale_zero', None),
                        made.pop('v_scale_zero', None), made)
 
+    def _empty(self, num_blocks: int, shape: Tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        if not self.head_major:
+            return torch.empty((num_blocks, *shape), dtype=dtype, device=device)
+        tokens, heads, *rest = shape
+        return torch.empty((num_blocks, heads, tokens, *rest), dtype=dtype, device=device).transpose(1, 2)
+
 
 def standard_spec(num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                  quant_policy: int = 0) -> KVCacheSpec:
-    """The layout this module's docstring describes."""
+                  quant_policy: int = 0, head_major: bool = False) -> KVCacheSpec:
+    """The layout this module's docstring describes (``head_major``: stored so, as views)."""
     if quant_policy not in QUANT_POLICIES:
         raise ValueError(f'quant_policy must be one of {QUANT_POLICIES}, got {quant_policy!r}')
     block = (block_size, num_kv_heads)
@@ -91,7 +108,7 @@ def standard_spec(num_kv_heads: int, head_dim: int, block_size: int, dtype: torc
         width = head_dim if quant_policy == 8 else head_dim // 2
         tensors = (('k', (*block, width), torch.uint8), ('v', (*block, width), torch.uint8),
                    ('k_scale_zero', (*block, 2), SCALE_DTYPE), ('v_scale_zero', (*block, 2), SCALE_DTYPE))
-    return KVCacheSpec(num_kv_heads, head_dim, block_size, dtype, quant_policy, tensors)
+    return KVCacheSpec(num_kv_heads, head_dim, block_size, dtype, quant_policy, tensors, head_major)
 
 
 @dataclass
@@ -128,6 +145,23 @@ class KVCache:
     def tensors(self) -> Dict[str, torch.Tensor]:
         named = dict(k=self.k, v=self.v, k_scale_zero=self.k_scale_zero, v_scale_zero=self.v_scale_zero)
         return {**{k: t for k, t in named.items() if t is not None}, **self.extra}
+
+
+def row_strides(k: torch.Tensor, v: torch.Tensor, k_scale_zero: Optional[torch.Tensor] = None,
+                v_scale_zero: Optional[torch.Tensor] = None) -> Tuple[int, int, int]:
+    """A cache's strides in rows, (block, offset in block, KV head), where a row is one token's codes of one
+    head (the last dim) or its scale and zero: how kernels address any layout a spec allocates (token-major
+    ``(S Hkv, Hkv, 1)``, head-major ``(Hkv S, 1, S)``). K, V and the scales must share them."""
+    width = k.shape[-1]
+    rows = tuple(s // width for s in k.stride()[:3])
+    ok = (k.dim() == 4 and k.stride(-1) == 1 and v.stride() == k.stride()
+          and all(r * width == s for r, s in zip(rows, k.stride()[:3])))
+    if k_scale_zero is not None:
+        ok = ok and all(z.stride() == (*(2 * r for r in rows), 1) for z in (k_scale_zero, v_scale_zero))
+    if not ok:
+        raise ValueError('a cache\'s K, V (and scales) must share one layout of whole rows: strides '
+                         + ', '.join(str(x.stride()) for x in (k, v, k_scale_zero, v_scale_zero) if x is not None))
+    return rows
 
 
 # ------------------------------------------------------------- the definition

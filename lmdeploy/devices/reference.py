@@ -54,19 +54,19 @@ class ReferenceOps(DeviceOps):
     def fill_kv_cache(self, k, v, cache: KVCache, slot_mapping):
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
+        at = (slots // cache.block_size, slots % cache.block_size)  # (block, offset): whatever order stores them
         for x, data, scale_zero in ((k, cache.k, cache.k_scale_zero), (v, cache.v, cache.v_scale_zero)):
             rows = x[keep]
-            flat = data.view(-1, *data.shape[2:])  # [N * S, Hkv, ...]: one row per slot
             if cache.quant_policy == 0:
-                flat[slots] = rows.to(data.dtype)
+                data[at] = rows.to(data.dtype)
                 continue
             if x is k and rotates_k(cache.quant_policy, rows.shape[-1]):
                 rows = rows.float() @ hadamard(rows.shape[-1], rows.device)
             if x is k and cache.k_mean is not None:
                 rows = rows.float() - cache.k_mean
             codes, sz = quantize(rows, cache.quant_policy)
-            flat[slots] = codes if cache.quant_policy == 8 else pack_int4(codes)
-            scale_zero.view(-1, *scale_zero.shape[2:])[slots] = sz
+            data[at] = codes if cache.quant_policy == 8 else pack_int4(codes)
+            scale_zero[at] = sz
 
     @staticmethod
     def _read(cache: KVCache, which: str, blocks: torch.Tensor) -> torch.Tensor:

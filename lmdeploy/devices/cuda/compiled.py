@@ -139,6 +139,18 @@ def _pdl(device: torch.device) -> int:
 DECODE_KERNELS = ('auto', 'cuda_cores', 'tensor_cores')
 
 
+def _cache_rows(cache) -> Optional[Tuple[int, int, int]]:
+    """The cache's (block, slot, head) strides in rows, as the kernels address it (ops.h CacheRows); None for
+    a layout they cannot take."""
+    from lmdeploy.devices.cache import row_strides
+    quantized = cache.quant_policy != 0
+    try:
+        return row_strides(cache.k, cache.v, cache.k_scale_zero if quantized else None,
+                           cache.v_scale_zero if quantized else None)
+    except ValueError:
+        return None
+
+
 def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms, order=None,
                            out=None, kernel: str = 'auto') -> Optional[torch.Tensor]:
     """DeviceOps.paged_decode_attention by the compiled kernel; None where it does not take the inputs.
@@ -153,12 +165,11 @@ def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len
     policy = cache.quant_policy
     if not mod.decode_attention_supports(_DTYPES[q.dtype], policy, d, h, hkv):
         return None
-    if not (k.is_contiguous() and v.is_contiguous() and block_tables.dtype == torch.int32
-            and block_tables.stride(-1) == 1 and kv_seqlens.dtype == torch.int64 and kv_seqlens.is_contiguous()):
+    rows = _cache_rows(cache)
+    if rows is None or not (block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+                            and kv_seqlens.dtype == torch.int64 and kv_seqlens.is_contiguous()):
         return None
     if policy == 0 and k.dtype != q.dtype:
-        return None
-    if policy and not (cache.k_scale_zero.is_contiguous() and cache.v_scale_zero.is_contiguous()):
         return None
     if order is not None and not (order.dtype == torch.int64 and order.is_contiguous()):
         order = None
@@ -174,7 +185,7 @@ def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len
     mod.paged_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), ksz, vsz, part.data_ptr(), out.data_ptr(),
                                block_tables.data_ptr(), kv_seqlens.data_ptr(),
                                0 if order is None else order.data_ptr(), _DTYPES[q.dtype], policy, bsz, h, hkv, d,
-                               k.shape[1], splits, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                               k.shape[1], splits, *rows, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                                block_tables.stride(0), float(scale), torch.cuda.current_stream(q.device).cuda_stream,
                                DECODE_KERNELS.index(kernel), _pdl(q.device))
     return out
@@ -192,11 +203,10 @@ def rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping) -> Optional[Tuple[tor
     policy = cache.quant_policy
     if not mod.rotary_fill_supports(_DTYPES[q.dtype], policy, d):
         return None
-    if any(x.stride(-1) != 1 for x in (q, k, v)) or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+    rows = _cache_rows(cache)
+    if rows is None or any(x.stride(-1) != 1 for x in (q, k, v)):
         return None
     if policy == 0 and cache.k.dtype != q.dtype:
-        return None
-    if policy and not (cache.k_scale_zero.is_contiguous() and cache.v_scale_zero.is_contiguous()):
         return None
     if slot_mapping.dtype != torch.int64:
         return None
@@ -210,7 +220,8 @@ def rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping) -> Optional[Tuple[tor
     mod.rotary_fill_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                        slots.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), ksz, vsz,
                        cache.k_mean.data_ptr() if cache.k_mean is not None else 0, _DTYPES[q.dtype], policy,
-                       int(rotates_k(policy, d)), t, h, hkv, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                       int(rotates_k(policy, d)), t, h, hkv, d, cache.k.shape[1], *rows, q.stride(0), q.stride(1),
+                       k.stride(0), k.stride(1),
                        v.stride(0), v.stride(1), cos.stride(0), torch.cuda.current_stream(q.device).cuda_stream,
                        _pdl(q.device))
     return out[:, :h], out[:, h:]

@@ -4,6 +4,7 @@ kernels (csrc/cuda) where they are built and faster (compiled.py), cuBLAS
 per request), CUDA graphs for decode steps."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -36,6 +37,14 @@ class CudaOps(ReferenceSampling, DeviceOps):
         self._compiled = compiled
         self.compiled_from = compiled.compiled_from(torch.cuda.get_device_capability()
                                                     if torch.cuda.is_available() else None)
+
+    def kv_cache_spec(self, num_kv_heads, head_dim, block_size, dtype, quant_policy=0):
+        """Quantized caches stored head-major (devices/cache.py): a tile of one KV head's tokens is one run of
+        bytes, where token-major blocks scatter it in rows of D or D / 2 bytes (H100, batch 256 x 8k
+        contexts, the compiled decode kernel: int4 66 -> 92 % of the copy ceiling, int8 91 -> 97 %). The
+        16-bit cache keeps the token-major layout (256-byte rows already read at 95-97 %)."""
+        spec = super().kv_cache_spec(num_kv_heads, head_dim, block_size, dtype, quant_policy)
+        return dataclasses.replace(spec, head_major=True) if quant_policy else spec
 
     def set_device_index(self, index: int) -> None:
         torch.cuda.set_device(index)

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...cache import rotates_k
+from ...cache import rotates_k, row_strides
 from . import pdl
 from .limits import no_respecialising
 from .rotary import _rotated
@@ -59,12 +59,11 @@ def _hadamard_halves(x1, x2, d, HSCALE: tl.constexpr):
 
 
 @triton.jit
-def _write_cache(c_ptr, sz_ptr, slot, heads, d, x1, x2, mask, n_heads, HALF: tl.constexpr, QUANT: tl.constexpr,
+def _write_cache(c_ptr, sz_ptr, row, heads, d, x1, x2, mask, HALF: tl.constexpr, QUANT: tl.constexpr,
                  ROTATE: tl.constexpr = False, HSCALE: tl.constexpr = 1.0, mean_ptr=None, CENTRE: tl.constexpr = False):
-    """Store one token's heads (both halves of each) at ``slot`` in a cache of [slots, n_heads, ...];
-    ``ROTATE``: quantize them in the Hadamard basis, ``CENTRE``: less the layer's mean key ``mean_ptr``
-    ([n_heads, 2 HALF] float32, in that basis) (int4's K, devices/cache.py)."""
-    row = slot * n_heads + heads  # [H]
+    """Store one token's heads (both halves of each) at their ``row`` [H] of the cache (and of its scales:
+    :func:`_rows`); ``ROTATE``: quantize them in the Hadamard basis, ``CENTRE``: less the layer's mean key
+    ``mean_ptr`` ([n_heads, 2 HALF] float32, in that basis) (int4's K, devices/cache.py)."""
     if ROTATE:
         x1, x2 = _hadamard_halves(x1, x2, d, HSCALE)
     if CENTRE:
@@ -88,9 +87,18 @@ def _write_cache(c_ptr, sz_ptr, slot, heads, d, x1, x2, mask, n_heads, HALF: tl.
         tl.store(sz_ptr + row * 2 + 1, zero.to(tl.float16), mask=h_valid)
 
 
+@triton.jit
+def _rows(slot, heads, block_size, row_block, row_slot, row_head):
+    """The cache rows (of a head's codes, or of its scale and zero) of a slot's heads: the layout's strides
+    (devices/cache.py; token- or head-major blocks) in rows."""
+    blk = slot // block_size
+    return blk * row_block + (slot - blk * block_size) * row_slot + heads * row_head
+
+
 @triton.jit(**no_respecialising(pointers=['slot_ptr']))
 def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, kmean_ptr, slot_ptr, stride_kt, stride_kh,
-                    stride_vt, stride_vh, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                    stride_vt, stride_vh, n_heads, block_size, row_block, row_slot, row_head, HALF: tl.constexpr,
+                    BLOCK_H: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
                     CENTRE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_then_release(PDL)
@@ -102,10 +110,10 @@ def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, kmean_ptr, s
         m = (h[:, None] < n_heads) & (d[None, :] < HALF)
         kb = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
         vb = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
-        _write_cache(kc_ptr, ksz_ptr, slot, h, d, tl.load(kb, mask=m, other=0.0), tl.load(kb + HALF, mask=m, other=0.0),
-                     m, n_heads, HALF, QUANT, ROTATE, HSCALE, kmean_ptr, CENTRE)
-        _write_cache(vc_ptr, vsz_ptr, slot, h, d, tl.load(vb, mask=m), tl.load(vb + HALF, mask=m), m, n_heads, HALF,
-                     QUANT)
+        row = _rows(slot, h, block_size, row_block, row_slot, row_head)
+        _write_cache(kc_ptr, ksz_ptr, row, h, d, tl.load(kb, mask=m, other=0.0), tl.load(kb + HALF, mask=m, other=0.0),
+                     m, HALF, QUANT, ROTATE, HSCALE, kmean_ptr, CENTRE)
+        _write_cache(vc_ptr, vsz_ptr, row, h, d, tl.load(vb, mask=m), tl.load(vb + HALF, mask=m), m, HALF, QUANT)
 
 
 def quant_of(cache_tensor, head_dim: int, scale_zero) -> int:
@@ -134,7 +142,8 @@ def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_sca
     rotate = rotates_k(quant, d)
     _fill_kv_kernel[(t, )](k, v, k_cache, v_cache, k_scale_zero if quant else k_cache,
                            v_scale_zero if quant else v_cache, _mean_arg(k_mean, k_cache), slot_mapping,
-                           k.stride(0), k.stride(1), v.stride(0), v.stride(1), h, HALF=d // 2,
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1), h, k_cache.shape[1],
+                           *row_strides(k_cache, v_cache, k_scale_zero, v_scale_zero), HALF=d // 2,
                            BLOCK_H=_heads_block(h, rotate), BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant,
                            ROTATE=rotate, HSCALE=d**-0.5, CENTRE=_centres(quant, k_mean), num_warps=2, PDL=pdl.ON,
                            **pdl.LAUNCH)
@@ -152,7 +161,8 @@ def _mean_arg(k_mean, stand_in):
 @triton.jit(**no_respecialising(pointers=['slot_ptr']))
 def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, kmean_ptr, cos_ptr, sin_ptr,
                            slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-                           stride_ct, n_q, n_kv, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                           stride_ct, n_q, n_kv, block_size, row_block, row_slot, row_head, HEAD_DIM: tl.constexpr,
+                           BLOCK_H: tl.constexpr,
                            BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
                            ROTATE: tl.constexpr, HSCALE: tl.constexpr, CENTRE: tl.constexpr, PDL: tl.constexpr):
     """Program (t, j): for j < cdiv(n_q, BLOCK_H), a block of token t's query
@@ -185,11 +195,11 @@ def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, ksz_ptr
         tl.store(kbase + HALF, k2, mask=km)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
-            _write_cache(kc_ptr, ksz_ptr, slot, kh, d, k1, k2, km, n_kv, HALF, QUANT, ROTATE, HSCALE, kmean_ptr,
-                         CENTRE)
+            row = _rows(slot, kh, block_size, row_block, row_slot, row_head)
+            _write_cache(kc_ptr, ksz_ptr, row, kh, d, k1, k2, km, HALF, QUANT, ROTATE, HSCALE, kmean_ptr, CENTRE)
             vb = v_ptr + t * stride_vt + kh[:, None] * stride_vh + d[None, :]
-            _write_cache(vc_ptr, vsz_ptr, slot, kh, d, tl.load(vb, mask=km), tl.load(vb + HALF, mask=km), km, n_kv,
-                         HALF, QUANT)
+            _write_cache(vc_ptr, vsz_ptr, row, kh, d, tl.load(vb, mask=km), tl.load(vb + HALF, mask=km), km, HALF,
+                         QUANT)
 
 
 def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None,
@@ -210,7 +220,9 @@ def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_ze
     _rotary_fill_kv_kernel[(t, triton.cdiv(h, block_h) + 1)](
         q, k, v, out, k_cache, v_cache, k_scale_zero if quant else k_cache, v_scale_zero if quant else v_cache,
         _mean_arg(k_mean, cos), cos, sin, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), out.stride(0), cos.stride(0), h, hkv, HEAD_DIM=d, BLOCK_H=block_h,
+        k.stride(1), v.stride(0), v.stride(1), out.stride(0), cos.stride(0), h, hkv, k_cache.shape[1],
+        *row_strides(k_cache, v_cache, k_scale_zero if quant else None, v_scale_zero if quant else None), HEAD_DIM=d,
+        BLOCK_H=block_h,
         BLOCK_KV=_heads_block(hkv, rotate), BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, ROTATE=rotate,
         HSCALE=d**-0.5, CENTRE=_centres(quant, k_mean), num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
     return out[:, :h], out[:, h:]
