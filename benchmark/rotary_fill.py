@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from lmdeploy.devices.cache import standard_spec
+from lmdeploy.devices import get_device
 from lmdeploy.devices.cuda import compiled
 from lmdeploy.devices.cuda.kernels import kv_cache
 
@@ -34,7 +34,7 @@ def main():
     print('| --- | --- | --- | --- | --- | --- | --- | --- |')
     for t in args.tokens:
         for policy in args.policy:
-            spec = standard_spec(HKV, D, BLOCK, torch.bfloat16, policy)
+            spec = get_device('cuda').kv_cache_spec(HKV, D, BLOCK, torch.bfloat16, policy)  # the engine's layout
             nblocks = -(-t // BLOCK) + 1
             cache = spec.allocate(nblocks, 'cuda')
             qkv = torch.randn(t, (H + 2 * HKV) * D, dtype=torch.bfloat16, device='cuda')

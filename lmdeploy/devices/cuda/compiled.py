@@ -221,7 +221,6 @@ def rotary_fill_kv(q, k, v, cos, sin, cache, slot_mapping) -> Optional[Tuple[tor
                        slots.data_ptr(), cache.k.data_ptr(), cache.v.data_ptr(), ksz, vsz,
                        cache.k_mean.data_ptr() if cache.k_mean is not None else 0, _DTYPES[q.dtype], policy,
                        int(rotates_k(policy, d)), t, h, hkv, d, cache.k.shape[1], *rows, q.stride(0), q.stride(1),
-                       k.stride(0), k.stride(1),
-                       v.stride(0), v.stride(1), cos.stride(0), torch.cuda.current_stream(q.device).cuda_stream,
-                       _pdl(q.device))
+                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+                       torch.cuda.current_stream(q.device).cuda_stream, _pdl(q.device))
     return out[:, :h], out[:, h:]

@@ -41,7 +41,7 @@ class CudaOps(ReferenceSampling, DeviceOps):
     def kv_cache_spec(self, num_kv_heads, head_dim, block_size, dtype, quant_policy=0):
         """Quantized caches stored head-major (devices/cache.py): a tile of one KV head's tokens is one run of
         bytes, where token-major blocks scatter it in rows of D or D / 2 bytes (H100, batch 256 x 8k
-        contexts, the compiled decode kernel: int4 66 -> 92 % of the copy ceiling, int8 91 -> 97 %). The
+        contexts, the compiled decode kernel: int4 66 -> 92 % of the copy ceiling, int8 90 -> 95 %). The
         16-bit cache keeps the token-major layout (256-byte rows already read at 95-97 %)."""
         spec = super().kv_cache_spec(num_kv_heads, head_dim, block_size, dtype, quant_policy)
         return dataclasses.replace(spec, head_major=True) if quant_policy else spec

@@ -98,9 +98,8 @@ def _rows(slot, heads, block_size, row_block, row_slot, row_head):
 @triton.jit(**no_respecialising(pointers=['slot_ptr']))
 def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, kmean_ptr, slot_ptr, stride_kt, stride_kh,
                     stride_vt, stride_vh, n_heads, block_size, row_block, row_slot, row_head, HALF: tl.constexpr,
-                    BLOCK_H: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
-                    CENTRE: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ROTATE: tl.constexpr,
+                    HSCALE: tl.constexpr, CENTRE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -162,9 +161,9 @@ def _mean_arg(k_mean, stand_in):
 def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, kmean_ptr, cos_ptr, sin_ptr,
                            slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
                            stride_ct, n_q, n_kv, block_size, row_block, row_slot, row_head, HEAD_DIM: tl.constexpr,
-                           BLOCK_H: tl.constexpr,
-                           BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
-                           ROTATE: tl.constexpr, HSCALE: tl.constexpr, CENTRE: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                           QUANT: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr, CENTRE: tl.constexpr,
+                           PDL: tl.constexpr):
     """Program (t, j): for j < cdiv(n_q, BLOCK_H), a block of token t's query
     heads is rotated into out[t, :n_q]; the last program rotates t's key
     heads into out[t, n_q:] and writes them and t's values to the cache at
@@ -222,7 +221,6 @@ def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_ze
         _mean_arg(k_mean, cos), cos, sin, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), cos.stride(0), h, hkv, k_cache.shape[1],
         *row_strides(k_cache, v_cache, k_scale_zero if quant else None, v_scale_zero if quant else None), HEAD_DIM=d,
-        BLOCK_H=block_h,
-        BLOCK_KV=_heads_block(hkv, rotate), BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant, ROTATE=rotate,
-        HSCALE=d**-0.5, CENTRE=_centres(quant, k_mean), num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
+        BLOCK_H=block_h, BLOCK_KV=_heads_block(hkv, rotate), BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant,
+        ROTATE=rotate, HSCALE=d**-0.5, CENTRE=_centres(quant, k_mean), num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
     return out[:, :h], out[:, h:]
