@@ -137,9 +137,10 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
     def _paged_setup(kv_lens, H=4, Hkv=2, D=32, S=4, num_blocks=16, policy=0):
         """Random per-sequence K/V written through fill_kv_cache into shuffled blocks; returns the K/V
         attention must see (after the cache's quantize-then-dequantize, devices/cache.py; int4's K through
-        the Hadamard basis and back), the cache, the tables. A quantized cache in the standard layout is
-        read back as written: a device that rotates int4's K in another summation order may round a code
-        the other way, a whole int4 step, and attention is checked against what it was given."""
+        the Hadamard basis and back), the cache, the tables. A quantized cache of the standard tensors (stored
+        token- or head-major: read through its views) is read back as written: a device that rotates int4's
+        K in another summation order may round a code the other way, a whole int4 step, and attention is
+        checked against what it was given."""
         from .cache import dequantize, hadamard, quantize, rotates_k, standard_spec, unpack_int4
         perm = torch.randperm(num_blocks, generator=g).tolist()
         max_blocks = max((n + S - 1) // S for n in kv_lens)

@@ -116,8 +116,9 @@ class DeviceOps:
 
     def mean_key(self, cache: KVCache, num_tokens: int) -> torch.Tensor:
         """The mean key [Hkv, D] (float32) of slots 0 to ``num_tokens`` - 1 of an unquantized cache
-        (quant_policy 0): how the engine measures what int4 takes off K (devices/cache.py). The standard layout
-        here; a device whose unquantized cache is laid out otherwise overrides it."""
+        (quant_policy 0): how the engine measures what int4 takes off K (devices/cache.py). Read through the
+        cache's views (the standard order, however the spec stores them); a device whose unquantized cache has
+        other tensors overrides it."""
         return cache.k.flatten(0, 1)[:num_tokens].float().mean(0)
 
     # ------------------------------------------------------ tensor parallelism
