@@ -32,6 +32,7 @@ def test_head_major_blocks_keep_each_heads_tokens_in_one_run(policy):
     a, b = token.allocate(5, 'cpu'), head.allocate(5, 'cpu')
     assert row_strides(a.k, a.v, a.k_scale_zero, a.v_scale_zero) == (hkv * s, hkv, 1)
     assert row_strides(b.k, b.v, b.k_scale_zero, b.v_scale_zero) == (hkv * s, 1, s)
+    assert (a.rows, b.rows) == ((hkv * s, hkv, 1), (hkv * s, 1, s))  # what the ops read, worked out once
     for name, t in b.tensors().items():
         assert t.shape == a.tensors()[name].shape
         assert t[2, :, 1].is_contiguous()  # block 2, KV head 1: its S tokens one after another

@@ -117,14 +117,15 @@ def test_calls_outside_the_rows_run_on_triton():
     ops._compiled = SimpleNamespace(choice_key=compiled.choice_key,
                                     paged_decode_attention=lambda q, *a: ran.append(('compiled', len(q))) or q)
     ops._k_attention = SimpleNamespace(paged_decode_attention=lambda q, *a, **k: ran.append(('triton', len(q))) or q)
-    cache = SimpleNamespace(quant_policy=8, k=None, v=None, k_scale_zero=None, v_scale_zero=None, k_mean=None)
+    cache = SimpleNamespace(quant_policy=8, k=None, v=None, k_scale_zero=None, v_scale_zero=None, k_mean=None,
+                            rows=None)
     for rows in (1, 3, 4, 64, 100):
         ops.paged_decode_attention(torch.randn(rows, 8, 64), cache, None, None, 0.125, 100)
     assert ran == [('triton', 1), ('triton', 3), ('compiled', 4), ('compiled', 64), ('triton', 100)]
     ran.clear()
     ops.compiled_from[compiled.choice_key('rotary_fill_kv', 4)] = range(0, 257)
     ops._compiled.rotary_fill_kv = lambda q, *a: ran.append(('compiled', len(q))) or (q, q)
-    ops._k_kv = SimpleNamespace(rotary_fill_kv=lambda q, *a: ran.append(('triton', len(q))) or (q, q))
+    ops._k_kv = SimpleNamespace(rotary_fill_kv=lambda q, *a, **k: ran.append(('triton', len(q))) or (q, q))
     cache.quant_policy = 4
     for rows in (1, 256, 257, 2048):
         ops.rotary_fill_kv(torch.randn(rows, 8, 64), None, None, None, None, cache, None)

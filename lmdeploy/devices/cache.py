@@ -142,6 +142,12 @@ class KVCache:
             mean = mean @ hadamard(d, mean.device)
         self.k_mean = mean.contiguous()
 
+    @functools.cached_property
+    def rows(self) -> Tuple[int, int, int]:
+        """:func:`row_strides` of this cache: its layout is fixed when it is allocated, so the ops that
+        address it (every layer, every step) read it here instead of working it out again."""
+        return row_strides(self.k, self.v, self.k_scale_zero, self.v_scale_zero)
+
     def tensors(self) -> Dict[str, torch.Tensor]:
         named = dict(k=self.k, v=self.v, k_scale_zero=self.k_scale_zero, v_scale_zero=self.v_scale_zero)
         return {**{k: t for k, t in named.items() if t is not None}, **self.extra}

@@ -142,11 +142,8 @@ DECODE_KERNELS = ('auto', 'cuda_cores', 'tensor_cores')
 def _cache_rows(cache) -> Optional[Tuple[int, int, int]]:
     """The cache's (block, slot, head) strides in rows, as the kernels address it (ops.h CacheRows); None for
     a layout they cannot take."""
-    from lmdeploy.devices.cache import row_strides
-    quantized = cache.quant_policy != 0
     try:
-        return row_strides(cache.k, cache.v, cache.k_scale_zero if quantized else None,
-                           cache.v_scale_zero if quantized else None)
+        return cache.rows
     except ValueError:
         return None
 

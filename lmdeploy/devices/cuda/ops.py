@@ -155,7 +155,7 @@ class CudaOps(ReferenceSampling, DeviceOps):
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache, slot_mapping):
         self._k_kv.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale_zero, cache.v_scale_zero,
-                                 cache.k_mean)
+                                 cache.k_mean, rows=cache.rows)
 
     def rotary_fill_kv(self, q, k, v, cos, sin, cache, slot_mapping):
         rows = self.compiled_from[self._compiled.choice_key('rotary_fill_kv', cache.quant_policy)]
@@ -164,7 +164,7 @@ class CudaOps(ReferenceSampling, DeviceOps):
             if done is not None:
                 return done
         return self._k_kv.rotary_fill_kv(q, k, v, cos, sin, cache.k, cache.v, slot_mapping, cache.k_scale_zero,
-                                         cache.v_scale_zero, cache.k_mean)
+                                         cache.v_scale_zero, cache.k_mean, rows=cache.rows)
 
     def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
                                 max_kv_len, out=None):

@@ -127,8 +127,10 @@ def _heads_block(n: int, rotate: bool) -> int:
     return max(16 if rotate else 1, triton.next_power_of_2(n))
 
 
-def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None, k_mean=None):
-    """``k_mean``: [Hkv, D] float32 taken off each key (in the basis it is stored in) before quantizing."""
+def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None, k_mean=None,
+                  rows=None):
+    """``k_mean``: [Hkv, D] float32 taken off each key (in the basis it is stored in) before quantizing;
+    ``rows``: the caches' :func:`row_strides` (``KVCache.rows``), else worked out here."""
     t, h, d = k.shape
     if t == 0:
         return
@@ -142,7 +144,7 @@ def fill_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_sca
     _fill_kv_kernel[(t, )](k, v, k_cache, v_cache, k_scale_zero if quant else k_cache,
                            v_scale_zero if quant else v_cache, _mean_arg(k_mean, k_cache), slot_mapping,
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1), h, k_cache.shape[1],
-                           *row_strides(k_cache, v_cache, k_scale_zero, v_scale_zero), HALF=d // 2,
+                           *(rows or row_strides(k_cache, v_cache, k_scale_zero, v_scale_zero)), HALF=d // 2,
                            BLOCK_H=_heads_block(h, rotate), BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant,
                            ROTATE=rotate, HSCALE=d**-0.5, CENTRE=_centres(quant, k_mean), num_warps=2, PDL=pdl.ON,
                            **pdl.LAUNCH)
@@ -202,10 +204,10 @@ def _rotary_fill_kv_kernel(q_ptr, k_ptr, v_ptr, out_ptr, kc_ptr, vc_ptr, ksz_ptr
 
 
 def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_zero=None, v_scale_zero=None,
-                   k_mean=None):
+                   k_mean=None, rows=None):
     """apply_rotary and fill_kv_cache in one launch: the step's q, k and v
     are read once (and K/V quantized there when the cache is); returns the
-    rotated q and k (views of one buffer)."""
+    rotated q and k (views of one buffer). ``rows`` as fill_kv_cache's."""
     t, h, d = q.shape
     hkv = k.shape[1]
     out = torch.empty((t, h + hkv, d), dtype=q.dtype, device=q.device)
@@ -220,7 +222,7 @@ def rotary_fill_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, k_scale_ze
         q, k, v, out, k_cache, v_cache, k_scale_zero if quant else k_cache, v_scale_zero if quant else v_cache,
         _mean_arg(k_mean, cos), cos, sin, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), cos.stride(0), h, hkv, k_cache.shape[1],
-        *row_strides(k_cache, v_cache, k_scale_zero if quant else None, v_scale_zero if quant else None), HEAD_DIM=d,
+        *(rows or row_strides(k_cache, v_cache, k_scale_zero, v_scale_zero)), HEAD_DIM=d,
         BLOCK_H=block_h, BLOCK_KV=_heads_block(hkv, rotate), BLOCK_HALF=triton.next_power_of_2(d // 2), QUANT=quant,
         ROTATE=rotate, HSCALE=d**-0.5, CENTRE=_centres(quant, k_mean), num_warps=2, PDL=pdl.ON, **pdl.LAUNCH)
     return out[:, :h], out[:, h:]
