@@ -13,7 +13,15 @@
 #include <type_traits>
 #include <utility>
 
+#include "ops.h"
+
 namespace lmdeploy {
+
+// The cache row (codes, or scale and zero) of KV head `head`'s token at `offset` of cache block `block`,
+// in the layout the device chose (ops.h CacheRows).
+__device__ __forceinline__ int64_t cache_row(const CacheRows& rows, int64_t block, int64_t offset, int64_t head) {
+    return block * rows.block + offset * rows.slot + head * rows.head;
+}
 
 // Element types by code: the bindings pass one of these for the query / output dtype.
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };

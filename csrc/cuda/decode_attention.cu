@@ -157,7 +157,7 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
             valid[u] = t < end;
             if (valid[u]) {
                 const int blk = t / block_size;
-                const int64_t row = table[blk] * rows.block + (t - blk * block_size) * rows.slot + kvh * rows.head;
+                const int64_t row = cache_row(rows, table[blk], t - blk * block_size, kvh);
                 kraw[u] = load_raw<T, POLICY, D>(kc, row, chunk);
                 vraw[u] = load_raw<T, POLICY, D>(vc, row, chunk);
                 if constexpr (POLICY != 0) {

@@ -333,7 +333,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     const CacheRows rows = args.rows;  // (head-major blocks: a tile's rows are one run of bytes)
     auto tile_row0 = [&](int base) {  // the row of the tile's first token (of this KV head)
         const int blk = pow2 ? base >> shift : base / block_size;
-        return table[blk] * rows.block + (base - blk * block_size) * rows.slot + kvh * rows.head;
+        return cache_row(rows, table[blk], base - blk * block_size, kvh);
     };
     // into a stage of shared memory: whole rows, 16 bytes a lane (and a token's K or V scale and zero)
     auto copy_tile = [&](int base, uint8_t* st) {

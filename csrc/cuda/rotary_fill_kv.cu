@@ -132,8 +132,7 @@ __global__ void __launch_bounds__(kRotaryWarps * 32) rotary_fill_kernel(RotaryFi
         }
         if (is_q || slot < 0) return;
         const int64_t blk = slot / args.block_size;
-        const int64_t row =
-            blk * args.rows.block + (slot - blk * args.block_size) * args.rows.slot + kv * args.rows.head;
+        const int64_t row = cache_row(args.rows, blk, slot - blk * args.block_size, kv);
         if (args.rotate_k) hadamard_rows<R>(a, b, lane, d);
         if (args.k_mean != nullptr) {  // int4's K stored centred (devices/cache.py)
             const float* mean = static_cast<const float*>(args.k_mean) + kv * d;
