@@ -15,7 +15,10 @@ quantized cache buys over the copy ceiling.
     python benchmark/kv_quant_attn.py --impl triton compiled   # the Triton kernel and csrc/cuda's side by side
     python benchmark/kv_quant_attn.py --impl compiled compiled-cuda-cores  # csrc/cuda's two kernels (sm80+)
     python benchmark/kv_quant_attn.py --impl compiled --splits 0 1 2 4 8   # slices a context is cut into
+    python benchmark/kv_quant_attn.py --slice-scale 0 256 512   # the fewest tokens a slice holds (splits.py)
     python benchmark/kv_quant_attn.py --layout token head  # blocks stored token- / head-major (devices/cache.py)
+    python benchmark/kv_quant_attn.py --lengths varied     # lengths drawn from 1..context (or: lognormal)
+    python benchmark/kv_quant_attn.py --floor              # and a plain read of as many bytes (torch.sum)
 """
 from __future__ import annotations
 
@@ -28,26 +31,32 @@ import torch
 
 from lmdeploy.devices import get_device
 from lmdeploy.devices.cuda.kernels import attention
-from lmdeploy.devices.cuda.splits import num_decode_splits
+from lmdeploy.devices.cuda.splits import min_slice_tokens, num_decode_splits
 
 H, HKV, D, BLOCK = 32, 8, 128, 64
 
 
 @contextlib.contextmanager
-def fixed_splits(n: int):
-    """Both kernels cut every context into n slices (0: the engine's choice, splits.num_decode_splits)."""
-    from lmdeploy.devices.cuda import compiled
-    saved = compiled.num_decode_splits, attention.num_decode_splits
+def slicing(n: int, scale):
+    """Both kernels launch n slices of every context (0: the engine's choice, splits.num_decode_splits), of
+    at least splits.min_slice_tokens tokens each with ``scale`` as its tokens per program an SM (None: the
+    engine's; 0: no floor but a tile, the rule before each sequence had one)."""
+    from lmdeploy.devices.cuda import compiled, splits
+    saved = compiled.num_decode_splits, attention.num_decode_splits, splits.TOKENS_PER_PROGRAM_PER_SM
     if n:
         compiled.num_decode_splits = attention.num_decode_splits = lambda *args: n
+    if scale is not None:
+        splits.TOKENS_PER_PROGRAM_PER_SM = scale
     try:
         yield
     finally:
-        compiled.num_decode_splits, attention.num_decode_splits = saved
+        compiled.num_decode_splits, attention.num_decode_splits, splits.TOKENS_PER_PROGRAM_PER_SM = saved
 
 
-def make(batch: int, context: int, policy: int, layout: str, seed: int = 0):
-    """``layout``: ``device`` (the cuda device's spec), ``token`` or ``head`` (blocks stored so)."""
+def make(batch: int, context: int, policy: int, layout: str, lengths: str = 'uniform', seed: int = 0):
+    """``layout``: ``device`` (the cuda device's spec), ``token`` or ``head`` (blocks stored so);
+    ``lengths``: every sequence at ``context`` (``uniform``), or each drawn (seeded) uniformly from 1..context
+    (``varied``) or lognormal with median context / 4, clipped to it (``lognormal``: a few long ones)."""
     spec = get_device('cuda').kv_cache_spec(HKV, D, BLOCK, torch.bfloat16, policy)
     if layout != 'device':
         spec = dataclasses.replace(spec, head_major=layout == 'head')
@@ -64,7 +73,13 @@ def make(batch: int, context: int, policy: int, layout: str, seed: int = 0):
             t.normal_(generator=gen)
     tables = torch.randperm(batch * per_seq, generator=gen, device='cuda').to(torch.int32).view(batch, per_seq)
     q = torch.randn(batch, H, D, dtype=torch.bfloat16, device='cuda', generator=gen)
-    lens = torch.full((batch, ), context, dtype=torch.int64, device='cuda')
+    if lengths == 'varied':
+        lens = torch.randint(1, context + 1, (batch, ), generator=gen, device='cuda', dtype=torch.int64)
+    elif lengths == 'lognormal':
+        normal = torch.randn(batch, generator=gen, device='cuda')
+        lens = (context / 4 * normal.exp()).clamp(1, context).to(torch.int64)
+    else:
+        lens = torch.full((batch, ), context, dtype=torch.int64, device='cuda')
     # do_bench_cudagraph runs on a stream of its own, which waits for none of the above
     torch.cuda.synchronize()
     return spec, cache, tables, q, lens
@@ -86,9 +101,18 @@ def main():
                    'tensor cores on sm80+), the compiled CUDA-core one')
     p.add_argument('--splits', type=int, nargs='+', default=[0],
                    help='slices each context is cut into, to sweep (default 0: the choice the engine makes)')
+    p.add_argument('--slice-scale', type=int, nargs='+', default=[None],
+                   help='splits.TOKENS_PER_PROGRAM_PER_SM values to sweep (0: slices of any length, the rule '
+                   'before sequences had a floor; default: the engine\'s)')
     p.add_argument('--layout', nargs='+', default=['device'], choices=['device', 'token', 'head'],
                    help='how cache blocks are stored: as the cuda device allocates them (default: head-major '
                    'when quantized), token-major [S, Hkv, ...] or head-major [Hkv, S, ...]')
+    p.add_argument('--lengths', default='uniform', choices=['uniform', 'varied', 'lognormal'],
+                   help='every sequence at the context length, or each drawn from 1..context, or lognormal with '
+                   'median context / 4 (clipped to it); the kernels are still told the context as the bound')
+    p.add_argument('--floor', action='store_true',
+                   help='also time torch.sum over as many bytes as each call reads: what a plain read of that '
+                   'size reaches on this GPU (a kernel launch, ramp-up and tail included)')
     args = p.parse_args()
     from triton.testing import do_bench_cudagraph
 
@@ -96,21 +120,27 @@ def main():
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f'decode attention on {torch.cuda.get_device_name()}: {H} heads, {HKV} KV heads, head_dim {D}, '
           f'block {BLOCK}; copy ceiling {args.ceiling} TB/s')
-    print('| batch | context | policy | layout | kernel | tiles | splits | us / call | read GB | read TB/s | '
-          'of ceiling | bf16-equivalent TB/s | vs Triton, policy 0 |')
+    print('| batch | context | policy | layout | kernel | tiles | slices, fewest tokens | us / call | read GB | '
+          'read TB/s | of ceiling | bf16-equivalent TB/s | vs Triton, policy 0 |')
     print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
     for batch in args.batch:
         for context in args.context:
             base = None
-            for policy, layout, tiles, splits, impl in ((p, la, t, n, i) for p in args.policy for la in args.layout
-                                                        for t in args.tiles for n in args.splits for i in args.impl):
+            floors = set()
+            for policy, layout, tiles, splits, scale, impl in (
+                    (p, la, t, n, sc, i) for p in args.policy for la in args.layout for t in args.tiles
+                    for n in args.splits for sc in args.slice_scale for i in args.impl):
                 if impl.startswith('compiled') and tiles is not None:
                     continue
-                spec, cache, tables, q, lens = make(batch, context, policy, layout)
+                spec, cache, tables, q, lens = make(batch, context, policy, layout, args.lengths)
                 shown_layout = 'head' if spec.head_major else 'token'
                 per_token = spec.bytes_per_block / BLOCK
-                read = batch * context * per_token / 1e9
-                bf16 = batch * context * HKV * D * 2 * 2 / 1e9
+                tokens = int(lens.sum())
+                read = tokens * per_token / 1e9
+                bf16 = tokens * HKV * D * 2 * 2 / 1e9
+                if args.floor and policy not in floors:
+                    floors.add(policy)
+                    print_floor(batch, context, policy, read, args.ceiling)
                 if impl.startswith('compiled'):
                     kernel = 'cuda_cores' if impl == 'compiled-cuda-cores' else 'auto'
                     call = functools.partial(compiled.paged_decode_attention, q, cache, tables, lens, D**-0.5,
@@ -121,20 +151,34 @@ def main():
                                              D**-0.5, args.max_kv_len or context, num_sms,
                                              k_scale_zero=cache.k_scale_zero,
                                              v_scale_zero=cache.v_scale_zero, tiles=tiles)
-                with fixed_splits(splits):
+                with slicing(splits, scale):
                     us = 1e3 * do_bench_cudagraph(call)
+                    floor = min_slice_tokens(batch, HKV, num_sms)
+                    chosen = splits or num_decode_splits(batch, HKV, args.max_kv_len or context, num_sms)
                 torch.cuda.synchronize()
                 base = base or (us if policy == 0 and tiles is None and not splits and impl == 'triton'
-                                and not spec.head_major else None)
+                                and not spec.head_major and scale is None else None)
                 rate = read / us * 1e6 / 1e3
                 vs = f'{base / us:.2f}x' if base else '-'
                 shown = ','.join(map(str, tiles)) if tiles else 'default'
-                chosen = splits or num_decode_splits(batch, HKV, args.max_kv_len or context, num_sms)
-                print(f'| {batch} | {context} | {policy} | {shown_layout} | {impl} | {shown} | {chosen} | {us:.1f} | '
+                print(f'| {batch} | {context} | {policy} | {shown_layout} | {impl} | {shown} | {chosen}, >= {floor} | '
+                      f'{us:.1f} | '
                       f'{read:.3f} | {rate:.2f} | {100 * rate / args.ceiling:.0f}% | {bf16 / us * 1e6 / 1e3:.2f} | '
                       f'{vs} |', flush=True)
                 del cache, tables, q, call
                 torch.cuda.empty_cache()
+
+
+def print_floor(batch: int, context: int, policy: int, read: float, ceiling: float):
+    """A table row for torch.sum over ``read`` GB (float32 words), timed the same way."""
+    from triton.testing import do_bench_cudagraph
+    words = torch.rand(int(read * 1e9) // 4, device='cuda')
+    out = torch.empty((), device='cuda')
+    torch.cuda.synchronize()
+    us = 1e3 * do_bench_cudagraph(lambda: torch.sum(words, dim=0, out=out))
+    rate = read / us * 1e6 / 1e3
+    print(f'| {batch} | {context} | {policy} | - | read floor (torch.sum) | - | - | {us:.1f} | {read:.3f} | '
+          f'{rate:.2f} | {100 * rate / ceiling:.0f}% | - | - |', flush=True)
 
 
 if __name__ == '__main__':

@@ -73,8 +73,9 @@ def kernel_specs(cap: int):
     ] + [
         (attention._rotate_query_kernel, {'out_ptr': 'fp16'}, {}, dict(HEAD_DIM=128, BLOCK_R=64, HSCALE=128**-0.5),
          dict(num_warps=4)),
-        (attention._decode_reduce_kernel, {'part_ptr': 'fp32'}, {},
-         dict(HEAD_DIM=128, MAX_SPLITS=attention.MAX_DECODE_SPLITS, BLOCK_D=128, PDL=pdl), dict(num_warps=4)),
+        (attention._decode_reduce_kernel, {'part_ptr': 'fp32', 'kv_lens_ptr': 'i64'}, {},
+         dict(HEAD_DIM=128, MAX_SPLITS=attention.MAX_DECODE_SPLITS, BLOCK_D=128, BLOCK_N=64, PDL=pdl),
+         dict(num_warps=4)),
         (argmax._argmax_slices_kernel, {'x_ptr': 'fp32', 'val_ptr': 'fp32', 'idx_ptr': 'i32'}, {},
          dict(CHUNK=argmax.CHUNK, BLOCK=1024, PDL=pdl), dict(num_warps=4)),
         (argmax._argmax_merge_kernel, {'val_ptr': 'fp32', 'idx_ptr': 'i32', 'out_ptr': 'i64'}, {},

@@ -105,6 +105,29 @@ def test_decode_one_sequence_under_a_session_bound(policy):
     assert rel_err(out, tri) < TOL[torch.bfloat16] * 2
 
 
+@pytest.mark.parametrize('policy', [0, 8, 4])
+@pytest.mark.parametrize('head_major', [False, True])
+def test_decode_sequences_fill_only_the_slices_their_length_needs(policy, head_major):
+    """32 sequences under a graph's bound: 8 slices launched each, and each sequence fills only those it
+    has min_slice_tokens (496) for: 1 to 8 of them; both kernels give the reference and Triton's result."""
+    from lmdeploy.devices.cuda.kernels import attention
+    from lmdeploy.devices.cuda.splits import min_slice_tokens, num_decode_splits
+    assert num_decode_splits(32, 8, 8192, 132) == 8 and min_slice_tokens(32, 8, 132) == 496
+    lens_list = [random.randint(1, 4500) for _ in range(28)] + [1, 495, 496, 993]
+    ref_cache, cache, tables = make_cache(lens_list, 8, 128, 64, torch.bfloat16, policy, head_major)
+    q = torch.randn(len(lens_list), 32, 128, dtype=torch.bfloat16, device='cuda')
+    lens = torch.tensor(lens_list)
+    ref = REF.paged_decode_attention(q.cpu().float(), ref_cache, tables, lens, 128**-0.5, max(lens_list))
+    args = (tables.cuda(), lens.cuda(), 128**-0.5, 8192, 132)
+    tri = attention.paged_decode_attention(q, cache.k, cache.v, *args, k_scale_zero=cache.k_scale_zero,
+                                           v_scale_zero=cache.v_scale_zero)
+    assert rel_err(tri, ref) < TOL[torch.bfloat16] * 3
+    for kernel in ('tensor_cores', 'cuda_cores') if tensor_cores() else ('cuda_cores', ):
+        out = compiled.paged_decode_attention(q, cache, *args, kernel=kernel)
+        assert rel_err(out, ref) < TOL[torch.bfloat16] * 3, kernel
+        assert rel_err(out, tri) < TOL[torch.bfloat16] * 2, kernel
+
+
 def test_decode_block_size_not_a_multiple_of_16_runs_on_cuda_cores():
     """The tensor-core kernel reads 16-token tiles from one block: with blocks of 8 tokens auto takes the
     CUDA-core kernel, and forcing the tensor-core one is refused in words."""

@@ -344,6 +344,27 @@ def test_decode_split_counts():
     splits = {b: attention.num_decode_splits(b, 8, 8192, 132) for b in (1, 8, 32, 64, 128, 160, 256)}
     assert splits == {1: 32, 8: 8, 32: 8, 64: 4, 128: 2, 160: 1, 256: 1}
     assert attention.num_decode_splits(32, 8, 300, 132) == 1
+    # each sequence then fills only slices of at least 256 tokens for each program an SM has: batch 1 keeps
+    # one-tile slices, 64 sequences of 1,024 tokens are not cut (nor launched in slices in an eager step)
+    floors = {b: attention.min_slice_tokens(b, 8, 132) for b in (1, 8, 32, 64, 128)}
+    assert floors == {1: 16, 8: 124, 32: 496, 64: 992, 128: 1985}
+    assert attention.num_decode_splits(64, 8, 1024, 132) == 1 and attention.num_decode_splits(64, 8, 4096, 132) == 4
+
+
+def test_decode_sequences_fill_only_the_slices_their_length_needs():
+    """Under a graph's bound (8,192 tokens) 8 slices are launched for each sequence, and each fills only
+    those it has min_slice_tokens for (here 128: 4 programs on 8 SMs): 1, 1, 2 and 5 slices, the others
+    empty; the merge gives the reference for every row."""
+    kv_lens = [5, 130, 300, 700]
+    assert attention.num_decode_splits(4, 1, 8192, 8) == 8 and attention.min_slice_tokens(4, 1, 8) == 128
+    for dtype in DTYPES:
+        k_cache, v_cache, tables, _ = make_paged(kv_lens, 1, 32, 16, dtype)
+        q = torch.randn(len(kv_lens), 4, 32, dtype=dtype, device=DEV)
+        lens = torch.tensor(kv_lens, device=DEV)
+        ref = REF.paged_decode_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()),
+                                         tables.cpu(), lens.cpu(), 32**-0.5, max(kv_lens))
+        out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 32**-0.5, 8192, num_sms=8)
+        assert rel_err(out, ref) < tol(dtype) * 2
 
 
 def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):

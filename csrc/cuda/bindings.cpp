@@ -16,15 +16,15 @@ const void* ptr(uintptr_t p) { return reinterpret_cast<const void*>(p); }
 void paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scale_zero,
                             uintptr_t v_scale_zero, uintptr_t partial, uintptr_t out, uintptr_t block_tables,
                             uintptr_t kv_lens, uintptr_t order, int dtype, int quant_policy, int batch, int num_heads,
-                            int num_kv_heads, int head_dim, int block_size, int num_splits, int64_t row_block,
-                            int64_t row_slot, int64_t row_head, int64_t stride_qb, int64_t stride_qh,
-                            int64_t stride_ob, int64_t stride_oh, int64_t stride_bt, float scale, uintptr_t stream,
-                            int kernel, int pdl) {
+                            int num_kv_heads, int head_dim, int block_size, int num_splits, int min_slice,
+                            int64_t row_block, int64_t row_slot, int64_t row_head, int64_t stride_qb,
+                            int64_t stride_qh, int64_t stride_ob, int64_t stride_oh, int64_t stride_bt, float scale,
+                            uintptr_t stream, int kernel, int pdl) {
     DecodeArgs a{ptr(q), ptr(k_cache), ptr(v_cache), ptr(k_scale_zero), ptr(v_scale_zero),
                  reinterpret_cast<void*>(partial), reinterpret_cast<void*>(out), ptr(block_tables), ptr(kv_lens),
                  ptr(order), dtype, quant_policy, batch, num_heads, num_kv_heads, head_dim, block_size, num_splits,
-                 {row_block, row_slot, row_head}, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt, scale,
-                 kernel, pdl};
+                 min_slice, {row_block, row_slot, row_head}, stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+                 scale, kernel, pdl};
     lmdeploy::paged_decode_attention(a, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -56,9 +56,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("partial"), py::arg("out"), py::arg("block_tables"), py::arg("kv_lens"), py::arg("order"),
           py::arg("dtype"), py::arg("quant_policy"), py::arg("batch"), py::arg("num_heads"),
           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("num_splits"),
-          py::arg("row_block"), py::arg("row_slot"), py::arg("row_head"), py::arg("stride_qb"),
-          py::arg("stride_qh"), py::arg("stride_ob"), py::arg("stride_oh"), py::arg("stride_bt"),
-          py::arg("scale"), py::arg("stream"), py::arg("kernel") = 0, py::arg("pdl") = 0);
+          py::arg("min_slice"), py::arg("row_block"), py::arg("row_slot"), py::arg("row_head"),
+          py::arg("stride_qb"), py::arg("stride_qh"), py::arg("stride_ob"), py::arg("stride_oh"),
+          py::arg("stride_bt"), py::arg("scale"), py::arg("stream"), py::arg("kernel") = 0, py::arg("pdl") = 0);
     m.attr("DECODE_KERNELS") = py::make_tuple("auto", "cuda_cores", "tensor_cores");
     m.def("rotary_fill_supports", &lmdeploy::rotary_fill_supports, py::arg("dtype"), py::arg("quant_policy"),
           py::arg("head_dim"));

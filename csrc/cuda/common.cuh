@@ -23,6 +23,23 @@ __device__ __forceinline__ int64_t cache_row(const CacheRows& rows, int64_t bloc
     return block * rows.block + offset * rows.slot + head * rows.head;
 }
 
+// Slice `split` of a kv_len-token context (lmdeploy/devices/cuda/splits.py): the tokens [start, end), and
+// how many slices the context fills (count). A context is cut into as many of the num_splits slices
+// launched as it has min_slice tokens for, each slice a whole number of `tile`-token tiles; the programs of
+// slices from count on do nothing, and a context of one slice (or none: kv_len 0) is written to the output
+// by its first program, without a merge. The merge works the count out the same way.
+struct Slice {
+    int start, end, count;
+};
+__device__ __forceinline__ Slice context_slice(int kv_len, int split, int num_splits, int min_slice, int tile) {
+    const int used = max(1, min(num_splits, kv_len / min_slice));
+    const int per = ((kv_len + used - 1) / used + tile - 1) / tile * tile;
+    const int start = split * per;
+    return {start, min(kv_len, start + per), per > 0 ? (kv_len + per - 1) / per : 1};
+}
+// Slices cut by the decode kernels (a 16-token tile both): what their merge must agree with.
+constexpr int kSliceTile = 16;
+
 // Element types by code: the bindings pass one of these for the query / output dtype.
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
 

@@ -89,7 +89,7 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
               T* __restrict__ out, const int32_t* __restrict__ tables, const int64_t* __restrict__ kv_lens,
               const int64_t* __restrict__ order, float scale_log2, int64_t stride_qb, int64_t stride_qh,
               int64_t stride_ob, int64_t stride_oh, int64_t stride_bt, int num_kv_heads, int group,
-              int block_size, int num_splits, CacheRows rows) {
+              int block_size, int num_splits, int min_slice, CacheRows rows) {
     constexpr int kLanes = D / 8;               // lanes that read one token's row
     constexpr int kSlots = 32 / kLanes;         // tokens a warp reads at once
     constexpr int kSub = kWarps * kSlots;       // lane groups in the block, each with its own softmax
@@ -108,15 +108,9 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
     int64_t b = pid / (num_splits * num_kv_heads);
     if (order != nullptr) b = order[b];
     const int kv_len = static_cast<int>(kv_lens[b]);
-    const int per_split = ((kv_len + num_splits - 1) / num_splits + 15) / 16 * 16;
-    const int start = split * per_split;
-    const int end = min(kv_len, start + per_split);
-    if (start >= end && num_splits > 1) {  // past the context: weight 0 in the merge, which reads nothing else
-        const int64_t heads = static_cast<int64_t>(num_kv_heads) * group;
-        for (int h = threadIdx.x; h < group; h += blockDim.x)
-            part[((b * heads + kvh * group + h) * num_splits + split) * (D + 1) + D] = -INFINITY;
-        return;
-    }
+    const Slice slice = context_slice(kv_len, split, num_splits, min_slice, kSliceTile);
+    if (split >= slice.count) return;  // a slice this context does not fill: the merge does not read it
+    const int start = slice.start, end = slice.end;
 
     const int tid = threadIdx.x;
     for (int i = tid; i < G * D; i += blockDim.x) {
@@ -236,7 +230,7 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
         }
         const float o = total > 0.f ? a / total : 0.f;
         const int h = kvh * group + g;
-        if (num_splits == 1) {
+        if (slice.count == 1) {  // the whole context: no merge
             out[b * stride_ob + h * stride_oh + d] = from_float<T>(o);
         } else {
             const int64_t heads = static_cast<int64_t>(num_kv_heads) * group;
@@ -250,19 +244,23 @@ decode_kernel(const T* __restrict__ q, const void* __restrict__ kc, const void* 
 // Merge one head's slices by their log2-sum-exp2: a thread a slice for the weights (warp shuffles for
 // their maximum and sum), then each output element sums its slices with the loads unrolled, so the merge
 // waits on memory a few times instead of once a slice (batch 1 under a decode graph runs in 32 slices).
+// Only the slices the context fills are read (context_slice); a context of one slice is already written.
 template <typename T, int D>
-__global__ void reduce_kernel(const float* __restrict__ part, T* __restrict__ out, int64_t stride_ob,
-                              int64_t stride_oh, int num_heads, int num_splits) {
+__global__ void reduce_kernel(const float* __restrict__ part, T* __restrict__ out,
+                              const int64_t* __restrict__ kv_lens, int64_t stride_ob, int64_t stride_oh,
+                              int num_heads, int num_splits, int min_slice) {
     static_assert(D >= kMaxDecodeSplits && D % 32 == 0, "one thread a slice");
     constexpr int kWarpsHere = D / 32;
     pdl_wait_then_release();
     const int64_t b = blockIdx.x;
     const int h = blockIdx.y;
+    const int count = context_slice(static_cast<int>(kv_lens[b]), 0, num_splits, min_slice, kSliceTile).count;
+    if (count == 1) return;
     const float* p = part + (b * num_heads + h) * num_splits * (D + 1);
     __shared__ float weight[kMaxDecodeSplits];
     __shared__ float red[2][kWarpsHere];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const float lse = tid < num_splits ? p[tid * (D + 1) + D] : -INFINITY;
+    const float lse = tid < count ? p[tid * (D + 1) + D] : -INFINITY;
     float top = lse;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
@@ -284,10 +282,7 @@ __global__ void reduce_kernel(const float* __restrict__ part, T* __restrict__ ou
     total = fmaxf(total, 1e-30f);
     float a = 0.f;
 #pragma unroll 8
-    for (int s = 0; s < num_splits; ++s) {  // an empty slice (weight 0) wrote only its log2-sum-exp2
-        const float w = weight[s];
-        if (w != 0.f) a = fmaf(p[s * (D + 1) + tid], w, a);
-    }
+    for (int s = 0; s < count; ++s) a = fmaf(p[s * (D + 1) + tid], weight[s], a);
     out[b * stride_ob + h * stride_oh + tid] = from_float<T>(a / total);
 }
 
@@ -301,20 +296,21 @@ void launch(const DecodeArgs& a, cudaStream_t stream) {
         reinterpret_cast<T*>(a.out), reinterpret_cast<const int32_t*>(a.block_tables),
         reinterpret_cast<const int64_t*>(a.kv_lens), reinterpret_cast<const int64_t*>(a.order),
         a.scale * 1.4426950408889634f, a.stride_qb, a.stride_qh, a.stride_ob, a.stride_oh, a.stride_bt,
-        a.num_kv_heads, a.num_heads / a.num_kv_heads, a.block_size, a.num_splits, a.rows);
+        a.num_kv_heads, a.num_heads / a.num_kv_heads, a.block_size, a.num_splits, a.min_slice, a.rows);
 }
 
 template <typename T>
 void merge_slices(const DecodeArgs& a, cudaStream_t stream) {
     const dim3 grid(a.batch, a.num_heads);
     const auto* part = reinterpret_cast<const float*>(a.partial);
+    const auto* lens = reinterpret_cast<const int64_t*>(a.kv_lens);
     T* out = reinterpret_cast<T*>(a.out);
     if (a.head_dim == 64)
-        launch_kernel(reduce_kernel<T, 64>, grid, dim3(64), stream, a.pdl != 0, part, out, a.stride_ob, a.stride_oh,
-                      a.num_heads, a.num_splits);
+        launch_kernel(reduce_kernel<T, 64>, grid, dim3(64), stream, a.pdl != 0, part, out, lens, a.stride_ob,
+                      a.stride_oh, a.num_heads, a.num_splits, a.min_slice);
     else
-        launch_kernel(reduce_kernel<T, 128>, grid, dim3(128), stream, a.pdl != 0, part, out, a.stride_ob,
-                      a.stride_oh, a.num_heads, a.num_splits);
+        launch_kernel(reduce_kernel<T, 128>, grid, dim3(128), stream, a.pdl != 0, part, out, lens, a.stride_ob,
+                      a.stride_oh, a.num_heads, a.num_splits, a.min_slice);
 }
 
 template <typename T, int POLICY, int D>
@@ -340,6 +336,7 @@ void paged_decode_attention(const DecodeArgs& a, cudaStream_t stream) {
         throw std::invalid_argument("paged_decode_attention: unsupported dtype / quant_policy / head_dim / heads");
     if (a.num_splits < 1 || a.num_splits > kMaxDecodeSplits)
         throw std::invalid_argument("paged_decode_attention: num_splits out of range");
+    if (a.min_slice < 1) throw std::invalid_argument("paged_decode_attention: min_slice must be at least 1");
     const bool mma_ok = decode_mma_supports(a.block_size);
     if (a.kernel == kDecodeTensorCores && !mma_ok)
         throw std::invalid_argument("paged_decode_attention: the tensor-core kernel needs sm80+ and a block size "

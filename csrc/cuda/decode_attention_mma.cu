@@ -50,7 +50,7 @@ namespace {
 // 2 %). int4 with 2 stages was within 5 % of 3; 4 stages gained nothing for either (nor, for int4 over
 // token-major blocks, 4 blocks, 4 or 6 stages: within 2 %; 6 stages 28 % slower at 64 x 1k).
 #ifndef LMDEPLOY_DECODE_MMA_MIN_BLOCKS
-#define LMDEPLOY_DECODE_MMA_MIN_BLOCKS(POLICY) 3
+#define LMDEPLOY_DECODE_MMA_MIN_BLOCKS(POLICY) ((POLICY) == 0 ? 3 : 4)
 #endif
 // Tiles a warp keeps in shared memory (the one it works on and those on their way), by KV policy.
 #ifndef LMDEPLOY_DECODE_MMA_STAGES
@@ -309,16 +309,10 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     int64_t b = pid / (num_splits * num_kv_heads);
     if (order != nullptr) b = order[b];
     const int kv_len = static_cast<int>(static_cast<const int64_t*>(args.kv_lens)[b]);
-    const int per_split = ((kv_len + num_splits - 1) / num_splits + kTile - 1) / kTile * kTile;
-    const int start = split * per_split;
-    const int end = min(kv_len, start + per_split);
-    if (start >= end && num_splits > 1) {  // past the context: weight 0 in the merge, which reads nothing else
-        const int64_t heads = static_cast<int64_t>(num_kv_heads) * group;
-        float* part = static_cast<float*>(args.partial);
-        for (int h = threadIdx.x; h < group; h += blockDim.x)
-            part[((b * heads + kvh * group + h) * num_splits + split) * (D + 1) + D] = -INFINITY;
-        return;
-    }
+    static_assert(kTile == kSliceTile, "the merge cuts contexts as this kernel does");
+    const Slice slice = context_slice(kv_len, split, num_splits, args.min_slice, kTile);
+    if (split >= slice.count) return;  // a slice this context does not fill: the merge does not read it
+    const int start = slice.start, end = slice.end;
 
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
@@ -564,7 +558,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) res = fmaf(sm_o[w][h][d], sm_l[w][h], res);
         const int head = kvh * group + h;
-        if (num_splits == 1) {
+        if (slice.count == 1) {  // the whole context: no merge
             static_cast<T*>(args.out)[b * args.stride_ob + head * args.stride_oh + d] = from_float<T>(res);
         } else {
             const int64_t heads = static_cast<int64_t>(num_kv_heads) * group;

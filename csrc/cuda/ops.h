@@ -24,7 +24,8 @@ struct CacheRows {
 // (lmdeploy/devices/cuda/compiled.py) checks them: q / out [B, H, D] with unit stride in D; caches
 // [N, S, Hkv, W] (W = D for 16-bit and int8, D / 2 for int4) and scale/zero [N, S, Hkv, 2] float16,
 // laid out as `rows` says; block_tables int32 [B, *]; kv_lens and order int64 [B]; partial float32
-// [B, H, num_splits, D + 1] when num_splits > 1.
+// [B, H, num_splits, D + 1] when num_splits > 1. A sequence fills only the slices it has min_slice (>= 1)
+// tokens for (common.cuh context_slice; the numbers: lmdeploy/devices/cuda/splits.py).
 struct DecodeArgs {
     const void* q;
     const void* k_cache;
@@ -38,7 +39,7 @@ struct DecodeArgs {
     const void* order;  // nullptr: rows in order
     int dtype;          // DType of q and out (and of a 16-bit cache)
     int quant_policy;   // 0, 8 or 4
-    int batch, num_heads, num_kv_heads, head_dim, block_size, num_splits;
+    int batch, num_heads, num_kv_heads, head_dim, block_size, num_splits, min_slice;
     CacheRows rows;
     int64_t stride_qb, stride_qh, stride_ob, stride_oh, stride_bt;
     float scale;

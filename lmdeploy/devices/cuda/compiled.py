@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .splits import num_decode_splits
+from .splits import min_slice_tokens, num_decode_splits
 
 MODES = ('auto', 'triton', 'compiled')
 OPS = ('paged_decode_attention', 'rotary_fill_kv')
@@ -182,9 +182,10 @@ def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len
     mod.paged_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), ksz, vsz, part.data_ptr(), out.data_ptr(),
                                block_tables.data_ptr(), kv_seqlens.data_ptr(),
                                0 if order is None else order.data_ptr(), _DTYPES[q.dtype], policy, bsz, h, hkv, d,
-                               k.shape[1], splits, *rows, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                               block_tables.stride(0), float(scale), torch.cuda.current_stream(q.device).cuda_stream,
-                               DECODE_KERNELS.index(kernel), _pdl(q.device))
+                               k.shape[1], splits, min_slice_tokens(bsz, hkv, num_sms), *rows, q.stride(0),
+                               q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), float(scale),
+                               torch.cuda.current_stream(q.device).cuda_stream, DECODE_KERNELS.index(kernel),
+                               _pdl(q.device))
     return out
 
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ...cache import rotates_k
-from ..splits import MAX_DECODE_SPLITS, num_decode_splits  # noqa: F401 (tests read them here)
+from ..splits import MAX_DECODE_SPLITS, min_slice_tokens, num_decode_splits  # noqa: F401 (tests read them here)
 from . import pdl
 from .kv_cache import hadamard_dot, quant_of
 from .limits import no_respecialising, shared_memory
@@ -342,14 +342,25 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
     return out
 
 
+@triton.jit
+def _context_slices(kv_len, num_splits, min_slice, TILE: tl.constexpr):
+    """(tokens a slice, slices filled) of a kv_len-token context: as many of
+    the num_splits slices launched as it has min_slice tokens for, each a
+    whole number of tiles (splits.py; the compiled kernels' context_slice)."""
+    used = tl.maximum(1, tl.minimum(num_splits, kv_len // min_slice))
+    per = tl.cdiv(tl.cdiv(kv_len, used), TILE) * TILE
+    return per, tl.maximum(1, tl.cdiv(kv_len, tl.maximum(per, 1)))
+
+
 # The slice count and the partial buffer's strides vary with the batch and its longest context: as plain
 # integers they leave one compiled variant for every step (a prefill step's decode rows run eagerly, at
 # slice counts no captured graph compiled; a cold-cache H100 run lost ~4 s, most likely to such compiles).
-@triton.jit(**no_respecialising(ints=['stride_bt', 'stride_pb', 'stride_ph', 'stride_ps', 'num_splits'],
+@triton.jit(**no_respecialising(ints=['stride_bt', 'stride_pb', 'stride_ph', 'stride_ps', 'num_splits',
+                                      'min_slice'],
                                 pointers=['tables_ptr', 'kv_lens_ptr', 'order_ptr']))
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, order_ptr,
                    scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_zn,
-                   stride_zs, stride_zh, stride_bt, stride_pb, stride_ph, stride_ps, num_splits,
+                   stride_zs, stride_zh, stride_bt, stride_pb, stride_ph, stride_ps, num_splits, min_slice,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    ORDERED: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
@@ -357,7 +368,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
     sequence ``b``, over one slice of the context. Programs start in launch
     order, so with ``order`` the longest sequences' programs (all their
     heads and slices together) go first and the short ones fill in behind
-    them, instead of a long one starting late and finishing alone."""
+    them, instead of a long one starting late and finishing alone. A
+    sequence fills only the slices it has ``min_slice`` tokens for
+    (splits.py): the programs of the others return at once, and a sequence
+    of one slice is written out here, without the merge."""
     pdl.wait_then_release(PDL)
     pid = tl.program_id(0)
     split = pid % num_splits
@@ -367,7 +381,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
         b = tl.load(order_ptr + b)
     b = b.to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split, count = _context_slices(kv_len, num_splits, min_slice, BLOCK_N)
+    if split >= count:
+        return
     start = split * per_split
     end = tl.minimum(kv_len, start + per_split)
     g = tl.arange(0, BLOCK_G)
@@ -388,7 +404,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
                                            n_valid[None, :], kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
                                            stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM, BLOCK_D,
                                            BLOCK_HALF, QUANT, ASM)
-    if num_splits == 1:
+    if count == 1:  # the whole context
         _store_rows(out_ptr + b * stride_ob + heads * stride_oh, acc, acc2, l_i, g_valid, HEAD_DIM, BLOCK_D,
                     BLOCK_HALF, QUANT)
     else:
@@ -399,17 +415,22 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
         tl.store(base + HEAD_DIM, lse, mask=g_valid)
 
 
-@triton.jit(**no_respecialising(ints=['stride_pb', 'stride_ph', 'num_splits']))
-def _decode_reduce_kernel(part_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh, num_splits,
-                          HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PDL: tl.constexpr):
+@triton.jit(**no_respecialising(ints=['stride_pb', 'stride_ph', 'num_splits', 'min_slice'],
+                                pointers=['kv_lens_ptr']))
+def _decode_reduce_kernel(part_ptr, out_ptr, kv_lens_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+                          num_splits, min_slice, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """Merge one head's slices (any count up to MAX_SPLITS, masked: one
-    compiled variant for every slice count) by their log-sum-exp."""
+    compiled variant for every slice count) by their log-sum-exp: those
+    its sequence filled; one slice was written out already."""
     pdl.wait_then_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    _, count = _context_slices(tl.load(kv_lens_ptr + b).to(tl.int32), num_splits, min_slice, BLOCK_N)
+    if count == 1:
+        return
     s = tl.arange(0, MAX_SPLITS)
-    s_valid = s < num_splits
+    s_valid = s < count
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     base = part_ptr + b * stride_pb + h * stride_ph + s * stride_ps
@@ -465,17 +486,19 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
     # 115); below that the order's extra dependent load at each program's start costs more than it balances.
     if bsz < 16:
         order = None
+    min_slice = min_slice_tokens(bsz, hkv, num_sms)
     _decode_kernel[(bsz * hkv * splits, )](qk, k_cache, v_cache, ksz, vsz, part, out, block_tables, kv_seqlens,
                                            kv_seqlens if order is None else order, scale * _LOG2E, qk.stride(0),
                                            qk.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                                            k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0),
-                                           part.stride(0), part.stride(1), part.stride(2),
-                                           splits, NUM_KV_HEADS=hkv, GROUP=group,
+                                           part.stride(0), part.stride(1), part.stride(2), splits, min_slice,
+                                           NUM_KV_HEADS=hkv, GROUP=group,
                                            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1],
                                            HEAD_DIM=d, BLOCK_N=block_n, BLOCK_D=block_d, ORDERED=order is not None,
                                            num_warps=warps, num_stages=stages, PDL=pdl.ON, **consts, **pdl.LAUNCH)
     if splits > 1:
-        _decode_reduce_kernel[(bsz, h)](part, out, part.stride(0), part.stride(1), part.stride(2), out.stride(0),
-                                        out.stride(1), splits, HEAD_DIM=d, MAX_SPLITS=MAX_DECODE_SPLITS,
-                                        BLOCK_D=block_d, num_warps=4, PDL=pdl.ON, **pdl.LAUNCH)
+        _decode_reduce_kernel[(bsz, h)](part, out, kv_seqlens, part.stride(0), part.stride(1), part.stride(2),
+                                        out.stride(0), out.stride(1), splits, min_slice, HEAD_DIM=d,
+                                        MAX_SPLITS=MAX_DECODE_SPLITS, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
+                                        PDL=pdl.ON, **pdl.LAUNCH)
     return out
