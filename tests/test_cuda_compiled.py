@@ -123,6 +123,10 @@ def test_decode_sequences_fill_only_the_slices_their_length_needs(policy, head_m
                                            v_scale_zero=cache.v_scale_zero)
     assert rel_err(tri, ref) < TOL[torch.bfloat16] * 3
     for kernel in ('tensor_cores', 'cuda_cores') if tensor_cores() else ('cuda_cores', ):
+        # the partials get memory that held NaN (the caching allocator hands the block back): the slices a
+        # sequence does not fill are never written, and the merge must not read them
+        del_me = torch.full((len(lens_list), 32, 8, 129), float('nan'), device='cuda')
+        del del_me
         out = compiled.paged_decode_attention(q, cache, *args, kernel=kernel)
         assert rel_err(out, ref) < TOL[torch.bfloat16] * 3, kernel
         assert rel_err(out, tri) < TOL[torch.bfloat16] * 2, kernel

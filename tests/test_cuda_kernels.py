@@ -353,8 +353,9 @@ def test_decode_split_counts():
 
 def test_decode_sequences_fill_only_the_slices_their_length_needs():
     """Under a graph's bound (8,192 tokens) 8 slices are launched for each sequence, and each fills only
-    those it has min_slice_tokens for (here 128: 4 programs on 8 SMs): 1, 1, 2 and 5 slices, the others
-    empty; the merge gives the reference for every row."""
+    those it has min_slice_tokens for (here 128: 4 programs on 8 SMs): 1, 1, 2 and 4 slices (700 tokens:
+    5 cuts of 140, rounded up to 64-token tiles, fill 4), the others return at once; the merge, which
+    reads only the filled slices, gives the reference for every row."""
     kv_lens = [5, 130, 300, 700]
     assert attention.num_decode_splits(4, 1, 8192, 8) == 8 and attention.min_slice_tokens(4, 1, 8) == 128
     for dtype in DTYPES:

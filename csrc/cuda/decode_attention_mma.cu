@@ -43,16 +43,17 @@
 namespace lmdeploy {
 namespace {
 
-// Tuning (H100, benchmark/kv_quant_attn.py --impl compiled, LMDEPLOY_NVCC_FLAGS=-D...): 3 blocks an SM
-// (4 for int8 / int4, below) and 2 / 3 stages for int8 / int4. With the heads as the mmas' rows (before the products were
-// transposed) 3 blocks (168 registers) beat 4 (128, spilling 60-116 bytes) by 1.14-1.23x for int8 and up
-// to 1.26x for int4; transposed, the kernel needs 121-136 registers and 4 blocks are equal to 3 (within
-// 2 %). int4 with 2 stages was within 5 % of 3; 4 stages gained nothing for either (nor, for int4 over
-// token-major blocks, 4 blocks, 4 or 6 stages: within 2 %; 6 stages 28 % slower at 64 x 1k; head-major and
-// unsliced: int4 4 or 5 stages, int8 3, within 2 %, int4 6 stages up to 21 % slower).
-// Since short contexts run unsliced (splits.py), the quantized kernels ask for 4 blocks (int8 then takes
-// 127 registers instead of 129, no spill: at 64 x 1k one wave of 512 blocks instead of 1.3, 1.12x; 1-2 %
-// slower at 8k contexts); 16-bit would spill at 4.
+// Tuning (H100, benchmark/kv_quant_attn.py --impl compiled, LMDEPLOY_NVCC_FLAGS=-D...): blocks an SM 3 for
+// a 16-bit cache (4 would spill), 4 for int8 / int4; 2 / 3 stages for int8 / int4.
+// - With the heads as the mmas' rows (before the products were transposed) 3 blocks (168 registers) beat
+//   4 (128, spilling 60-116 bytes) by 1.14-1.23x for int8 and up to 1.26x for int4; transposed, 4 blocks
+//   were equal to 3 (within 2 %) while contexts were cut into many slices. Since short contexts run
+//   unsliced (splits.py), 4 pay for int8 (127 registers instead of 129, no spill; at 64 x 1k one wave of
+//   512 blocks instead of 1.3: 1.12x; 1-2 % slower at 8k contexts). 5 blocks (96 registers, 20-44 bytes
+//   spilled): 3-15 % slower.
+// - Stages: int4 with 2 was within 5 % of 3; 4 gained nothing for either; over token-major blocks int4
+//   with 4 or 6 was within 2 % (6: 28 % slower at 64 x 1k); head-major and unsliced, int4 4 or 5 and int8
+//   3 within 2 %, int4 6 up to 21 % slower.
 #ifndef LMDEPLOY_DECODE_MMA_MIN_BLOCKS
 #define LMDEPLOY_DECODE_MMA_MIN_BLOCKS(POLICY) ((POLICY) == 0 ? 3 : 4)
 #endif
