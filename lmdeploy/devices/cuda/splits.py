@@ -3,9 +3,10 @@ the compiled kernels work where Triton is missing.
 
 Two numbers: the slices launched for each (sequence, KV head), fixed by the batch (and, in an eager step,
 its longest context), and the fewest tokens a slice may hold, which each program applies to its own
-sequence's length: a sequence of n tokens is cut into at most n // min_slice slices, and the programs of
-the slices it does not need return at once (their weight in the merge is 0). So a decode graph, which is
-recorded for a batch size with the session's length as the bound, still cuts only its long sequences."""
+sequence's length: a sequence of n tokens is cut into at most n // min_slice slices, the programs of the
+slices it does not fill return at once, and the merge reads only those it filled (none for a sequence of
+one slice, which its program writes out). So a decode graph, which is recorded for a batch size with the
+session's length as the bound, still cuts only its long sequences."""
 from __future__ import annotations
 
 MAX_DECODE_SPLITS = 64  # batch 1 on an H100 cuts a long context into 64 slices (num_decode_splits)
