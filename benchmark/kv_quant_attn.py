@@ -18,7 +18,8 @@ quantized cache buys over the copy ceiling.
     python benchmark/kv_quant_attn.py --slice-scale 0 256 512   # the fewest tokens a slice holds (splits.py)
     python benchmark/kv_quant_attn.py --layout token head  # blocks stored token- / head-major (devices/cache.py)
     python benchmark/kv_quant_attn.py --lengths varied     # lengths drawn from 1..context (or: lognormal)
-    python benchmark/kv_quant_attn.py --floor              # and a plain read of as many bytes (torch.sum)
+    python benchmark/kv_quant_attn.py --floor              # and the fastest plain read of as many bytes (read_floor.py)
+    python benchmark/kv_quant_attn.py --cold               # each call over another copy of the cache (none in L2)
 """
 from __future__ import annotations
 
@@ -111,8 +112,13 @@ def main():
                    help='every sequence at the context length, or each drawn from 1..context, or lognormal with '
                    'median context / 4 (clipped to it); the kernels are still told the context as the bound')
     p.add_argument('--floor', action='store_true',
-                   help='also time torch.sum over as many bytes as each call reads: what a plain read of that '
-                   'size reaches on this GPU (a kernel launch, ramp-up and tail included)')
+                   help='also time the fastest plain read of as many bytes as each call reads (read_floor.py: '
+                   'torch.sum or a swept Triton reader): what a read of that size reaches on this GPU (a kernel '
+                   'launch, ramp-up and tail included)')
+    p.add_argument('--cold', action='store_true',
+                   help='time each call over another copy of the cache (0.4 GB of copies in all), so that no call '
+                   'finds its cache in L2, as in the engine (the default re-reads one cache: caches under ~50 MB '
+                   'then come partly from L2)')
     args = p.parse_args()
     from triton.testing import do_bench_cudagraph
 
@@ -133,26 +139,34 @@ def main():
                 if impl.startswith('compiled') and tiles is not None:
                     continue
                 spec, cache, tables, q, lens = make(batch, context, policy, layout, args.lengths)
+                copies = [(cache, tables, q)]
                 shown_layout = 'head' if spec.head_major else 'token'
                 per_token = spec.bytes_per_block / BLOCK
                 tokens = int(lens.sum())
                 read = tokens * per_token / 1e9
                 bf16 = tokens * HKV * D * 2 * 2 / 1e9
+                # cold: as many caches as make 0.4 GB (seeded apart), each call the next, so none is found in L2
+                # (50 MB on an H100) as a replayed call over one small cache would; the engine's layers
+                # stream their weights between two reads of a layer's cache
+                n_copies = -(-int(0.4e9) // int(read * 1e9)) if args.cold else 1
+                copies += [make(batch, context, policy, layout, args.lengths, seed=i)[1:4] for i in range(1, n_copies)]
                 if args.floor and policy not in floors:
                     floors.add(policy)
-                    print_floor(batch, context, policy, read, args.ceiling)
-                if impl.startswith('compiled'):
-                    kernel = 'cuda_cores' if impl == 'compiled-cuda-cores' else 'auto'
-                    call = functools.partial(compiled.paged_decode_attention, q, cache, tables, lens, D**-0.5,
-                                             args.max_kv_len or context, num_sms, kernel=kernel)
-                    assert call() is not None, 'the compiled kernel does not take these inputs'
-                else:
-                    call = functools.partial(attention.paged_decode_attention, q, cache.k, cache.v, tables, lens,
-                                             D**-0.5, args.max_kv_len or context, num_sms,
-                                             k_scale_zero=cache.k_scale_zero,
-                                             v_scale_zero=cache.v_scale_zero, tiles=tiles)
+                    print_floor(batch, context, policy, read, args.ceiling, n_copies)
+                calls = []
+                for c, t, qq in copies:
+                    if impl.startswith('compiled'):
+                        kernel = 'cuda_cores' if impl == 'compiled-cuda-cores' else 'auto'
+                        calls.append(functools.partial(compiled.paged_decode_attention, qq, c, t, lens, D**-0.5,
+                                                       args.max_kv_len or context, num_sms, kernel=kernel))
+                        assert calls[-1]() is not None, 'the compiled kernel does not take these inputs'
+                    else:
+                        calls.append(functools.partial(attention.paged_decode_attention, qq, c.k, c.v, t, lens,
+                                                       D**-0.5, args.max_kv_len or context, num_sms,
+                                                       k_scale_zero=c.k_scale_zero, v_scale_zero=c.v_scale_zero,
+                                                       tiles=tiles))
                 with slicing(splits, scale):
-                    us = 1e3 * do_bench_cudagraph(call)
+                    us = 1e3 * do_bench_cudagraph(lambda calls=calls: [call() for call in calls]) / len(calls)
                     floor = min_slice_tokens(batch, HKV, num_sms)
                     chosen = splits or num_decode_splits(batch, HKV, args.max_kv_len or context, num_sms)
                 torch.cuda.synchronize()
@@ -165,19 +179,17 @@ def main():
                       f'{us:.1f} | '
                       f'{read:.3f} | {rate:.2f} | {100 * rate / args.ceiling:.0f}% | {bf16 / us * 1e6 / 1e3:.2f} | '
                       f'{vs} |', flush=True)
-                del cache, tables, q, call
+                del cache, tables, q, calls, copies
                 torch.cuda.empty_cache()
 
 
-def print_floor(batch: int, context: int, policy: int, read: float, ceiling: float):
-    """A table row for torch.sum over ``read`` GB (float32 words), timed the same way."""
-    from triton.testing import do_bench_cudagraph
-    words = torch.rand(int(read * 1e9) // 4, device='cuda')
-    out = torch.empty((), device='cuda')
-    torch.cuda.synchronize()
-    us = 1e3 * do_bench_cudagraph(lambda: torch.sum(words, dim=0, out=out))
+def print_floor(batch: int, context: int, policy: int, read: float, ceiling: float, copies: int = 1):
+    """A table row for the fastest plain read of ``read`` GB found by read_floor.py (torch.sum or a swept
+    Triton reader), timed the same way (over ``copies`` buffers in turn)."""
+    from read_floor import best_read
+    us, what = best_read(int(read * 1e9) // 4096 * 4096, copies=copies)
     rate = read / us * 1e6 / 1e3
-    print(f'| {batch} | {context} | {policy} | - | read floor (torch.sum) | - | - | {us:.1f} | {read:.3f} | '
+    print(f'| {batch} | {context} | {policy} | - | read floor ({what}) | - | - | {us:.1f} | {read:.3f} | '
           f'{rate:.2f} | {100 * rate / ceiling:.0f}% | - | - |', flush=True)
 
 

@@ -89,6 +89,9 @@ def main():
     p.add_argument('--dense', nargs='*', default=['FLASH_ATTENTION', 'CUDNN_ATTENTION'],
                    help="torch SDPA backends to time on the same prompts (fresh prompts only)")
     p.add_argument('--no-sweep', action='store_true')
+    p.add_argument('--pack', default='no', choices=['no', 'yes', 'both'],
+                   help="sweep tiles with each query head in its own programs ('no'), with a KV head's query "
+                   "heads packed into one program's rows ('yes'), or both")
     args = p.parse_args()
     for w in args.workload:
         sweep(w, refill_lengths(args.tokens) if w == 'refill' else WORKLOADS[w], args)
@@ -112,8 +115,9 @@ def sweep(name, shapes, args):
     want = run()
     flops = sum(4 * (m * (n - m) + m * (m + 1) / 2) * h * d for n, m in shapes)
     base = 1e3 * do_bench_cudagraph(run)
+    in_use = attention.prefill_tiles(d, max(q_lens), h // hkv)
     print(f'[{name}] {b} sequences, {sum(q_lens)} query rows, contexts {kv_lens}: in use '
-          f'{attention.prefill_tiles(d, max(q_lens))} {base:7.1f} us, {flops / base / 1e6:.0f} TFLOP/s', flush=True)
+          f'{in_use} {base:7.1f} us, {flops / base / 1e6:.0f} TFLOP/s', flush=True)
     if args.compare:
         other = importlib.import_module(args.compare)
         err = rel_err(run(impl=other), want)
@@ -126,7 +130,12 @@ def sweep(name, shapes, args):
     if args.no_sweep:
         return
     results = []
-    for tiles in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+    configs = []
+    if args.pack in ('no', 'both'):
+        configs += itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (False, ))
+    if args.pack in ('yes', 'both'):
+        configs += itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3), (True, ))
+    for tiles in configs:
         try:
             got = run(tiles)
         except Exception as e:  # out of resources: skip

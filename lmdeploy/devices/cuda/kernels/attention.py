@@ -216,23 +216,32 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
                     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cs, stride_ch, stride_zn,
                     stride_zs, stride_zh, stride_bt, num_heads, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr):
-    """One program: BLOCK_M query rows of one head of sequence ``b``. The grid
-    runs heads fastest (the GROUP heads of a KV head read its tiles from L2
-    together) and query blocks last to first: a causal block's work grows
-    with its position, so the heaviest start first and the light ones fill
-    the tail. The context below the block's first row is attended without
-    masks; only the tiles that reach the diagonal (or the context's end)
-    take them."""
-    h = tl.program_id(0)
+                    BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr = False):
+    """One program: BLOCK_M query rows of one head of sequence ``b`` (with
+    ``PACK``: BLOCK_M / GROUP tokens of each of the GROUP heads of one KV
+    head, row r being token r // GROUP of head r % GROUP, so that each K/V
+    tile loaded serves them all). The grid runs heads fastest (the GROUP
+    heads of a KV head read its tiles from L2 together) and query blocks
+    last to first: a causal block's work grows with its position, so the
+    heaviest start first and the light ones fill the tail. The context
+    below the block's first row is attended without masks; only the tiles
+    that reach the diagonal (or the context's end) take them."""
+    BLOCK_T: tl.constexpr = BLOCK_M // GROUP if PACK else BLOCK_M  # query tokens a program takes
     b = tl.program_id(1)
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)
     q_len = tl.load(q_lens_ptr + b).to(tl.int32)
-    if m_block * BLOCK_M < q_len:
+    if m_block * BLOCK_T < q_len:
         kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
         q_start = tl.load(q_start_ptr + b).to(tl.int64)
-        kvh = h // GROUP
-        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        if PACK:
+            kvh = tl.program_id(0)
+            rows = tl.arange(0, BLOCK_M)
+            offs_m = m_block * BLOCK_T + rows // GROUP
+            h = kvh * GROUP + rows % GROUP
+        else:
+            h = tl.program_id(0)
+            kvh = h // GROUP
+            offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         m_valid = offs_m < q_len
         q_pos = kv_len - q_len + offs_m
         q, q2, q_sum = _load_query(q_ptr + (q_start + offs_m) * stride_qt + h * stride_qh, m_valid, HEAD_DIM,
@@ -243,8 +252,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
         acc2 = tl.zeros([BLOCK_M, BLOCK_HALF if QUANT != 0 else 1], dtype=tl.float32)
         # causal: this block's last query sees up to its own position, its first one everything before
         # ``open_end``
-        first_pos = kv_len - q_len + m_block * BLOCK_M
-        kv_end = tl.minimum(kv_len, first_pos + BLOCK_M)
+        first_pos = kv_len - q_len + m_block * BLOCK_T
+        kv_end = tl.minimum(kv_len, first_pos + BLOCK_T)
         open_end = (first_pos + 1) // BLOCK_N * BLOCK_N
         table = tables_ptr + b.to(tl.int64) * stride_bt
         all_valid = tl.full([BLOCK_N], 1, tl.int1)
@@ -267,15 +276,29 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
                     BLOCK_D, BLOCK_HALF, QUANT)
 
 
-def prefill_tiles(block_d: int, max_q_len: int = 0):
-    """(query rows, context tokens) a program's tile holds, warps, stages.
-    64-token context tiles for long prompts, 32 for short ones (H100, head_dim
-    128, bf16, benchmark/prefill_attn_sweep.py: a step of three 3,000-token
-    prompts 562.6 -> 533.5 us, one 8,000-token prompt 1,477 -> 1,363; a
-    refill step of ~24 prompts of ~200 tokens 84.2 -> 95.6). A CUDA graph
-    recorded for n tokens keeps the tiles of ``max_q_len`` n."""
+def prefill_tiles(block_d: int, max_q_len: int = 0, group: int = 1, quant: int = 0, smem_bytes: int = 227 * 1024):
+    """(query rows, context tokens) a program's tile holds, warps, stages, heads packed.
+
+    A 16-bit cache with grouped heads (``group`` query heads a KV head, a
+    power of two) packs a KV head's query heads into one program's rows:
+    each K/V tile loaded then feeds them all, and the causal diagonal is
+    cut at rows / group tokens. 128 rows for long prompts, 64 for short,
+    32-token context tiles (H100, head_dim 128, GQA 4, bf16,
+    benchmark/prefill_attn_sweep.py --pack yes, against the unpacked tiles
+    below: three 3,000-token prompts 538.2 -> 505.3 us, the next step's
+    chunk after context 599.4 -> 587.1, one 8,000-token prompt 1,381 ->
+    1,325, a refill step of 24 prompts of ~200 tokens 84.6 -> 70.9). Else
+    each query head runs in its own programs: 64-token context tiles for
+    long prompts, 32 for short ones (same bench: three 3,000-token prompts
+    562.6 -> 533.5 us, one 8,000-token prompt 1,477 -> 1,363; the refill
+    step 84.2 -> 95.6). Quantized caches keep those (not measured packed).
+    Where 96 KB of shared memory do not fit (Turing), packed tiles keep 64
+    rows. A CUDA graph recorded for n tokens keeps the tiles of
+    ``max_q_len`` n."""
+    if quant == 0 and block_d <= 128 and 1 < group <= 8 and group & (group - 1) == 0:
+        return (128 if max_q_len >= 1024 and smem_bytes >= 96 * 1024 else 64), 32, 4, 2, True
     wide = block_d <= 64 or block_d <= 128 and max_q_len >= 1024
-    return (64 if block_d <= 128 else 32), (64 if wide else 32), 4, 2
+    return (64 if block_d <= 128 else 32), (64 if wide else 32), 4, 2, False
 
 
 def _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero):
@@ -324,21 +347,26 @@ def _rotate_query(q: torch.Tensor) -> torch.Tensor:
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
                             max_kv_len, tiles=None, out=None, k_scale_zero=None, v_scale_zero=None):
-    """``tiles``: (block_m, block_n, warps, stages) instead of prefill_tiles' (for sweeps)."""
+    """``tiles``: (block_m, block_n, warps, stages[, pack]) instead of prefill_tiles' (for sweeps); heads are
+    packed only where a KV head's query heads are a power of two that divides block_m."""
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
     if t == 0 or q_seqlens.shape[0] == 0:
         return out
     block_d = triton.next_power_of_2(d)
-    block_m, block_n, warps, stages = tiles or prefill_tiles(block_d, max_q_len)
-    grid = (h, q_seqlens.shape[0], triton.cdiv(max_q_len, block_m))
+    group = h // hkv
     qk, ksz, vsz, zstrides, consts = _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero)
+    smem = shared_memory(q.device) if q.device.type == 'cuda' else 227 * 1024
+    block_m, block_n, warps, stages, pack = (tuple(tiles) + (False, ))[:5] if tiles else prefill_tiles(
+        block_d, max_q_len, group, consts['QUANT'], smem)
+    pack = bool(pack) and group > 1 and group & (group - 1) == 0 and block_m % group == 0
+    grid = (hkv if pack else h, q_seqlens.shape[0], triton.cdiv(max_q_len, block_m // group if pack else block_m))
     _prefill_kernel[grid](qk, k_cache, v_cache, ksz, vsz, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
                           scale * _LOG2E, qk.stride(0), qk.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                           k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0), h, GROUP=h // hkv,
                           BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                          BLOCK_D=block_d, num_warps=warps, num_stages=stages, **consts)
+                          BLOCK_D=block_d, PACK=pack, num_warps=warps, num_stages=stages, **consts)
     return out
 
 
