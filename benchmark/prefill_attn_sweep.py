@@ -8,6 +8,7 @@ CUDA graph replays.
 
     python benchmark/prefill_attn_sweep.py [--tokens 4500]
     python benchmark/prefill_attn_sweep.py --workload prefill3000 prefill3000-tail single8k
+    python benchmark/prefill_attn_sweep.py --policy 4 --pack both     # an int4 cache, heads apart and packed
 
 The other workloads are the steps of ``gpu_suite.sh prefill`` (3,000-token
 prompts in 8,192-token steps) and ``lat8k``; torch's fused attention on the
@@ -79,6 +80,31 @@ def dense_reference(q, kc, vc, tables, shapes, h, hkv, d, backends):
     return out
 
 
+def quantized_cache(kv_lens, hkv, d, policy):
+    """The cuda device's int8 / int4 cache (its layout) of 64-token blocks handed out in random order, random
+    codes and scales: (k, v, scale/zero keyword arguments, block tables, lengths)."""
+    from lmdeploy.devices import get_device
+    spec = get_device('cuda').kv_cache_spec(hkv, d, 64, torch.bfloat16, policy)
+    need = [-(-n // 64) for n in kv_lens]
+    cache = spec.allocate(sum(need), 'cuda')
+    for t in cache.tensors().values():
+        if t.dtype == torch.uint8:
+            t.copy_(torch.randint(0, 256, t.shape, device='cuda', dtype=torch.int32))
+        elif t.shape[-1] == 2:  # (scale, zero) pairs
+            t[..., 0].uniform_(0.001, 0.05)
+            t[..., 1].uniform_(-2, 0)
+        else:
+            t.normal_()
+    perm = torch.randperm(sum(need), device='cuda').to(torch.int32)
+    tables = torch.zeros(len(kv_lens), max(need), dtype=torch.int32, device='cuda')
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[at:at + n]
+        at += n
+    lens = torch.tensor(kv_lens, device='cuda')
+    return cache.k, cache.v, dict(k_scale_zero=cache.k_scale_zero, v_scale_zero=cache.v_scale_zero), tables, lens
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('--tokens', type=int, default=4500, help='refill workload: prompt tokens in the step')
@@ -89,6 +115,8 @@ def main():
     p.add_argument('--dense', nargs='*', default=['FLASH_ATTENTION', 'CUDNN_ATTENTION'],
                    help="torch SDPA backends to time on the same prompts (fresh prompts only)")
     p.add_argument('--no-sweep', action='store_true')
+    p.add_argument('--policy', type=int, default=0, choices=(0, 8, 4),
+                   help='KV cache quant_policy (8 / 4: the cuda device\'s int8 / int4 cache, random codes)')
     p.add_argument('--pack', default='no', choices=['no', 'yes', 'both'],
                    help="sweep tiles with each query head in its own programs ('no'), with a KV head's query "
                    "heads packed into one program's rows ('yes'), or both")
@@ -103,19 +131,23 @@ def sweep(name, shapes, args):
     kv_lens = [n for n, _ in shapes]
     q_lens = [m for _, m in shapes]
     b, h, hkv, d = len(shapes), 32, 8, 128
-    _, kc, vc, tables, lens, _ = make_batch(b, kv_lens, h, hkv, d, 64, 'cuda', torch.bfloat16)
+    scales = {}
+    if args.policy:
+        kc, vc, scales, tables, lens = quantized_cache(kv_lens, hkv, d, args.policy)
+    else:
+        _, kc, vc, tables, lens, _ = make_batch(b, kv_lens, h, hkv, d, 64, 'cuda', torch.bfloat16)
     q = torch.randn(sum(q_lens), h, d, device='cuda', dtype=torch.bfloat16)
     ql = torch.tensor(q_lens, device='cuda')
     starts = torch.cumsum(ql, 0) - ql
 
     def run(tiles=None, impl=attention):
         return impl.paged_prefill_attention(q, kc, vc, tables, starts, ql, lens, d**-0.5, max(q_lens),
-                                            max(kv_lens), tiles)
+                                            max(kv_lens), tiles, **scales)
 
     want = run()
     flops = sum(4 * (m * (n - m) + m * (m + 1) / 2) * h * d for n, m in shapes)
     base = 1e3 * do_bench_cudagraph(run)
-    in_use = attention.prefill_tiles(d, max(q_lens), h // hkv)
+    in_use = attention.prefill_tiles(d, max(q_lens), h // hkv, args.policy)
     print(f'[{name}] {b} sequences, {sum(q_lens)} query rows, contexts {kv_lens}: in use '
           f'{in_use} {base:7.1f} us, {flops / base / 1e6:.0f} TFLOP/s', flush=True)
     if args.compare:
@@ -124,7 +156,8 @@ def sweep(name, shapes, args):
         us = 1e3 * do_bench_cudagraph(lambda: run(impl=other))
         print(f'  {args.compare}: {us:7.1f} us, {flops / us / 1e6:.0f} TFLOP/s (in use: {us / base:.2f}x its speed; '
               f'rel err {err:.2g})', flush=True)
-    for backend, us in dense_reference(q, kc, vc, tables, shapes, h, hkv, d, args.dense).items():
+    for backend, us in dense_reference(q, kc, vc, tables, shapes, h, hkv, d,
+                                       [] if args.policy else args.dense).items():
         print(f'  torch SDPA {backend} (dense): ' +
               (f'{us:7.1f} us, {flops / us / 1e6:.0f} TFLOP/s' if isinstance(us, float) else us), flush=True)
     if args.no_sweep:
