@@ -193,9 +193,10 @@ CONFIGS = [(8, 8, 64, 16), (8, 2, 64, 64), (8, 1, 128, 16)]  # H, Hkv, D, block 
 
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('h,hkv,d,bs', CONFIGS)
-@pytest.mark.parametrize('pack', [False, True])
+@pytest.mark.parametrize('pack', [None, False, True])
 def test_paged_prefill_attention(dtype, h, hkv, d, bs, pack):
-    """Each query head a program's rows, or (``pack``) a KV head's query heads interleaved in them."""
+    """The tiles auto picks (``pack`` None), and the short prompts' tiles with each query head in its own
+    programs (False) or a KV head's query heads interleaved in one program's rows (True)."""
     # (kv_len, q_len): fresh prompts, and chunks after cached context
     if FULL:
         shapes = [(1000, 1000), (777, 129), (2048, 1), (301, 300), (4099, 64)]
@@ -210,7 +211,7 @@ def test_paged_prefill_attention(dtype, h, hkv, d, bs, pack):
     q_start = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(DEV)
     args = (tables, q_start, torch.tensor(q_lens, device=DEV), torch.tensor(kv_lens, device=DEV), d**-0.5,
             max(q_lens), max(kv_lens))
-    tiles = attention.prefill_tiles(triton.next_power_of_2(d), max(q_lens))[:4] + (pack, )
+    tiles = None if pack is None else attention.prefill_tiles(triton.next_power_of_2(d), max(q_lens))[:4] + (pack, )
     out = attention.paged_prefill_attention(q, k_cache, v_cache, *args, tiles=tiles)
     cpu = [a.cpu() if torch.is_tensor(a) else a for a in args]
     ref = REF.paged_prefill_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()), *cpu)
@@ -474,8 +475,9 @@ def test_quantized_decode_and_prefill_attention(policy, dtype, h, hkv, d, bs, he
     q_start = torch.tensor([0] + q_lens[:-1]).cumsum(0)
     args = (tables, q_start, torch.tensor(q_lens), lens, d**-0.5, max(q_lens), max(kv_lens))
     ref = REF.paged_prefill_attention(qp.cpu().float(), ref_cache, *args)
-    for pack in (False, True):  # a KV head's query heads in one program's rows, or each head in its own
-        tiles = attention.prefill_tiles(triton.next_power_of_2(d), max(q_lens))[:4] + (pack, )
+    for pack in (None, False, True):  # auto's tiles; each query head in its own programs; a KV head's in one's
+        tiles = None if pack is None else attention.prefill_tiles(triton.next_power_of_2(d), max(q_lens))[:4] + (
+            pack, )
         out = attention.paged_prefill_attention(qp, cache.k, cache.v, *(a.to(DEV) if torch.is_tensor(a) else a
                                                                         for a in args),
                                                 k_scale_zero=cache.k_scale_zero, v_scale_zero=cache.v_scale_zero,
