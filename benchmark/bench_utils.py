@@ -31,6 +31,29 @@ def us_per_weight(fn: Callable[[torch.Tensor], object], ws: List[torch.Tensor]) 
     return 1e3 * do_bench_cudagraph(lambda: [fn(w) for w in ws]) / len(ws)
 
 
+def random_paged_cache(spec, lengths: Sequence[int], gen: Optional[torch.Generator] = None, device='cuda'):
+    """(cache, block tables) of ``spec`` (a KVCacheSpec) holding sequences of ``lengths`` tokens in blocks
+    handed out in random order (as a busy cache hands them out), with random contents: codes over a
+    byte's whole range, (scale, zero) pairs in the ranges a quantized cache holds, the rest normal."""
+    need = [-(-n // spec.block_size) for n in lengths]
+    cache = spec.allocate(sum(need), device)
+    for t in cache.tensors().values():
+        if t.dtype == torch.uint8:
+            t.copy_(torch.randint(0, 256, t.shape, generator=gen, device=device, dtype=torch.int32))
+        elif t.shape[-1] == 2 and cache.quant_policy:  # (scale, zero)
+            t[..., 0].uniform_(0.001, 0.05, generator=gen)
+            t[..., 1].uniform_(-2, 0, generator=gen)
+        else:
+            t.normal_(generator=gen)
+    perm = torch.randperm(sum(need), generator=gen, device=device).to(torch.int32)
+    tables = torch.zeros(len(lengths), max(need), dtype=torch.int32, device=device)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[at:at + n]
+        at += n
+    return cache, tables
+
+
 def stub_model(engine, max_rows: int):
     """Take the model out of a cpu engine: a step's forward returns an empty hidden state and its logits a
     few columns (a greedy pick over them costs nothing), so what runs is the host's part alone."""

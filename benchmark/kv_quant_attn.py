@@ -30,6 +30,7 @@ import functools
 
 import torch
 
+from bench_utils import random_paged_cache
 from lmdeploy.devices import get_device
 from lmdeploy.devices.cuda.kernels import attention
 from lmdeploy.devices.cuda.splits import min_slice_tokens, num_decode_splits
@@ -61,18 +62,8 @@ def make(batch: int, context: int, policy: int, layout: str, lengths: str = 'uni
     spec = get_device('cuda').kv_cache_spec(HKV, D, BLOCK, torch.bfloat16, policy)
     if layout != 'device':
         spec = dataclasses.replace(spec, head_major=layout == 'head')
-    per_seq = -(-context // BLOCK)
     gen = torch.Generator(device='cuda').manual_seed(seed)
-    cache = spec.allocate(batch * per_seq, 'cuda')
-    for t in cache.tensors().values():
-        if t.dtype == torch.uint8:
-            t.copy_(torch.randint(0, 256, t.shape, generator=gen, device='cuda', dtype=torch.int32))
-        elif t.shape[-1] == 2 and policy:  # (scale, zero)
-            t[..., 0].uniform_(0.001, 0.05, generator=gen)
-            t[..., 1].uniform_(-2, 0, generator=gen)
-        else:
-            t.normal_(generator=gen)
-    tables = torch.randperm(batch * per_seq, generator=gen, device='cuda').to(torch.int32).view(batch, per_seq)
+    cache, tables = random_paged_cache(spec, [context] * batch, gen)
     q = torch.randn(batch, H, D, dtype=torch.bfloat16, device='cuda', generator=gen)
     if lengths == 'varied':
         lens = torch.randint(1, context + 1, (batch, ), generator=gen, device='cuda', dtype=torch.int64)

@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from bench_utils import rel_err
+from bench_utils import random_paged_cache, rel_err
 from lmdeploy.devices import get_device
 
 H, HKV, D, BLOCK = 32, 8, 128, 64
@@ -33,23 +33,8 @@ def build(nd: int, dctx: int, prompts, policy: int, seed: int = 0):
     ops = get_device('cuda')
     spec = ops.kv_cache_spec(HKV, D, BLOCK, torch.bfloat16, policy)
     lens = [dctx] * nd + [n for n, _ in prompts]
-    need = [-(-n // BLOCK) for n in lens]
     gen = torch.Generator(device='cuda').manual_seed(seed)
-    cache = spec.allocate(sum(need), 'cuda')
-    for t in cache.tensors().values():
-        if t.dtype == torch.uint8:
-            t.copy_(torch.randint(0, 256, t.shape, generator=gen, device='cuda', dtype=torch.int32))
-        elif t.shape[-1] == 2 and policy:
-            t[..., 0].uniform_(0.001, 0.05, generator=gen)
-            t[..., 1].uniform_(-2, 0, generator=gen)
-        else:
-            t.normal_(generator=gen)
-    perm = torch.randperm(sum(need), generator=gen, device='cuda').to(torch.int32)
-    tables = torch.zeros(len(lens), max(need), dtype=torch.int32, device='cuda')
-    at = 0
-    for i, n in enumerate(need):
-        tables[i, :n] = perm[at:at + n]
-        at += n
+    cache, tables = random_paged_cache(spec, lens, gen)
     q_lens = [1] * nd + [m for _, m in prompts]
     q = torch.randn(sum(q_lens), H, D, dtype=torch.bfloat16, device='cuda', generator=gen)
     ql = torch.tensor(q_lens, device='cuda', dtype=torch.int64)

@@ -23,7 +23,7 @@ import random
 
 import torch
 
-from bench_utils import rel_err
+from bench_utils import random_paged_cache, rel_err
 from decode_attn_sweep import make_batch
 from lmdeploy.devices.cuda.kernels import attention
 
@@ -85,22 +85,7 @@ def quantized_cache(kv_lens, hkv, d, policy):
     codes and scales: (k, v, scale/zero keyword arguments, block tables, lengths)."""
     from lmdeploy.devices import get_device
     spec = get_device('cuda').kv_cache_spec(hkv, d, 64, torch.bfloat16, policy)
-    need = [-(-n // 64) for n in kv_lens]
-    cache = spec.allocate(sum(need), 'cuda')
-    for t in cache.tensors().values():
-        if t.dtype == torch.uint8:
-            t.copy_(torch.randint(0, 256, t.shape, device='cuda', dtype=torch.int32))
-        elif t.shape[-1] == 2:  # (scale, zero) pairs
-            t[..., 0].uniform_(0.001, 0.05)
-            t[..., 1].uniform_(-2, 0)
-        else:
-            t.normal_()
-    perm = torch.randperm(sum(need), device='cuda').to(torch.int32)
-    tables = torch.zeros(len(kv_lens), max(need), dtype=torch.int32, device='cuda')
-    at = 0
-    for i, n in enumerate(need):
-        tables[i, :n] = perm[at:at + n]
-        at += n
+    cache, tables = random_paged_cache(spec, kv_lens)
     lens = torch.tensor(kv_lens, device='cuda')
     return cache.k, cache.v, dict(k_scale_zero=cache.k_scale_zero, v_scale_zero=cache.v_scale_zero), tables, lens
 

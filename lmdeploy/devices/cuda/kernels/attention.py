@@ -276,6 +276,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
                     BLOCK_D, BLOCK_HALF, QUANT)
 
 
+def _packs(group: int, block_m: int = 128) -> bool:
+    """Whether ``group`` query heads a KV head can share a program's ``block_m`` rows: a power of two above
+    one that divides them."""
+    return 1 < group and group & (group - 1) == 0 and block_m % group == 0
+
+
 def prefill_tiles(block_d: int, max_q_len: int = 0, group: int = 1, quant: int = 0, smem_bytes: int = 227 * 1024):
     """(query rows, context tokens) a program's tile holds, warps, stages, heads packed.
 
@@ -299,7 +305,7 @@ def prefill_tiles(block_d: int, max_q_len: int = 0, group: int = 1, quant: int =
     1.30x, the refill step 1.45x / 1.09x). Where 96 KB of shared memory do
     not fit (Turing), packed tiles keep 64 rows and 64-token context tiles.
     A CUDA graph recorded for n tokens keeps the tiles of ``max_q_len`` n."""
-    if block_d <= 128 and 1 < group <= 8 and group & (group - 1) == 0:
+    if block_d <= 128 and group <= 8 and _packs(group):
         long = max_q_len >= 1024 and smem_bytes >= 96 * 1024
         if quant:
             return 64, (128 if long else 64), 4, 2, True
@@ -367,11 +373,11 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
     smem = shared_memory(q.device) if q.device.type == 'cuda' else 227 * 1024
     block_m, block_n, warps, stages, pack = (tuple(tiles) + (False, ))[:5] if tiles else prefill_tiles(
         block_d, max_q_len, group, consts['QUANT'], smem)
-    pack = bool(pack) and group > 1 and group & (group - 1) == 0 and block_m % group == 0
+    pack = bool(pack) and _packs(group, block_m)
     grid = (hkv if pack else h, q_seqlens.shape[0], triton.cdiv(max_q_len, block_m // group if pack else block_m))
     _prefill_kernel[grid](qk, k_cache, v_cache, ksz, vsz, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
                           scale * _LOG2E, qk.stride(0), qk.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-                          k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0), h, GROUP=h // hkv,
+                          k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0), h, GROUP=group,
                           BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
                           BLOCK_D=block_d, PACK=pack, num_warps=warps, num_stages=stages, **consts)
     return out
