@@ -35,6 +35,7 @@
 // so the bias costs about 10 of float32's 24 bits, where the result needs about 11.
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <type_traits>
 
 #include "common.cuh"
@@ -60,6 +61,16 @@ namespace {
 // Tiles a warp keeps in shared memory (the one it works on and those on their way), by KV policy.
 #ifndef LMDEPLOY_DECODE_MMA_STAGES
 #define LMDEPLOY_DECODE_MMA_STAGES(POLICY) ((POLICY) == 4 ? 3 : 2)
+#endif
+// -DLMDEPLOY_DECODE_TRACE (build.py's $LMDEPLOY_NVCC_FLAGS): each block prints when it reached the steps of its
+// work (%globaltimer, ns) for benchmark/decode_trace.py; never in a normal build. printf's buffer holds about
+// 4,000 blocks' lines, and printing delays later blocks: trace grids of one wave.
+#ifdef LMDEPLOY_DECODE_TRACE
+#define TRACE_STAMP(x) \
+    uint64_t x;        \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(x))
+#else
+#define TRACE_STAMP(x)
 #endif
 constexpr int kWarps = 4;
 constexpr int kTile = 16;  // tokens a warp takes at once
@@ -307,6 +318,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     const int num_kv_heads = args.num_kv_heads, num_splits = args.num_splits, block_size = args.block_size;
     const int group = args.num_heads / num_kv_heads;
 
+    TRACE_STAMP(t_entry);
     pdl_wait_then_release();
     const int pid = blockIdx.x;
     const int split = pid % num_splits;
@@ -329,6 +341,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     const Slice slice = context_slice(kv_len, split, num_splits, args.min_slice, kTile);
     if (split >= slice.count) return;  // a slice this context does not fill: the merge does not read it
     const int start = slice.start, end = slice.end;
+    TRACE_STAMP(t_len);
 
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
@@ -372,6 +385,8 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     };
 
     // this warp's tiles: first, first + kWarps kTile, ...; the first kStages - 1 set off before q is ready
+    // (taking the slice's next tile not yet taken instead, through a shared counter, evened out the warps'
+    // ends but made int4 1-6 % slower: H100, 64 x 1k 33.0 -> 34.9 us, 256 x 8k 823 -> 849; int8 equal)
     const int first = start + warp * kTile;
     const int num_tiles = first < end ? (end - first + kWarps * kTile - 1) / (kWarps * kTile) : 0;
     auto tile_base = [&](int i) { return first + i * kWarps * kTile; };
@@ -388,6 +403,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
         sq[i / D][i % D] = to_float(qv[j]);
     }
     __syncthreads();
+    TRACE_STAMP(t_sync);
     if constexpr (kRotate) hadamard_shared_rows<D>(sq, group);  // q H (normalised below)
 
     const float qnorm = kRotate ? rsqrtf(static_cast<float>(D)) : 1.f;
@@ -417,6 +433,10 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     // (int4) of p times the V scale as the dot saw it.
     const float qs[2] = {__shfl_sync(0xffffffffu, qsum, 8 * t), __shfl_sync(0xffffffffu, qsum, 8 * t + 4)};
     const float qbs[2] = {__shfl_sync(0xffffffffu, qbias, 8 * t), __shfl_sync(0xffffffffu, qbias, 8 * t + 4)};
+    TRACE_STAMP(t_q);
+#ifdef LMDEPLOY_DECODE_TRACE
+    uint64_t t_first = 0;  // when warp 0's first tile was in
+#endif
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, lz[2] = {0.f, 0.f}, lps[2] = {0.f, 0.f};
     // O^T (head elements x heads), m-tile i: rows g and g + 8 are elements j = 2i and 2i + 1 of position
     // g's part (col_of), columns heads 2t and 2t + 1
@@ -431,6 +451,9 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
         cp_async_commit();
         cp_async_wait<kStages - 1>();  // tile i is in
         __syncwarp();
+#ifdef LMDEPLOY_DECODE_TRACE
+        if (i == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_first));
+#endif
         const uint8_t* st = ring + (i % kStages) * St::kBytes;
 
         // S^T = K Q^T: rows g and g + 8 are the tile's tokens g and g + 8 (A: their K rows, read 16 bytes a
@@ -529,6 +552,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
 
     // merge the block's warps: each head's per-warp weights first, then every output element is a few FMAs
     // (the partial outputs reuse the stages: every warp must be done with its tiles)
+    TRACE_STAMP(t_loop);
     cp_async_wait<0>();
     __syncthreads();
 #pragma unroll
@@ -584,6 +608,15 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
             if (d == 0) pp[D] = sm_m[0][h];
         }
     }
+#ifdef LMDEPLOY_DECODE_TRACE
+    __syncthreads();
+    TRACE_STAMP(t_end);
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    if (tid == 0)  // warp 0's stamps
+        printf("TRACE %u %d %llu %llu %llu %llu %llu %llu %llu\n", smid, pid, t_entry, t_len, t_sync, t_q, t_first,
+               t_loop, t_end);
+#endif
 #endif
 }
 
