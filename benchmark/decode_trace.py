@@ -36,9 +36,10 @@ def run(batch: int, context: int, policy: int, calls: int):
         torch.cuda.synchronize()
 
 
-def quantiles(xs, fs=(0, .1, .5, .9, 1)):
-    xs = sorted(xs)
-    return ' '.join(f'{xs[round(f * (len(xs) - 1))] / 1e3:7.2f}' for f in fs)
+def quantiles(xs, qs=(0, 10, 50, 90, 100)):
+    """min, p10, p50, p90, max of ``xs`` (ns) in us."""
+    from latency import percentile
+    return ' '.join(f'{percentile(xs, q) / 1e3:7.2f}' for q in qs)
 
 
 def last_call(lines):
@@ -119,10 +120,13 @@ def main():
                          capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(out.stderr[-4000:])
-    from kv_quant_attn import HKV, D
-    per_token = {0: 2 * 2 * D, 8: 2 * (D + 4), 4: 2 * (D // 2 + 4)}[args.policy]  # K and V, with scale and zero
+    import torch
+
+    from kv_quant_attn import BLOCK, HKV, D
+    from lmdeploy.devices import get_device
+    spec = get_device('cuda').kv_cache_spec(HKV, D, BLOCK, torch.bfloat16, args.policy)  # as kv_quant_attn counts
     print(f'batch {args.batch}, context {args.context}, KV policy {args.policy}, {HKV} KV heads')
-    report(out.stdout.splitlines(), args.batch * HKV * args.context * per_token)
+    report(out.stdout.splitlines(), args.batch * args.context * spec.bytes_per_block / BLOCK)
 
 
 if __name__ == '__main__':
