@@ -132,6 +132,48 @@ def test_decode_sequences_fill_only_the_slices_their_length_needs(policy, head_m
         assert rel_err(out, tri) < TOL[torch.bfloat16] * 2, kernel
 
 
+@pytest.mark.parametrize('policy', [0, 8, 4])
+def test_decode_right_after_the_fill_reads_the_newest_token(policy):
+    """The tensor-core kernel looks up lengths and block tables and prefetches q and its first tiles into L2
+    before it waits for the kernel ahead (programmatic dependent launch on sm90). Recorded in one graph right
+    after the fill that writes q and each sequence's newest slot, as a decode step is, and replayed step after
+    step, it attends over what the fill wrote: the reference over the same cache, step by step."""
+    h, hkv, d, bs, steps = 32, 8, 128, 16, 3
+    past = [random.randint(40, 700) for _ in range(20)] + [0, 15, 16, 127]  # tokens before the first step
+    ref_cache, cache, tables = make_cache([n + steps for n in past], hkv, d, bs, torch.bfloat16, policy)
+    b = len(past)
+    qkv = torch.empty(b, (h + 2 * hkv) * d, dtype=torch.bfloat16, device='cuda')
+    q, k, v = (x.view(b, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], dim=-1))
+    angles = torch.rand(b, d // 2, device='cuda') * 6.3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    lens = torch.zeros(b, dtype=torch.int64, device='cuda')
+    slots = torch.zeros(b, dtype=torch.int64, device='cuda')
+    table_of, on_gpu = tables.tolist(), tables.cuda()
+
+    def step():
+        oq, ok = compiled.rotary_fill_kv(q, k, v, cos, sin, cache, slots)
+        return oq, ok, compiled.paged_decode_attention(oq, cache, on_gpu, lens, d**-0.5, 8192, 132)
+
+    qkv.normal_()
+    lens.copy_(torch.tensor(past) + 1)
+    slots.copy_(torch.tensor([table_of[i][n // bs] * bs + n % bs for i, n in enumerate(past)]))
+    step()  # the module loaded and the kernels' attributes set before recording
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        oq, ok, out = step()
+    for s in range(steps):
+        at = [n + s for n in past]  # the newest token's position
+        qkv.normal_()
+        lens.copy_(torch.tensor(at) + 1)
+        slots.copy_(torch.tensor([table_of[i][n // bs] * bs + n % bs for i, n in enumerate(at)]))
+        graph.replay()
+        torch.cuda.synchronize()
+        REF.fill_kv_cache(ok.cpu(), v.cpu(), ref_cache, slots.cpu())
+        ref = REF.paged_decode_attention(oq.cpu().float(), ref_cache, tables, lens.cpu(), d**-0.5, max(at) + 1)
+        assert rel_err(out, ref) < TOL[torch.bfloat16] * 3, s
+
+
 def test_decode_block_size_not_a_multiple_of_16_runs_on_cuda_cores():
     """The tensor-core kernel reads 16-token tiles from one block: with blocks of 8 tokens auto takes the
     CUDA-core kernel, and forcing the tensor-core one is refused in words."""

@@ -62,6 +62,14 @@ namespace {
 #ifndef LMDEPLOY_DECODE_MMA_STAGES
 #define LMDEPLOY_DECODE_MMA_STAGES(POLICY) ((POLICY) == 4 ? 3 : 2)
 #endif
+// Bytes of its first tiles a warp prefetches into L2 before the wait for the kernel ahead (whole tiles; none
+// for a 16-bit cache). H100, back-to-back calls, cold caches (benchmark/kv_quant_attn.py), us at 64 x 1k:
+// int4 33.0 with none of this, 32.2 with the lookups alone, then by bytes 4 KB 31.2, 6 KB 30.9, 8 KB 30.6,
+// 12 KB 31.0, 16 KB 31.2; int8 54.9, 54.1, then 8 KB 53.8, 12 KB 54.2, 16 KB 55.5, 32 KB 62.0 (the
+// prefetched lines evicted before their use); 16-bit (another H100) 102.6, lookups alone 101.8, one tile 103.7.
+#ifndef LMDEPLOY_DECODE_MMA_PREFETCH_BYTES
+#define LMDEPLOY_DECODE_MMA_PREFETCH_BYTES(POLICY) ((POLICY) == 0 ? 0 : 8192)
+#endif
 // -DLMDEPLOY_DECODE_TRACE (build.py's $LMDEPLOY_NVCC_FLAGS): each block prints when it reached the steps of its
 // work (%globaltimer, ns) for benchmark/decode_trace.py; never in a normal build. printf's buffer holds about
 // 4,000 blocks' lines, and printing delays later blocks: trace grids of one wave.
@@ -184,6 +192,8 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
     const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
 }
+// The 128-byte piece of global memory holding p into L2 (no register written, nothing waits for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -302,6 +312,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     constexpr bool kRotate = POLICY == 4;  // devices/cache.py rotates_k (int4, power-of-two D >= 32)
 
     constexpr int kStages = LMDEPLOY_DECODE_MMA_STAGES(POLICY);
+    constexpr int kPrefetchTiles = LMDEPLOY_DECODE_MMA_PREFETCH_BYTES(POLICY) / (2 * kTile * S::kRowBytes);
     using St = Stage<POLICY, D>;
     extern __shared__ __align__(16) uint8_t smem[];
     float(*sq)[D] = reinterpret_cast<float(*)[D]>(smem);
@@ -319,33 +330,28 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     const int group = args.num_heads / num_kv_heads;
 
     TRACE_STAMP(t_entry);
-    pdl_wait_then_release();
     const int pid = blockIdx.x;
     const int split = pid % num_splits;
     const int kvh = (pid / num_splits) % num_kv_heads;
     int64_t b = pid / (num_splits * num_kv_heads);
+    // Before the wait for the kernel ahead (programmatic dependent launch): the lookups and L2 prefetches of
+    // the block's q rows and first tiles, which overlap that kernel (or the end of the call ahead), not this
+    // block's start. Only what that kernel cannot have written is read into registers here: the order, the
+    // lengths and the block tables, written before the step's first kernel (the kernel ahead is the engine's
+    // rotary_fill_kv, which writes q and each sequence's newest cache slot). q and the cache are only
+    // prefetched into L2, where every SM's writes meet, so a line written meanwhile is read fresh after it.
     if (order != nullptr) b = order[b];
-    // the query rows of this KV head's heads, asked for before the context's length and block table: their
-    // wait then overlaps those lookups and the first tiles' copies (waiting for q after them was 11 % of the
-    // warps' stall samples at 64 x 1k, int4; asking so: int4 64 x 1k 35.6 -> 32.6 us, int8 57.5 -> 54.9; the
-    // first block-table entry read early as well gained nothing more)
-    constexpr int kQ = 8 * D / (kWarps * 32);  // q elements a thread stages
-    T qv[kQ];
-#pragma unroll
-    for (int j = 0; j < kQ; ++j) {
-        const int i = threadIdx.x + j * kWarps * 32, h = i / D, d = i % D;
-        qv[j] = h < group ? q[b * args.stride_qb + (kvh * group + h) * args.stride_qh + d] : T(0.f);
-    }
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+    if (tid < 2 * group)  // this KV head's query rows, 256 or 128 bytes each: two 128-byte pieces a row
+        prefetch_l2(q + b * args.stride_qb + (kvh * group + tid / 2) * args.stride_qh + (tid % 2) * (D / 2));
     const int kv_len = static_cast<int>(static_cast<const int64_t*>(args.kv_lens)[b]);
     static_assert(kTile == kSliceTile, "the merge cuts contexts as this kernel does");
     const Slice slice = context_slice(kv_len, split, num_splits, args.min_slice, kTile);
     if (split >= slice.count) return;  // a slice this context does not fill: the merge does not read it
     const int start = slice.start, end = slice.end;
     TRACE_STAMP(t_len);
-
-    const int tid = threadIdx.x;
-    const int warp = tid / 32, lane = tid % 32;
-    const int g = lane / 4, t = lane % 4;
 
     // A lane reads K rows (and K and V scales / zeros) of tokens g and g + 8 of a tile, V rows of tokens 2t,
     // 2t + 1, 2t + 8, 2t + 9; tokens past the slice are copies of its last token (their scores are masked)
@@ -358,6 +364,33 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
         const int blk = pow2 ? base >> shift : base / block_size;
         return cache_row(rows, table[blk], base - blk * block_size, kvh);
     };
+    // this warp's tiles: first, first + kWarps kTile, ...
+    const int first = start + warp * kTile;
+    const int num_tiles = first < end ? (end - first + kWarps * kTile - 1) / (kWarps * kTile) : 0;
+    auto tile_base = [&](int i) { return first + i * kWarps * kTile; };
+    // the warp's first tiles into L2: lane r < 16 the K row of token r, lane 16 + r its V row, and its scale
+    // and zero (rows of 32-256 bytes: one or two 128-byte pieces)
+#pragma unroll
+    for (int i = 0; i < kPrefetchTiles; ++i) {
+        if (i < num_tiles) {
+            const int base = tile_base(i), r = lane % kTile;
+            const int64_t row = tile_row0(base) + min(r, end - 1 - base) * rows.slot;
+            const uint8_t* src = (lane < kTile ? kc : vc) + row * S::kRowBytes;
+#pragma unroll
+            for (int off = 0; off < S::kRowBytes; off += 128) prefetch_l2(src + off);
+            if constexpr (POLICY != 0) prefetch_l2((lane < kTile ? ksz : vsz) + 2 * row);
+        }
+    }
+    pdl_wait_then_release();
+    // q's rows (found in L2 now), asked for before the first tiles' copies: their wait overlaps those copies
+    constexpr int kQ = 8 * D / (kWarps * 32);  // q elements a thread stages
+    T qv[kQ];
+#pragma unroll
+    for (int j = 0; j < kQ; ++j) {
+        const int i = threadIdx.x + j * kWarps * 32, h = i / D, d = i % D;
+        qv[j] = h < group ? q[b * args.stride_qb + (kvh * group + h) * args.stride_qh + d] : T(0.f);
+    }
+
     // into a stage of shared memory: whole rows, 16 bytes a lane (and a token's K or V scale and zero)
     auto copy_tile = [&](int base, uint8_t* st) {
         const int64_t row0 = tile_row0(base);
@@ -384,12 +417,9 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
                                    vw[r]);
     };
 
-    // this warp's tiles: first, first + kWarps kTile, ...; the first kStages - 1 set off before q is ready
-    // (taking the slice's next tile not yet taken instead, through a shared counter, evened out the warps'
-    // ends but made int4 1-6 % slower: H100, 64 x 1k 33.0 -> 34.9 us, 256 x 8k 823 -> 849; int8 equal)
-    const int first = start + warp * kTile;
-    const int num_tiles = first < end ? (end - first + kWarps * kTile - 1) / (kWarps * kTile) : 0;
-    auto tile_base = [&](int i) { return first + i * kWarps * kTile; };
+    // the first kStages - 1 tiles set off before q is ready (taking the slice's next tile not yet taken
+    // instead, through a shared counter, evened out the warps' ends but made int4 1-6 % slower: H100, 64 x 1k
+    // 33.0 -> 34.9 us, 256 x 8k 823 -> 849; int8 equal)
     uint8_t* ring = stages + warp * kStages * St::kBytes;
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
