@@ -344,7 +344,7 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
-    if (tid < 2 * group)  // this KV head's query rows, 256 or 128 bytes each: two 128-byte pieces a row
+    if (tid < 2 * group)  // this KV head's query rows: a 128-byte piece from each half of a row (D 64: one twice)
         prefetch_l2(q + b * args.stride_qb + (kvh * group + tid / 2) * args.stride_qh + (tid % 2) * (D / 2));
     const int kv_len = static_cast<int>(static_cast<const int64_t*>(args.kv_lens)[b]);
     static_assert(kTile == kSliceTile, "the merge cuts contexts as this kernel does");
@@ -364,17 +364,19 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
         const int blk = pow2 ? base >> shift : base / block_size;
         return cache_row(rows, table[blk], base - blk * block_size, kvh);
     };
+    // the row of token r of the tile from base, its first token's at row0 (past the slice: its last token's)
+    auto token_row = [&](int64_t row0, int base, int r) { return row0 + min(r, end - 1 - base) * rows.slot; };
     // this warp's tiles: first, first + kWarps kTile, ...
     const int first = start + warp * kTile;
     const int num_tiles = first < end ? (end - first + kWarps * kTile - 1) / (kWarps * kTile) : 0;
     auto tile_base = [&](int i) { return first + i * kWarps * kTile; };
     // the warp's first tiles into L2: lane r < 16 the K row of token r, lane 16 + r its V row, and its scale
-    // and zero (rows of 32-256 bytes: one or two 128-byte pieces)
+    // and zero (rows of 32-256 bytes: one 128-byte piece, or two)
 #pragma unroll
     for (int i = 0; i < kPrefetchTiles; ++i) {
         if (i < num_tiles) {
-            const int base = tile_base(i), r = lane % kTile;
-            const int64_t row = tile_row0(base) + min(r, end - 1 - base) * rows.slot;
+            const int base = tile_base(i);
+            const int64_t row = token_row(tile_row0(base), base, lane % kTile);
             const uint8_t* src = (lane < kTile ? kc : vc) + row * S::kRowBytes;
 #pragma unroll
             for (int off = 0; off < S::kRowBytes; off += 128) prefetch_l2(src + off);
@@ -394,18 +396,17 @@ decode_mma_kernel(const DecodeArgs args, float scale_log2) {
     // into a stage of shared memory: whole rows, 16 bytes a lane (and a token's K or V scale and zero)
     auto copy_tile = [&](int base, uint8_t* st) {
         const int64_t row0 = tile_row0(base);
-        const int last = end - 1 - base;
         constexpr int kChunks = S::kRowBytes / 16;  // 16-byte pieces of a row
 #pragma unroll
         for (int i = 0; i < kTile * kChunks / 32; ++i) {
             const int idx = i * 32 + lane, r = idx / kChunks, c = idx % kChunks;
-            const int64_t src = (row0 + min(r, last) * rows.slot) * S::kRowBytes + 16 * c;
+            const int64_t src = token_row(row0, base, r) * S::kRowBytes + 16 * c;
             cp_async16(st + r * St::kKStride + 16 * c, kc + src);
             cp_async16(st + St::kV + r * St::kVStride + 16 * c, vc + src);
         }
         if constexpr (POLICY != 0) {
             const int r = lane % kTile;
-            const int64_t row = row0 + min(r, last) * rows.slot;
+            const int64_t row = token_row(row0, base, r);
             cp_async4(st + (lane < kTile ? St::kKsz : St::kVsz) + 4 * r, (lane < kTile ? ksz : vsz) + 2 * row);
         }
     };
