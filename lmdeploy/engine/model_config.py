@@ -54,72 +54,176 @@ class ModelConfig:
 SUPPORTED_ROPE = ('default', 'linear', 'dynamic', 'llama3')
 
 
-def _rope_from(cfg: Dict[str, Any]) -> RopeConfig:
-    params = cfg.get('rope_parameters')
-    if params is None:
-        params = dict(cfg.get('rope_scaling') or {})
+_MISSING = object()
+
+
+class ConfigFields:
+    """Typed reads of a checkpoint's JSON config: a field that is missing (where it is needed) or of the
+    wrong kind raises ValueError naming the field and the file, instead of a KeyError or a wrong model
+    later. A null value counts as absent."""
+
+    def __init__(self, values: Dict[str, Any], path: str, prefix: str = ''):
+        self.values, self.path, self.prefix = values, path, prefix
+
+    def error(self, key: str, problem: str) -> ValueError:
+        return ValueError(f'{self.path}: field {self.prefix + key!r} {problem}')
+
+    def _get(self, key: str, default, what: str):
+        value = self.values.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise self.error(key, f'is missing ({what})' if key not in self.values else f'is null ({what})')
+            return default
+        return value
+
+    def integer(self, key: str, default=_MISSING, what: str = 'a positive integer', minimum: int = 1):
+        value = self._get(key, default, what)
+        if value is default:
+            return value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(key, f'must be {what}, got {value!r}')
+        return value
+
+    def number(self, key: str, default=_MISSING, what: str = 'a positive number'):
+        value = self._get(key, default, what)
+        if value is default:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise self.error(key, f'must be {what}, got {value!r}')
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self._get(key, default, 'true or false')
+        if value not in (True, False):  # (0 and 1 pass, as Python reads them)
+            raise self.error(key, f'must be true or false, got {value!r}')
+        return bool(value)
+
+    def text(self, key: str, default: str = '') -> str:
+        value = self._get(key, default, 'a string')
+        if not isinstance(value, str):
+            raise self.error(key, f'must be a string, got {value!r}')
+        return value
+
+    def mapping(self, key: str) -> Optional[Dict[str, Any]]:
+        value = self._get(key, None, 'an object')
+        if value is not None and not isinstance(value, dict):
+            raise self.error(key, f'must be an object, got {value!r}')
+        return value
+
+    def token_ids(self, key: str) -> List[int]:
+        value = self._get(key, [], 'a token id or a list of them')
+        ids = value if isinstance(value, list) else [value]
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise self.error(key, f'must be a token id (an integer >= 0) or a list of them, got {value!r}')
+        return ids
+
+
+def _rope_from(fields: ConfigFields) -> RopeConfig:
+    cfg = fields.values
+    if fields.mapping('rope_parameters') is not None:
+        key = 'rope_parameters'
+        params = dict(cfg['rope_parameters'])
+    else:
+        key = 'rope_scaling'
+        params = dict(fields.mapping('rope_scaling') or {})
         params.setdefault('rope_theta', cfg.get('rope_theta', 10000.0))
     # nested per-layer-type form: {"full_attention": {...}}
     if 'rope_theta' not in params and len(params) and all(isinstance(v, dict) for v in params.values()):
-        params = next(iter(params.values()))
+        layer_type, params = next(iter(params.items()))
+        key = f'{key}.{layer_type}'
+    rope = ConfigFields(params, fields.path, prefix=f'{key}.')
     rope_type = params.get('rope_type', params.get('type', 'default')) or 'default'
     if rope_type not in SUPPORTED_ROPE:
-        raise ValueError(f'rope type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE)}')
+        raise ValueError(f'{fields.path}: rope type {rope_type!r} ({key}) is not supported; supported: '
+                         f'{list(SUPPORTED_ROPE)}')
+    original = rope.integer('original_max_position_embeddings', None)
+    if rope_type == 'llama3' and original is None:
+        original = rope.integer('original_max_position_embeddings', what="a positive integer, for rope type 'llama3'")
     return RopeConfig(type=rope_type,
-                      theta=float(params.get('rope_theta', cfg.get('rope_theta', 10000.0))),
-                      factor=float(params.get('factor', 1.0)),
-                      low_freq_factor=float(params.get('low_freq_factor', 1.0)),
-                      high_freq_factor=float(params.get('high_freq_factor', 4.0)),
-                      original_max_position_embeddings=params.get('original_max_position_embeddings'))
+                      theta=rope.number('rope_theta', fields.number('rope_theta', 10000.0)),
+                      factor=rope.number('factor', 1.0),
+                      low_freq_factor=rope.number('low_freq_factor', 1.0),
+                      high_freq_factor=rope.number('high_freq_factor', 4.0),
+                      original_max_position_embeddings=original)
 
 
-def _eos_ids(model_path: str, cfg: Dict[str, Any]) -> List[int]:
+def _read_json(path: str) -> Dict[str, Any]:
+    """A JSON object from ``path``; ValueError naming the file and the place where it does not parse."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f'{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}') from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f'{path} is not UTF-8 text: {e}') from None
+    if not isinstance(value, dict):
+        raise ValueError(f'{path} must hold a JSON object, got {type(value).__name__}')
+    return value
+
+
+def _eos_ids(model_path: str, fields: ConfigFields) -> List[int]:
     ids: List[int] = []
-
-    def add(value):
-        for i in (value if isinstance(value, list) else [value]):
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-
-    add(cfg.get('eos_token_id'))
+    for i in fields.token_ids('eos_token_id'):
+        if i not in ids:
+            ids.append(i)
     gen_path = os.path.join(model_path, 'generation_config.json')
     if os.path.exists(gen_path):
-        with open(gen_path) as f:
-            add(json.load(f).get('eos_token_id'))
+        for i in ConfigFields(_read_json(gen_path), gen_path).token_ids('eos_token_id'):
+            if i not in ids:
+                ids.append(i)
     return ids
 
 
 def load_model_config(model_path: str) -> ModelConfig:
+    """config.json -> ModelConfig; ValueError naming the field and the file for anything missing or malformed."""
     path = os.path.join(model_path, 'config.json')
     if not os.path.isfile(path):
         raise FileNotFoundError(f'{model_path!r} has no config.json: not a Hugging Face model directory')
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg = {**cfg.get('text_config', {}), **cfg} if 'text_config' in cfg and 'hidden_size' not in cfg else cfg
+    cfg = _read_json(path)
+    if 'text_config' in cfg and 'hidden_size' not in cfg:  # a multimodal config: its language model's fields
+        text = ConfigFields(cfg, path).mapping('text_config') or {}
+        cfg = {**text, **cfg}
+    fields = ConfigFields(cfg, path)
     archs = cfg.get('architectures') or []
-    model_type = cfg.get('model_type', '')
-    num_heads = cfg['num_attention_heads']
-    hidden = cfg['hidden_size']
-    dtype_name = cfg.get('dtype') or cfg.get('torch_dtype') or 'float32'
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise fields.error('architectures', f'must be a list of class names, got {archs!r}')
+    num_heads = fields.integer('num_attention_heads', what='the number of attention heads, a positive integer')
+    hidden = fields.integer('hidden_size', what="the model's width, a positive integer")
+    num_kv_heads = fields.integer('num_key_value_heads', num_heads)
+    if num_heads % num_kv_heads:
+        raise fields.error('num_key_value_heads', f'must divide num_attention_heads ({num_heads}), got {num_kv_heads}')
+    head_dim = fields.integer('head_dim', None)
+    if head_dim is None:
+        if hidden % num_heads:
+            raise fields.error('head_dim', f'is missing and hidden_size ({hidden}) is not a multiple of '
+                               f'num_attention_heads ({num_heads})')
+        head_dim = hidden // num_heads
+    dtype_name = fields.text('dtype', '') or fields.text('torch_dtype', '') or 'float32'
+    sliding = fields.integer('sliding_window', None, 'an integer >= 0', minimum=0) if fields.flag('use_sliding_window', True) else None
+    bos = fields.token_ids('bos_token_id')
     return ModelConfig(
         architecture=archs[0] if archs else '',
-        model_type=model_type,
+        model_type=fields.text('model_type'),
         hidden_size=hidden,
-        num_layers=cfg['num_hidden_layers'],
+        num_layers=fields.integer('num_hidden_layers', what='the number of decoder layers, a positive integer'),
         num_heads=num_heads,
-        num_kv_heads=cfg.get('num_key_value_heads') or num_heads,
-        head_dim=cfg.get('head_dim') or hidden // num_heads,
-        intermediate_size=cfg['intermediate_size'],
-        vocab_size=cfg['vocab_size'],
-        rms_norm_eps=float(cfg.get('rms_norm_eps', 1e-6)),
-        max_position_embeddings=int(cfg.get('max_position_embeddings', 4096)),
-        tie_word_embeddings=bool(cfg.get('tie_word_embeddings', False)),
-        dtype=DTYPES.get(str(dtype_name).replace('torch.', ''), torch.float32),
-        rope=_rope_from(cfg),
-        attention_bias=bool(cfg.get('attention_bias', False)),
-        mlp_bias=bool(cfg.get('mlp_bias', False)),
-        eos_token_ids=_eos_ids(model_path, cfg),
-        bos_token_id=cfg.get('bos_token_id'),
-        sliding_window=cfg.get('sliding_window') if cfg.get('use_sliding_window', True) else None,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=fields.integer('intermediate_size', what="the MLP's width, a positive integer"),
+        vocab_size=fields.integer('vocab_size', what='the number of token ids, a positive integer'),
+        rms_norm_eps=fields.number('rms_norm_eps', 1e-6),
+        max_position_embeddings=fields.integer('max_position_embeddings', 4096),
+        tie_word_embeddings=fields.flag('tie_word_embeddings', False),
+        dtype=DTYPES.get(dtype_name.replace('torch.', ''), torch.float32),
+        rope=_rope_from(fields),
+        attention_bias=fields.flag('attention_bias', False),
+        mlp_bias=fields.flag('mlp_bias', False),
+        eos_token_ids=_eos_ids(model_path, fields),
+        bos_token_id=bos[0] if bos else None,
+        sliding_window=sliding,
         raw=cfg,
     )
