@@ -46,6 +46,9 @@ def test_auto_picks_ascend_only_where_an_npu_is_usable(npu, monkeypatch):
     assert devices.resolve_device_type('auto') == 'ascend'
     monkeypatch.setattr(torch.npu, 'device_count', lambda: 0)
     assert devices.resolve_device_type('auto') == 'cpu'
+    monkeypatch.setenv('ASCEND_RT_VISIBLE_DEVICES', '')
+    assert devices.unavailable_reason('ascend') == ("torch_npu sees no NPU (no Ascend device or driver here, or "
+                                                    "ASCEND_RT_VISIBLE_DEVICES='' hides them)")
 
 
 # ---------------------------------------------------------------- the emulated ops, each on its own

@@ -188,11 +188,11 @@ def collect_devices() -> List[Tuple[str, bool, str]]:
             rows.append((name, False, f'cannot load ({type(e).__name__}: {e})'))
             continue
         try:
-            ok = bool(cls.is_available())
+            why = cls.unavailable_reason()
         except Exception as e:
             rows.append((name, False, f'availability check failed ({type(e).__name__}: {e})'))
             continue
-        rows.append((name, ok, 'available' if ok else 'not available on this machine'))
+        rows.append((name, why is None, 'available' if why is None else f'not available on this machine: {why}'))
     return rows
 
 

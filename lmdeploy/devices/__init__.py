@@ -11,7 +11,7 @@ until a device is loaded.
 from __future__ import annotations
 
 import importlib
-from typing import Dict
+from typing import Dict, Optional
 
 from .registry import BUILTIN, ENTRY_POINT_GROUP, device_choices, device_names, refresh, registered
 
@@ -38,6 +38,15 @@ def is_available(device_type: str) -> bool:
         return bool(load_class(device_type).is_available())
     except (NotImplementedError, ImportError):
         return False
+
+
+def unavailable_reason(device_type: str) -> Optional[str]:
+    """None where the device can run here; else why not (the device's own words)."""
+    try:
+        cls = load_class(device_type)
+    except (NotImplementedError, ImportError) as e:
+        return str(e) if isinstance(e, NotImplementedError) else f'its module cannot be imported: {e}'
+    return cls.unavailable_reason()
 
 
 def resolve_device_type(device_type: str = 'auto') -> str:
@@ -68,7 +77,8 @@ def get_device(device_type: str = 'auto'):
     if device_type not in _instances:
         cls = load_class(device_type)
         if not cls.is_available():
-            raise RuntimeError(f'device_type {device_type!r} is not available on this machine')
+            why = cls.unavailable_reason() or 'its availability check failed'
+            raise RuntimeError(f'device_type {device_type!r} is not available on this machine: {why}')
         _instances[device_type] = cls()
     device = _instances[device_type]
     _serving[device.torch_device_type] = device
@@ -97,5 +107,5 @@ def __getattr__(name):  # DeviceOps without importing torch at package import
     raise AttributeError(name)
 
 
-__all__ = ['DeviceOps', 'get_device', 'resolve_device_type', 'is_available', 'load_class', 'serving',
-           'device_names', 'device_choices', 'registered', 'refresh', 'ENTRY_POINT_GROUP']
+__all__ = ['DeviceOps', 'get_device', 'resolve_device_type', 'is_available', 'unavailable_reason', 'load_class',
+           'serving', 'device_names', 'device_choices', 'registered', 'refresh', 'ENTRY_POINT_GROUP']

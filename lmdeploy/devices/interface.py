@@ -40,6 +40,12 @@ class DeviceOps:
         """True if this process can run on the device."""
         raise NotImplementedError
 
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        """None where :meth:`is_available`; else why not, in words a user can act on (what is missing,
+        what to install). A device says more by overriding it."""
+        return None if cls.is_available() else f'{cls.__name__}.is_available() is False here'
+
     def torch_device(self) -> torch.device:
         return torch.device(self.torch_device_type)
 

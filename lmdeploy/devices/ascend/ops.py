@@ -56,6 +56,10 @@ class AscendOps(ReferenceSampling, DeviceOps):
     def is_available(cls) -> bool:
         return runtime.usable()
 
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        return runtime.unusable_reason()
+
     # -------------------------------------------------------------- services
     def torch_device(self) -> torch.device:
         return runtime.torch_device()

@@ -10,6 +10,7 @@ to ``'cpu'``: a CPU build of torch cannot create tensors of a device type no bac
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -31,11 +32,28 @@ def npu():
 
 def usable() -> bool:
     """torch_npu imports (CANN present), and it sees at least one NPU."""
+    return unusable_reason() is None
+
+
+def unusable_reason() -> Optional[str]:
+    """None where :func:`usable`; else what is missing: torch_npu, CANN's libraries, or an NPU."""
     try:
         ns = npu()
-        return bool(ns.is_available()) and ns.device_count() > 0
-    except Exception:  # ImportError, or CANN's libraries failing to load
-        return False
+    except ImportError as e:
+        if e.name == 'torch_npu':
+            return ('torch_npu is not installed (it needs Huawei CANN and the torch_npu build matching torch; '
+                    'lmdeploy/devices/ascend/README.md)')
+        return f'torch_npu cannot be imported: {e} (is CANN installed and its set_env.sh sourced?)'
+    except Exception as e:  # CANN's libraries failing to load
+        return f'torch_npu fails to load: {type(e).__name__}: {e}'
+    try:
+        if ns.is_available() and ns.device_count() > 0:
+            return None
+    except Exception as e:
+        return f'torch_npu cannot list the NPUs: {type(e).__name__}: {e}'
+    hidden = os.environ.get('ASCEND_RT_VISIBLE_DEVICES')
+    return ('torch_npu sees no NPU (no Ascend device or driver here' +
+            (f', or ASCEND_RT_VISIBLE_DEVICES={hidden!r} hides them)' if hidden is not None else ')'))
 
 
 def torch_device(index: Optional[int] = None) -> torch.device:

@@ -5,6 +5,7 @@ per request), CUDA graphs for decode steps."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -51,11 +52,21 @@ class CudaOps(ReferenceSampling, DeviceOps):
 
     @classmethod
     def is_available(cls) -> bool:
+        return cls.unavailable_reason() is None
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        if not torch.cuda.is_available():
+            if torch.version.cuda is None and getattr(torch.version, 'hip', None) is None:
+                return f'this torch ({torch.__version__}) is not a CUDA build'
+            hidden = os.environ.get('CUDA_VISIBLE_DEVICES')
+            return ('torch sees no CUDA GPU (no NVIDIA driver or GPU here' +
+                    (f', or CUDA_VISIBLE_DEVICES={hidden!r} hides them)' if hidden is not None else ')'))
         try:
             import triton  # noqa: F401
         except ImportError:
-            return False
-        return torch.cuda.is_available()
+            return 'triton is not installed (pip install triton)'
+        return None
 
     def torch_device(self) -> torch.device:
         return torch.device('cuda', torch.cuda.current_device())
