@@ -189,7 +189,10 @@ def _turn(pipe, session, prompt, gen, session_len, cancel, out) -> bool:
     if error:
         out.write(f'[error: {error}]\n')
         out.flush()
-        return not (last is not None and last.finish_reason == 'length')
+        # full: the answer ran to session_len ('length'), or the turn no longer fits (refused, 'error')
+        full = last is not None and (last.finish_reason == 'length' or
+                                     bool(session_len) and last.input_token_len >= session_len)
+        return not full
     if last is not None:
         prompt_len = last.input_token_len
         reply_len = last.generate_token_len

@@ -22,6 +22,31 @@ _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PytorchEngineC
 _GEN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
 
 
+class Parser(argparse.ArgumentParser):
+    """``lmdeploy``'s parser: flags are taken only when spelled out (argparse's prefix matching would read
+    ``--max-new-token`` as ``--max-new-tokens`` and a later flag's name could change what an old command
+    line means). Its subcommands' parsers are :class:`Subcommand`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault('allow_abbrev', False)
+        super().__init__(*args, **kwargs)
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault('parser_class', Subcommand)
+        return super().add_subparsers(**kwargs)
+
+
+class Subcommand(Parser):
+    """A subcommand's parser: an argument it does not know is reported with the subcommand's own usage
+    (``usage: lmdeploy generate ...``), not the top-level one argparse would show."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f'unrecognized arguments: {" ".join(extras)}')
+        return namespace, extras
+
+
 def add_model_arg(parser: argparse.ArgumentParser):
     parser.add_argument('model_path', nargs='?', default=None, metavar='MODEL',
                         help='local Hugging Face model directory (config.json + *.safetensors); '

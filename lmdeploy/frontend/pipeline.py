@@ -144,6 +144,8 @@ class _Accumulator:
         r.finish_reason = out.finish_reason
         if out.error:
             r.error = out.error
+        if r.finish_reason == 'length' and r.refused:  # a prompt over session_len: refused, not cut short
+            r.finish_reason = 'error'
         if out.logprobs:
             r.logprobs = (r.logprobs or []) + out.logprobs
         if out.logits is not None:
@@ -210,7 +212,7 @@ class Pipeline:
             if sink is not None:
                 piece = Response(text=out.text, generate_token_len=resp.generate_token_len,
                                  input_token_len=resp.input_token_len, session_id=session_id,
-                                 finish_reason=out.finish_reason, token_ids=list(out.token_ids),
+                                 finish_reason=resp.finish_reason, token_ids=list(out.token_ids),
                                  logprobs=out.logprobs, logits=out.logits, last_hidden_state=out.last_hidden_state,
                                  index=index, error=out.error, choice=choice)
                 _log_refused(piece)  # (a streaming caller gets it as a Response: said once in the log too)
