@@ -51,3 +51,32 @@ def test_unreachable_server_is_an_error(capsys):
     assert cli.main(['serve', 'gradio', f'http://127.0.0.1:{port}']) == 2
     err = capsys.readouterr().err
     assert 'cannot reach the api_server' in err or "lmdeploy[gradio]" in err, err
+
+
+def test_the_page_says_its_address_not_gradios_share_hint(smollm2_path, capsys, monkeypatch):
+    """`lmdeploy serve gradio` prints where the page is and nothing about `share=True` in `launch()` (Gradio's
+    banner), which a user of the command line cannot set. Run as the command runs it (block=True), with the
+    wait for Ctrl-C cut short."""
+    gr = pytest.importorskip('gradio')
+    from lmdeploy.messages import PytorchEngineConfig
+    from lmdeploy.serve.gradio.page import address_line, run
+    waited = []
+    monkeypatch.setattr(gr.Blocks, 'block_thread', lambda self: waited.append(self.is_running))
+    page, backend = run(smollm2_path, server_name='127.0.0.1', server_port=_free_port(),
+                        backend_config=PytorchEngineConfig(device_type='cpu'), block=True)
+    try:
+        out = capsys.readouterr().out
+        assert waited == [True]
+        assert out == address_line('127.0.0.1', page.server_port) + '\n', out
+        assert out.startswith(f'lmdeploy serve gradio: the chat page is at http://127.0.0.1:{page.server_port};')
+        assert 'share' not in out
+    finally:
+        page.close()
+    assert address_line('0.0.0.0', 6006).startswith('lmdeploy serve gradio: the chat page is at '
+                                                    'http://127.0.0.1:6006 (listening on all addresses')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]

@@ -145,8 +145,22 @@ def run(target: Optional[str] = None, server_name: str = '0.0.0.0', server_port:
         title = f'{TITLE}: {os.path.basename(path.rstrip("/"))}'
     page = build_page(backend, title)
     page.queue()
+    # quiet: Gradio's own banner tells the user to "set `share=True` in `launch()`", which a user of the
+    # command line cannot do; the address is said here instead
     page.launch(server_name=server_name, server_port=server_port, share=False, inbrowser=inbrowser,
-                prevent_thread_lock=not block, quiet=not block)
+                prevent_thread_lock=True, quiet=True)
     if block:
-        backend.close()
+        print(address_line(server_name, page.server_port or server_port), flush=True)
+        try:
+            page.block_thread()  # until Ctrl-C
+        finally:
+            backend.close()
     return page, backend
+
+
+def address_line(server_name: str, port: int) -> str:
+    """Where the page is, said once it listens (a wildcard address is opened as 127.0.0.1 here)."""
+    wildcard = server_name in ('', '0.0.0.0', '::')
+    host = '127.0.0.1' if wildcard else (f'[{server_name}]' if ':' in server_name else server_name)
+    where = " (listening on all addresses: other machines use this one's address)" if wildcard else ''
+    return f'lmdeploy serve gradio: the chat page is at http://{host}:{port}{where}; Ctrl-C stops it'
