@@ -31,14 +31,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Union
 
 import numpy as np
 
 
 @dataclass
 class Request:
-    prompt: str
+    prompt: Union[str, List[int]]  # text, or token ids (sent as OpenAI's list-of-ids prompt)
     prompt_len: int
     output_len: int
 
@@ -63,16 +63,31 @@ def lognormal_lengths(rng: np.random.Generator, n: int, median: int, sigma: floa
 
 
 def text_of_length(tokenizer, rng: random.Random, length: int, vocab: List[int]):
-    """(text of random vocabulary tokens that re-tokenizes to about ``length`` tokens, its token count)."""
-    pool = [rng.choice(vocab) for _ in range(2 * length + 8)]
-    n = length
-    for _ in range(4):
-        text = tokenizer.decode(pool[:n])
-        got = len(tokenizer.encode(text, add_special_tokens=False))
+    """(text of random vocabulary tokens that re-tokenizes to ``length`` tokens where it can, its token count):
+    the ids are decoded, re-encoded and trimmed or extended until the count is exact."""
+    ids = [rng.choice(vocab) for _ in range(length)]
+    got = length
+    for _ in range(8):
+        text = tokenizer.decode(ids)
+        enc = tokenizer.encode(text, add_special_tokens=False)
+        got = len(enc)
         if got == length:
             break
-        n = max(1, min(len(pool), n + length - got))
+        ids = enc[:length] if got > length else enc + [rng.choice(vocab) for _ in range(length - got)]
     return text, got
+
+
+# workload shapes: lengths (medians, sigmas, clips) and arrivals; the first is the issue's table
+SHAPES: Dict[str, dict] = {
+    'sharegpt-like': dict(input_len=150, output_len=140, input_sigma=0.9, output_sigma=0.9, max_input_len=2000,
+                          max_output_len=1000, burstiness=1.0),
+    'prefill-heavy': dict(input_len=1500, output_len=100, input_sigma=0.3, output_sigma=0.3, max_input_len=3000,
+                          max_output_len=300, burstiness=1.0),
+    'decode-heavy': dict(input_len=100, output_len=800, input_sigma=0.3, output_sigma=0.3, max_input_len=300,
+                         max_output_len=2000, burstiness=1.0),
+    'bursty': dict(input_len=150, output_len=140, input_sigma=0.9, output_sigma=0.9, max_input_len=2000,
+                   max_output_len=1000, burstiness=0.5),
+}
 
 
 def make_requests(tokenizer, args) -> List[Request]:
@@ -86,9 +101,20 @@ def make_requests(tokenizer, args) -> List[Request]:
              and tokenizer.decode([i]).strip().isalnum()][:20000]
     reqs = []
     for n_in, n_out in zip(ins, outs):
-        text, got = text_of_length(tokenizer, prng, n_in, vocab)
-        reqs.append(Request(text, got, n_out))
+        if getattr(args, 'prompt_format', 'text') == 'ids':
+            reqs.append(Request([prng.choice(vocab) for _ in range(n_in)], n_in, n_out))
+        else:
+            text, got = text_of_length(tokenizer, prng, n_in, vocab)
+            reqs.append(Request(text, got, n_out))
     return reqs
+
+
+def arrival_gaps(rng: np.random.Generator, n: int, rate: float, burstiness: float = 1.0) -> List[float]:
+    """Seconds between consecutive requests: gamma with shape ``burstiness`` and mean 1 / rate (1: Poisson;
+    below 1 burstier: arrivals bunch together with longer quiet gaps); rate 0: all at once."""
+    if rate <= 0:
+        return [0.0] * n
+    return rng.gamma(burstiness, 1.0 / (rate * burstiness), n).tolist()
 
 
 # -------------------------------------------------------------------- client
@@ -97,6 +123,8 @@ async def send(session, url: str, model: str, req: Request, chat: bool, api_key:
     body = dict(model=model, max_tokens=req.output_len, min_tokens=req.output_len, ignore_eos=True,
                 temperature=0.0, stream=True, stream_options={'include_usage': True})
     if chat:
+        if not isinstance(req.prompt, str):
+            raise ValueError('--chat needs text prompts (--prompt-format text)')
         body['messages'] = [{'role': 'user', 'content': req.prompt}]
         path = '/v1/chat/completions'
     else:
@@ -156,9 +184,9 @@ async def send(session, url: str, model: str, req: Request, chat: bool, api_key:
 
 
 async def run(url: str, model: str, reqs: List[Request], rate: float, concurrency: int, chat: bool,
-              api_key: Optional[str], seed: int, timeout: float):
+              api_key: Optional[str], seed: int, timeout: float, burstiness: float = 1.0):
     import aiohttp
-    rng = np.random.default_rng(seed + 1)
+    gaps = arrival_gaps(np.random.default_rng(seed + 1), len(reqs), rate, burstiness)
     sem = asyncio.Semaphore(concurrency if concurrency > 0 else len(reqs))
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     results: List[Optional[Result]] = [None] * len(reqs)
@@ -175,7 +203,7 @@ async def run(url: str, model: str, reqs: List[Request], rate: float, concurrenc
         for i, req in enumerate(reqs):
             tasks.append(asyncio.create_task(one(i, req)))
             if rate > 0 and i + 1 < len(reqs):
-                await asyncio.sleep(rng.exponential(1.0 / rate))
+                await asyncio.sleep(gaps[i])
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
     return results, elapsed
@@ -284,12 +312,22 @@ def main(argv=None) -> int:
     p.add_argument('--output-sigma', type=float, default=0.9)
     p.add_argument('--max-input-len', type=int, default=2000)
     p.add_argument('--max-output-len', type=int, default=1000)
-    p.add_argument('--warmup', type=int, default=8, help='requests sent (and not counted) before each run')
+    p.add_argument('--shape', choices=sorted(SHAPES), help='a workload shape: its lengths and arrivals become the '
+                   'defaults of the flags above and --burstiness (sharegpt-like: the defaults)')
+    p.add_argument('--burstiness', type=float, default=1.0, help='gamma arrivals of this shape (1: Poisson; '
+                   'below 1: burstier)')
+    p.add_argument('--prompt-format', choices=['text', 'ids'], default='text',
+                   help='prompts as text (re-tokenizing to the drawn length) or as token ids')
+    p.add_argument('--warmup', type=int, default=0, help='requests sent (and not counted) before each run (0: '
+                   'none, so a freshly launched server\'s first run shows what a cold start costs)')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--timeout', type=float, default=600, help='seconds a request may take')
     p.add_argument('--start-timeout', type=float, default=900, help='seconds a launched server may take to start')
     p.add_argument('--json', help='append each run\'s summary to this file (JSON lines)')
     p.add_argument('--save-requests', action='store_true', help='with --json: each request\'s lengths and times too')
+    shape = p.parse_known_args(argv)[0].shape
+    if shape:
+        p.set_defaults(**SHAPES[shape])
     args = p.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -312,7 +350,7 @@ def main(argv=None) -> int:
         failed = 0
         for rate in args.request_rate:
             results, elapsed = asyncio.run(run(url, model, reqs, rate, args.max_concurrency, args.chat,
-                                               args.api_key, args.seed, args.timeout))
+                                               args.api_key, args.seed, args.timeout, args.burstiness))
             s = summarize(results, elapsed)
             if args.save_requests:
                 s['requests'] = [dict(start=r.start, prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
@@ -320,6 +358,7 @@ def main(argv=None) -> int:
                                       max_itl_ms=1e3 * max(r.itl, default=0.0), error=r.error) for r in results]
             s.update(request_rate=rate, max_concurrency=args.max_concurrency, num_prompts=args.num_prompts,
                      input_len=args.input_len, output_len=args.output_len, url=url, model=model,
+                     shape=args.shape, burstiness=args.burstiness, prompt_format=args.prompt_format,
                      endpoint='chat' if args.chat else 'completions')
             print_summary(s, f'rate {rate or "inf"} req/s' + (f', concurrency {args.max_concurrency}'
                                                               if args.max_concurrency else ''))

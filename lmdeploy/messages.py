@@ -5,6 +5,7 @@ Kept free of torch at import time so that ``import lmdeploy`` stays fast.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Literal, Optional
 
@@ -14,6 +15,17 @@ LogitsProcessor = Callable[[Any, Any], Any]
 
 
 MAX_N = 64  # samples per prompt (GenerationConfig.n)
+# A temperature below this decodes greedily: the sampler divides float32 logits by it, and a smaller one
+# overflows them (1e-46 is 0 in float32: NaN logits) while the draw is already the argmax's pick.
+GREEDY_TEMPERATURE = 1e-5
+# A repetition penalty scales float32 logits by it (or its inverse): beyond these bounds they would
+# overflow, so a stronger penalty is applied as the bound (the tokens' order is the same).
+REPETITION_PENALTY_BOUNDS = (1e-6, 1e6)
+
+
+def _finite(x: Any) -> bool:
+    """A real number that is not NaN or infinite (a bool is not a number here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(cond: bool, name: str, msg: str):
@@ -25,8 +37,8 @@ def _check(cond: bool, name: str, msg: str):
 class GenerationConfig:
     """How to generate: the fields of LMDeploy's ``GenerationConfig``.
 
-    ``do_sample=False`` (the default), ``top_k=1`` or ``temperature=0`` decode
-    greedily. ``random_seed`` makes sampling reproducible regardless of which
+    ``do_sample=False`` (the default), ``top_k=1`` or a ``temperature`` below
+    ``GREEDY_TEMPERATURE`` (1e-5; 0 included) decode greedily. ``random_seed`` makes sampling reproducible regardless of which
     other requests share the batch. ``n`` samples per prompt (the pipeline
     returns a list of n Responses for it; sample i draws with
     ``random_seed + i``).
@@ -68,8 +80,10 @@ class GenerationConfig:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, 'top_k',
                f'must be an integer >= 0 (0 disables it), got {self.top_k!r}')
         _check(0.0 <= self.min_p <= 1.0, 'min_p', f'must be in [0, 1], got {self.min_p}')
-        _check(self.temperature >= 0.0, 'temperature', f'must be >= 0, got {self.temperature}')
-        _check(self.repetition_penalty > 0.0, 'repetition_penalty', f'must be > 0, got {self.repetition_penalty}')
+        _check(_finite(self.temperature) and self.temperature >= 0.0, 'temperature',
+               f'must be a finite number >= 0 (below {GREEDY_TEMPERATURE}: greedy), got {self.temperature!r}')
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0.0, 'repetition_penalty',
+               f'must be a finite number > 0 (1: none), got {self.repetition_penalty!r}')
         if self.random_seed is not None:
             _check(isinstance(self.random_seed, int) and self.random_seed >= 0, 'random_seed',
                    f'must be a non-negative integer, got {self.random_seed!r}')
@@ -102,7 +116,7 @@ class GenerationConfig:
 
     @property
     def is_greedy(self) -> bool:
-        return (not self.do_sample) or self.top_k == 1 or self.temperature == 0.0
+        return (not self.do_sample) or self.top_k == 1 or self.temperature < GREEDY_TEMPERATURE
 
 
 # 'auto', a built-in device ('cpu', 'cuda', 'ascend') or one an installed package registers (devices/registry.py)
@@ -140,6 +154,10 @@ class PytorchEngineConfig:
     # run the engine loop in a process of its own (no interpreter lock shared with the caller's threads);
     # None: the API server does, pipeline() runs it in-process
     engine_process: Optional[bool] = None
+    # run a few requests at start-up (long prompts, short bursts, every sampling kind) so that kernels a
+    # device compiles on first use are compiled before the first real request; None: on for devices that
+    # record steps (cuda, ascend), off where nothing is compiled (cpu)
+    warmup: Optional[bool] = None
     # tp > 1: how the other ranks run: 'mp' (processes of this machine) or 'ray' (Ray actors, on the machines
     # of a Ray cluster); None: 'mp'
     distributed_executor_backend: Optional[str] = None
@@ -178,6 +196,7 @@ class PytorchEngineConfig:
                f'must be one of {choices}, got {self.device_type!r}')
         _check(self.engine_process in (None, True, False), name + 'engine_process',
                f'must be None, True or False, got {self.engine_process!r}')
+        _check(self.warmup in (None, True, False), name + 'warmup', f'must be None, True or False, got {self.warmup!r}')
         _check(self.quant_policy in (0, 4, 8), name + 'quant_policy',
                f'must be 0, 4 or 8, got {self.quant_policy!r}')
         _check(self.distributed_executor_backend in (None, 'mp', 'ray'), name + 'distributed_executor_backend',

@@ -65,3 +65,42 @@ def test_a_full_batch_still_admits_after_prefill_interval_steps():
     finish(sched, 1)
     refill = step(sched)  # the interval has passed: one free slot is enough
     assert not refill.is_decode and refill.num_new_tokens[:15] == [1] * 15
+
+
+def test_a_burst_of_prompts_is_spread_over_steps_within_the_recorded_limit():
+    """With decode rows in the step, prompt tokens and prompt sequences stay within ``mixed_step_limit`` (the
+    largest recorded step), the prompts chunked over several steps; a step without decode rows takes the whole
+    prefill budget. Every prompt is prefilled exactly once, in order."""
+    rng = random.Random()
+    limit_tokens, limit_prompts = rng.choice([(48, 3), (64, 2), (100, 4)])
+    sched = Scheduler(BlockManager(4096, 16), 64, 512, lambda seq, why: None, mix_prefill_decode=False,
+                      mixed_step_limit=(limit_tokens, limit_prompts))
+    sched.refill_slots = 1
+    lengths = [rng.randint(2, 120) for _ in range(30)]
+    for i, n in enumerate(lengths[:4]):
+        sched.add(Sequence(i, i, [rng.randrange(10, 1000) for _ in range(n)], SamplingParams(max_new_tokens=10**6),
+                           lambda out: None, 10**6))
+    first = step(sched)  # nothing decodes yet: the whole budget
+    assert not any(n == 1 for n in first.num_new_tokens) and sum(first.num_new_tokens) == sum(lengths[:4])
+    for i, n in enumerate(lengths[4:], start=4):  # the burst, while four sequences decode
+        sched.add(Sequence(i, i, [rng.randrange(10, 1000) for _ in range(n)], SamplingParams(max_new_tokens=10**6),
+                           lambda out: None, 10**6))
+    prefilled = {}
+    for _ in range(200):
+        if not sched.waiting and all(s.num_pending == 1 for s in sched.running):
+            break
+        batch = sched.schedule()
+        rows = list(zip(batch.seqs, batch.num_new_tokens))
+        decode_rows = sum(1 for s, n in rows if s.num_generated > 0)  # (read before the step is run)
+        prompt_rows = [(s, n) for s, n in rows if s.num_generated == 0]
+        for seq, n in rows:  # run it, as step() does
+            seq.num_computed += n
+            if seq.num_pending == 0:
+                seq.token_ids.append(7)
+                seq.num_generated += 1
+        assert decode_rows >= 4
+        assert len(batch.seqs) <= limit_tokens and len(prompt_rows) <= limit_prompts
+        assert sum(batch.num_new_tokens) <= limit_tokens
+        for s, n in prompt_rows:
+            prefilled[s.seq_id] = prefilled.get(s.seq_id, 0) + n
+    assert prefilled == {i: n for i, n in enumerate(lengths) if i >= 4}

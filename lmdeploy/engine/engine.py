@@ -19,6 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from lmdeploy.at_exit import close_at_exit
 from lmdeploy.devices import get_device
 from lmdeploy.messages import PytorchEngineConfig
 
@@ -26,11 +27,13 @@ from .block_manager import BlockManager
 from .model_config import ModelConfig, load_model_config
 from .parallel import start_workers
 from .rank import build_rank
-from .sampler import needs_host_history, sample_tokens, token_logprobs
+from .sampler import NO_TOKEN, needs_host_history, sample_tokens, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import EngineOutput, SamplingParams, SeqStatus, Sequence
 
 logger = logging.getLogger('lmdeploy')
+
+_STOP_TIMEOUT_S = 10.0  # for the loop to finish its step and abort what runs
 
 
 @dataclass
@@ -105,7 +108,8 @@ class Engine:
         self.runner = rank.runner if self.workers is None else self.workers.driver(rank.runner)
         self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
                                    self._finish_too_long, mix_prefill_decode=not self.runner.uses_graphs,
-                                   prefill_interval=config.prefill_interval)
+                                   prefill_interval=config.prefill_interval,
+                                   mixed_step_limit=self.runner.recorded_step_limit())
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.RLock()
         self._active: Dict[int, Sequence] = {}  # session_id -> waiting/running sequence
@@ -134,6 +138,14 @@ class Engine:
         atexit.register(gc.unfreeze)  # let interpreter shutdown collect them as usual
         self._thread = threading.Thread(target=self._loop, name='lmdeploy-engine', daemon=True)
         self._thread.start()
+        close_at_exit(self)  # a program that never calls close() still stops the loop and the workers
+        if config.warmup if config.warmup is not None else self.runner.uses_graphs:
+            from .warmup import warm_up
+            try:
+                warm_up(self)
+            except BaseException:
+                self.close()
+                raise
 
     # ----------------------------------------------------------- public API
     def submit(self, req: EngineRequest):
@@ -159,6 +171,15 @@ class Engine:
                                num_generated_tokens=self._num_generated, quant_policy=self.quant_policy,
                                extra={f'{p}_{k}': v for p, vals in self._step_stats.items()
                                       for k, v in zip(('steps', 'seqs', 'tokens', 'seconds', 'device_seconds'), vals)})
+
+    def reset_counters(self):
+        """Zero the statistics (steps, generated tokens, prefix hits, preemptions): after the warm-up."""
+        with self._lock:
+            self._time_steps()
+            self._step_stats = {p: [0, 0, 0, 0.0, 0.0] for p in ('prefill', 'decode')}
+            self._num_generated = 0
+            self.scheduler.num_preemptions = 0
+            self.block_manager.num_prefix_hits = 0
 
     def check_invariants(self):
         """Assert that every KV block is free or owned, counts consistent."""
@@ -188,7 +209,10 @@ class Engine:
         if not self._stopping:
             self._stopping = True
             self._inbox.put(('stop', None))
-            self._thread.join(timeout=10)
+            if self._thread is not threading.current_thread():  # (an output callback may close the engine)
+                self._thread.join(timeout=_STOP_TIMEOUT_S)
+                if self._thread.is_alive():
+                    logger.warning('the engine loop did not stop within %.0f s', _STOP_TIMEOUT_S)
             if self.workers is not None:
                 self.workers.close()
             # what was frozen at start-up (this engine's model and cache among it) is collectable again:
@@ -312,14 +336,15 @@ class Engine:
                                f'is {self.session_len} and prompt plus output must fit in it')
         elif params.prompt_loss and total < 2:
             error = 'error', 'get_ppl needs at least 2 tokens'
+        refused = error is not None  # for something in the request: the caller's to fix
         matcher = None
         if error is None and params.grammar is not None:
             try:
                 matcher = self._grammar_set().matcher(params.grammar)
-            except Exception as e:  # (the frontend compiled it already: not expected)
+            except Exception as e:  # (the frontend compiled it already: not expected, the engine's fault)
                 error = 'error', str(e)
-        if error is not None:  # refused at the door; an idle session stays as it was
-            req.on_output(EngineOutput([], True, error[0], num_prompt_tokens=total, error=error[1]))
+        if error is not None:  # turned away at the door; an idle session stays as it was
+            req.on_output(EngineOutput([], True, error[0], num_prompt_tokens=total, error=error[1], refused=refused))
             return
         if idle is not None:
             del self.scheduler.idle[req.session_id]
@@ -478,11 +503,11 @@ class Engine:
         logits = self.runner.logits(last_hidden, rows)
         if settle_now or not plain:
             logits = logits.float()  # sampling, penalties and logprobs work in float32; argmax needs not
-        tokens = sample_tokens(logits, seqs, self._grammars)
+        tokens, drawn = sample_tokens(logits, seqs, self._grammars)
         for i, seq in enumerate(seqs):
             seq.token_ids.append(-1 - i)
             seq.num_generated += 1
-        sampled = _Sampled(seqs, tokens, self.device.to_host_async(tokens))
+        sampled = _Sampled(seqs, tokens, self.device.to_host_async(drawn))
         if settle_now:
             self._resolve(sampled, logits, last_hidden, extras, token_logprobs(logits, tokens, seqs))
         else:
@@ -505,6 +530,10 @@ class Engine:
         for i, (seq, token) in enumerate(zip(sampled.seqs, tokens)):
             if seq.token_ids[-1:] != [-1 - i] or seq.status == SeqStatus.FINISHED:
                 continue  # the request ended while its token was in flight
+            if token == NO_TOKEN:  # (the placeholder goes with the request)
+                self._finish(seq, 'error', error='the engine found no finite logits to draw the next token from '
+                             '(NaN or infinite values, or a grammar that allows no token): an engine fault')
+                continue
             seq.token_ids[-1] = token
             self._num_generated += 1
             if seq.matcher is not None and not seq.matcher.accept_token(token):

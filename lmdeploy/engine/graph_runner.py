@@ -89,6 +89,10 @@ class GraphRunner:
         for n in reversed(self.sizes):
             self._graph('decode', n)
 
+    def mixed_limit(self) -> Tuple[int, int]:
+        """(tokens, prompt sequences) of the largest recorded step with prompt rows."""
+        return self.mixed_sizes[-1], mixed_prompt_slots(self.mixed_sizes[-1])
+
     # -------------------------------------------------------------- contexts
     def _decode_context(self, n: int) -> StepContext:
         return StepContext(is_decode=True, q_start_loc=self.q_start[:n], q_seqlens=self.q_lens[:n],

@@ -72,6 +72,16 @@ class ModelRunner:
                 self.pieces = PiecewiseRunner(device, model, self.kv_caches, max_mixed_tokens, self.torch_device)
                 self.pieces.capture_all()
 
+    def recorded_step_limit(self) -> Optional[Tuple[int, int]]:
+        """(tokens, prompt sequences) of the largest step with prompt rows that replays a recording, or None
+        where none is recorded: the scheduler keeps steps that carry decode rows within it, so a burst of
+        prompts never turns a running batch's step into a long eager one."""
+        if self.graphs is not None and self.graphs.mixed_sizes:
+            return self.graphs.mixed_limit()
+        if self.pieces is not None:
+            return self.pieces.sizes[-1], None
+        return None
+
     def _eager_forward(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 

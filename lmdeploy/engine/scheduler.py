@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from .block_manager import BlockManager
 from .sequence import SeqStatus, Sequence
@@ -33,8 +33,12 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_tokens: int,
                  on_too_long: Callable[[Sequence, str], None], mix_prefill_decode: bool = True,
-                 prefill_interval: int = 16):
+                 prefill_interval: int = 16, mixed_step_limit: Optional[Tuple[int, Optional[int]]] = None):
+        """mixed_step_limit: (tokens, prompt sequences) that a step carrying decode rows stays within (the
+        largest recorded one, where steps are recorded): a burst of prompts is prefilled over several short
+        steps instead of one long eager step that every running stream waits for. None: no limit."""
         self.bm = block_manager
+        self.mixed_step_limit = mixed_step_limit
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         # prefilling at every step suits eager devices; devices that replay
@@ -133,9 +137,22 @@ class Scheduler:
         self._decode_steps = self._decode_steps + 1 if batch.is_decode else 0
         return batch
 
+    def _step_limits(self, phase: str) -> Tuple[int, Optional[int]]:
+        """(prompt tokens, prompt sequences) this step may take: the prefill budget, or less where the step
+        carries decode rows and must stay within ``mixed_step_limit``."""
+        if self.mixed_step_limit is None or phase == 'decode':
+            return self.max_prefill_tokens, None
+        decoding = sum(1 for s in self.running if s.num_pending == 1 and not s.final_token_in_flight)
+        if not decoding:
+            return self.max_prefill_tokens, None
+        tokens, prompts = self.mixed_step_limit
+        return max(0, min(self.max_prefill_tokens, tokens - decoding)), prompts
+
     def _schedule(self, phase: str) -> ScheduledBatch:
         seqs, counts = [], []
-        budget = self.max_prefill_tokens
+        budget, prompt_slots = self._step_limits(phase)
+        if prompt_slots is None:
+            prompt_slots = self.max_batch_size
         # running sequences, oldest first; the youngest give way when blocks run out
         i = 0
         while i < len(self.running):
@@ -148,7 +165,7 @@ class Scheduler:
                 i += 1
                 continue
             if n > 1:
-                n = min(n, budget)
+                n = min(n, budget) if prompt_slots > 0 else 0
                 if n == 0:
                     i += 1
                     continue
@@ -168,11 +185,13 @@ class Scheduler:
                 counts.append(n)
                 if n > 1 or seq.num_pending > 1:
                     budget -= n
+                    prompt_slots -= 1
                 i += 1
                 continue
             # seq left the running list; i now points at the next one
         # admit waiting sequences
-        while phase != 'decode' and self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while (phase != 'decode' and self.waiting and budget > 0 and prompt_slots > 0
+               and len(self.running) < self.max_batch_size):
             seq = self.waiting[0]
             if self.bm.blocks_for(seq.num_tokens) > self.bm.num_blocks:
                 self.waiting.popleft()
@@ -198,6 +217,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            prompt_slots -= 1
         # one-token rows first: the attention layer runs them as one decode batch
         rows = sorted(range(len(seqs)), key=lambda r: counts[r] != 1)
         return ScheduledBatch([seqs[r] for r in rows], [counts[r] for r in rows])

@@ -7,6 +7,7 @@ increments: incremental detokenization, stop strings, cancellation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import random
@@ -19,10 +20,11 @@ from lmdeploy.engine.engine import Engine, EngineRequest
 from lmdeploy.engine.grammar import Grammars, spec_from_response_format
 from lmdeploy.engine.model_config import load_model_config
 from lmdeploy.engine.sequence import EngineOutput, SamplingParams
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.messages import REPETITION_PENALTY_BOUNDS, GenerationConfig, PytorchEngineConfig
 
 from .chat_template import ChatTemplateConfig, get_chat_template
 from .detokenizer import IncrementalDetokenizer
+from .sampling_defaults import load_sampling_defaults
 
 logger = logging.getLogger('lmdeploy')
 
@@ -42,6 +44,44 @@ class GenOut:
     last_hidden_state: Any = None
     prompt_loss: Optional[float] = None
     error: Optional[str] = None
+    refused: bool = False  # the request was turned away for something in it (else an error is the engine's)
+
+    def can_absorb(self, later: 'GenOut') -> bool:
+        """Whether ``later`` can be folded into this increment: this one is not the last, and neither carries
+        per-token tensors (those stay one increment each)."""
+        return (self.finish_reason is None and self.logits is None and self.last_hidden_state is None
+                and later.logits is None and later.last_hidden_state is None)
+
+    def absorb(self, later: 'GenOut') -> 'GenOut':
+        """Append ``later`` to this increment in place (its status wins): a consumer that fell behind sends
+        one event for what piled up instead of one per token (see :func:`coalesce_outputs`)."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.input_token_len = later.input_token_len or self.input_token_len
+        self.generate_token_len = later.generate_token_len
+        self.finish_reason, self.error = later.finish_reason, later.error or self.error
+        if later.prompt_loss is not None:
+            self.prompt_loss = later.prompt_loss
+        return self
+
+
+def take_pending(first: EngineOutput, queue: asyncio.Queue) -> EngineOutput:
+    """``first`` with every output already waiting behind it in ``queue`` folded in (outputs that carry no
+    logits or hidden states: the caller folds only those).
+
+    Why: under load the event loop falls behind the engine, and each output
+    left on its own costs a detokenization and an SSE event. Folding what
+    piled up keeps the work per engine step, not per token, so a server that
+    is behind catches up instead of falling further behind."""
+    if queue.empty() or first.finished:
+        return first
+    out = dataclasses.replace(first, new_token_ids=list(first.new_token_ids),
+                              logprobs=None if first.logprobs is None else list(first.logprobs))
+    while not queue.empty() and not out.finished:
+        out.absorb(queue.get_nowait())
+    return out
 
 
 def check_text(text: str, what: str):
@@ -145,6 +185,8 @@ class Gateway:
             self.engine = Engine(model_path, config, model_config)
         self.session_len = self.engine.session_len
         self.chat_template = get_chat_template(chat_template_config, self.tokenizer)
+        # what the model's generation_config.json says to sample with (the server's defaults)
+        self.sampling_defaults = load_sampling_defaults(model_path)
         self.eos_token_ids = self._eos_ids()
         self._session_ids = itertools.count(1)
 
@@ -225,11 +267,12 @@ class Gateway:
         return SamplingParams(
             max_new_tokens=gen.max_new_tokens,
             greedy=gen.is_greedy,
-            temperature=gen.temperature if gen.temperature > 0 else 1.0,
+            temperature=1.0 if gen.is_greedy else gen.temperature,
             top_k=gen.top_k,
             top_p=gen.top_p,
             min_p=gen.min_p,
-            repetition_penalty=gen.repetition_penalty,
+            repetition_penalty=min(max(gen.repetition_penalty, REPETITION_PENALTY_BOUNDS[0]),
+                                   REPETITION_PENALTY_BOUNDS[1]),
             seed=gen.random_seed if gen.random_seed is not None else random.SystemRandom().randrange(1 << 31),
             stop_token_ids=stop_ids,
             bad_token_ids=bad_ids,
@@ -272,7 +315,7 @@ class Gateway:
             params.prompt_loss, params.share_prompt = prompt_loss, share_prompt
             ids = input_ids if input_ids is not None else self.encode_prompt(prompt, do_preprocess, sequence_start)
         except (ValueError, TypeError) as e:
-            yield GenOut('', 0, 0, finish_reason='error', error=str(e))
+            yield GenOut('', 0, 0, finish_reason='error', error=str(e), refused=True)
             return
         outputs: asyncio.Queue = asyncio.Queue()
         courier = _Courier.of(asyncio.get_running_loop())
@@ -282,6 +325,9 @@ class Gateway:
 
         stops = _StopMatcher(gen.stop_words or [], gen.include_stop_str_in_output)
         lazy = not stream_text and not stops.words
+        # outputs that piled up are folded into one, unless each must stay apart: a stop string is cut at
+        # the output that completes it, and logits / hidden states travel one tensor an output
+        foldable = not stops.words and not gen.output_logits and not gen.output_last_hidden_state
         self.engine.submit(EngineRequest(session_id, list(ids), params, on_output, interactive=interactive,
                                          stream=not lazy))
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=gen.skip_special_tokens,
@@ -292,6 +338,8 @@ class Gateway:
         try:
             while True:
                 out: EngineOutput = await outputs.get()
+                if foldable:
+                    out = take_pending(out, outputs)
                 num_generated += len(out.new_token_ids)
                 searched = len(text)
                 if lazy:
@@ -322,7 +370,7 @@ class Gateway:
                 yield GenOut(delta, out.num_prompt_tokens or len(ids), num_generated, finish_reason=reason,
                              token_ids=out.new_token_ids, logprobs=out.logprobs, logits=out.logits,
                              last_hidden_state=out.last_hidden_state, prompt_loss=out.prompt_loss,
-                             error=out.error)
+                             error=out.error, refused=out.refused)
                 if out.finished:
                     finished = True
                     return

@@ -27,6 +27,7 @@ class ParallelRunner:
         self.channel = channel.Channel(runner.device)
         self.uses_graphs = runner.uses_graphs
         self.kv_caches = runner.kv_caches
+        self.recorded_step_limit = runner.recorded_step_limit
 
     def _check(self):
         why = self.workers.error()
@@ -78,6 +79,8 @@ class ParallelRunner:
             self._explain(e)
 
     def stop(self):
-        """Tell the other ranks to exit (when none is gone)."""
+        """Tell the other ranks to exit (when none is gone), and wait until the command has left this rank (a
+        collective is only queued on the device: the group must not be torn down under it)."""
         if self.workers.error() is None:
             self.channel.send(channel.STOP)
+            self.runner.device.synchronize()

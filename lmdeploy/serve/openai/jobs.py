@@ -5,8 +5,9 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Deque, Dict, List, Optional, Tuple
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -82,7 +83,9 @@ class _Run:
         self.state = state
         gateway = state.gateway
         self.jobs = jobs
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # (index, GenOut or None at a job's end), oldest first; ``_ready`` is set while it holds any
+        self.queue: Deque[Tuple[int, Any]] = deque()
+        self._ready = asyncio.Event()
         self.timers = [state.metrics.timer(endpoint, streaming=job.stream) for job in jobs]
         for timer, job in zip(self.timers, jobs):
             timer.prompt_tokens = len(job.input_ids)
@@ -104,22 +107,38 @@ class _Run:
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     self._prefilled[job.index].set()
-                    self.queue.put_nowait((job.index, out))
+                    self._put(job.index, out)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # never expected: report it as this prompt's failure
             logger.exception('generation failed')
             from lmdeploy.frontend.gateway import GenOut
-            self.queue.put_nowait((job.index, GenOut('', len(job.input_ids), self._generated[job.index],
-                                                     finish_reason='error', error=f'{type(e).__name__}: {e}')))
+            self._put(job.index, GenOut('', len(job.input_ids), self._generated[job.index],
+                                                     finish_reason='error', error=f'{type(e).__name__}: {e}'))
         finally:
             self._prefilled[job.index].set()
-            self.queue.put_nowait((job.index, None))
+            self._put(job.index, None)
+
+    def _put(self, index: int, out):
+        self.queue.append((index, out))
+        self._ready.set()
+
+    async def _get(self) -> Tuple[int, Any]:
+        """The oldest item, with the same job's outputs queued right behind it folded in (a stream that fell
+        behind catches up in one event; see gateway.take_pending)."""
+        while not self.queue:
+            self._ready.clear()
+            await self._ready.wait()
+        index, out = self.queue.popleft()
+        while (out is not None and self.queue and self.queue[0][0] == index and self.queue[0][1] is not None
+               and out.can_absorb(self.queue[0][1])):
+            out = out.absorb(self.queue.popleft()[1])
+        return index, out
 
     async def next(self):
         """The next (index, GenOut), or None when every generation has finished."""
         while self._open > 0:
-            index, out = await self.queue.get()
+            index, out = await self._get()
             if out is None:
                 self._open -= 1
                 continue
@@ -178,8 +197,12 @@ def _raise_early_failure(items, state: ServerState):
         if _failed_early(out):
             if out.finish_reason == 'abort' and (state.draining or 'shutting down' in (out.error or '')):
                 raise APIError(503, out.error or 'the server is shutting down', 'shutting_down')
-            code = 'context_length_exceeded' if out.finish_reason == 'length' else 'invalid_request'
-            raise APIError(400, out.error, code)
+            if out.finish_reason == 'length':  # the prompt (with the session's history) does not fit
+                raise APIError(400, out.error, 'context_length_exceeded')
+            if out.refused:
+                raise APIError(400, out.error, 'invalid_request')
+            # the engine's own failure (a fault, not something in the request): never the client's error
+            raise APIError(500, f'generation failed: {out.error}', 'internal_error')
 
 
 class _StreamResponse(StreamingResponse):
