@@ -38,8 +38,8 @@ def _need_chromium():
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
     if missing:
         if os.environ.get('CI'):
-            pytest.fail(f'{missing} missing under CI (.ci/run installs chromium and chromium-driver)')
-        pytest.skip(f'{missing} not installed (apt-get install -y chromium chromium-driver)')
+            pytest.fail(f'{missing} missing under CI (scripts/test.sh installs chromium and chromium-driver)')
+        pytest.skip(f'{missing} not installed (scripts/test.sh installs chromium and chromium-driver)')
 
 
 def _free_port() -> int:
