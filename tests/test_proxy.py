@@ -1,7 +1,8 @@
 """``lmdeploy serve proxy`` in front of two real api_server processes (the default model on the cpu
 device), each registered through ``--proxy-url`` with the proxy's key. What a node did is read from
 that node's own /metrics, not from the proxy. The servers start once for the module; the tests run
-in order and the last ones kill one node (SIGKILL) and stop the other (SIGTERM)."""
+in order and the last ones pause one node (SIGSTOP, then SIGCONT), kill it (SIGKILL) and stop the
+other (SIGTERM)."""
 from __future__ import annotations
 
 import json
@@ -164,6 +165,8 @@ def test_nodes_registered_with_their_models(cluster):
     assert {n.url for n in nodes} <= set(st)
     for n in nodes:
         assert st[n.url]['models'] == [MODEL] and st[n.url]['state'] == 'healthy'
+        batch = st[n.url]['max_batch_size']  # registered by the node: what the proxy keeps at it follows
+        assert isinstance(batch, int) and batch >= 1 and st[n.url]['slots'] == batch + max(2, batch // 8)
     assert st['_']['strategy'] == 'min_expected_latency'
     r = httpx.get(proxy + '/v1/models', headers=AUTH)
     assert r.status_code == 200 and [m['id'] for m in r.json()['data']] == [MODEL]
@@ -212,6 +215,8 @@ def test_concurrent_requests_reach_both_nodes(cluster):
     # the proxy's header names the node that its own /metrics says served it
     by_header = [sum(r.headers['x-lmdeploy-node'] == n.url for r in answers) for n in nodes]
     assert by_header == served
+    for r in answers:  # the proxy's own date and server headers, not the node's as well
+        assert len(r.headers.get_list('date')) == 1 and len(r.headers.get_list('server')) == 1, r.headers
 
 
 def test_stream_passes_through_as_generated(cluster):
@@ -262,11 +267,15 @@ def test_generate_session_stays_on_its_node(cluster):
         r = httpx.post(proxy + '/generate', json=dict(turn, prompt=prompt), headers=AUTH, timeout=120)
         assert r.status_code == 200, r.text
         served.append(r.headers['x-lmdeploy-node'])
+        # the nodes have no API keys: the session's token reaches it, its id alone would not
+        turn['session_token'] = r.json()['session_token']
+        assert r.json()['history_tokens'] > 0 or len(served) == 1
         # the node's own count of sessions that keep their cache between turns says where it lives
         idle = {n.url: metric_sum(n.url, 'lmdeploy_num_idle_sessions') for n in nodes}
         assert idle[served[0]] == 1 and sum(idle.values()) == 1, idle
     assert len(set(served)) == 1
-    r = httpx.post(proxy + '/generate', json=dict(session_id=sid, end_session=True), headers=AUTH, timeout=60)
+    r = httpx.post(proxy + '/generate', json=dict(session_id=sid, session_token=turn['session_token'],
+                                                  end_session=True), headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.headers['x-lmdeploy-node'] == served[0]
     # the node answers before its engine process takes the end off its queue
     _wait(lambda: sum(metric_sum(n.url, 'lmdeploy_num_idle_sessions') for n in nodes) == 0, 10, 'the session ended')
@@ -307,7 +316,7 @@ def test_refused_connection_is_retried_on_another_node(cluster):
     _, _, nodes = cluster
     dead = f'http://127.0.0.1:{_free_port()}'  # nothing listens there
     app = create_app(strategy='min_expected_latency', health_interval=3600)
-    with TestClient(app) as c:
+    with TestClient(app, client=('127.0.0.1', 50000)) as c:  # no keys: the node table is edited from this machine
         assert c.post('/nodes/add', json={'url': dead, 'models': [MODEL], 'speed': 1e6}).status_code == 200
         real = c.post('/nodes/add', json={'url': nodes[0].url, 'speed': 1}).json()['node']
         assert real['models'] == [MODEL]  # not given: asked of the node
@@ -319,7 +328,8 @@ def test_refused_connection_is_retried_on_another_node(cluster):
         st = c.get('/nodes/status').json()
         assert st['retried_requests'] == 1
         by_url = {n['url']: n for n in st['nodes']}
-        assert by_url[dead]['state'] == 'unreachable' and by_url[dead]['consecutive_failures'] == 1
+        assert by_url[dead]['state'] == 'unreachable' and by_url[dead]['connect_failures'] == 1
+        assert by_url[dead]['failed_checks'] == 0  # a failed request is no failed health check
         assert by_url[dead]['failed'] == 0 and by_url[dead]['unfinished'] == 0
         assert by_url[nodes[0].url]['finished'] == 1
         # with the only other node gone too, the proxy's own error, OpenAI-shaped
@@ -329,6 +339,31 @@ def test_refused_connection_is_retried_on_another_node(cluster):
 
 
 # ------------------------------------------------------------------------------------------- failures
+def test_paused_node_is_dropped_then_taken_back(cluster):
+    """kill -STOP for a few seconds: the node is dropped after --drop-after failed checks (2 of 1 s), and
+    once it runs again (kill -CONT) the health check, which kept probing it, gives it traffic again."""
+    proxy, proxy_proc, nodes = cluster
+    paused, other = nodes
+    os.killpg(paused.p.pid, signal.SIGSTOP)
+    try:
+        _wait(lambda: status(proxy)[paused.url]['state'] == 'dropped', 20, 'the paused node dropped')
+        before = metric_sum(other.url, 'lmdeploy_requests_total')
+        r = chat(proxy)  # meanwhile the other node serves
+        assert r.status_code == 200 and r.headers['x-lmdeploy-node'] == other.url
+        assert metric_sum(other.url, 'lmdeploy_requests_total') - before == 1
+    finally:
+        os.killpg(paused.p.pid, signal.SIGCONT)
+    st = _wait(lambda: (lambda s: s if s[paused.url]['state'] == 'healthy' else None)(status(proxy)), 20,
+               'the node taken back')
+    assert st[paused.url]['failed_checks'] == 0 and st[other.url]['healthy']
+    _wait(lambda: f'node {paused.url} is back' in proxy_proc.output, 5, 'the return logged')
+    before = metric_sum(paused.url, 'lmdeploy_requests_total')
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: chat(proxy), range(4)))
+    assert [r.status_code for r in answers] == [200] * 4
+    assert metric_sum(paused.url, 'lmdeploy_requests_total') - before >= 1  # it gets requests again
+
+
 def test_killed_node_loses_no_request_that_had_not_started(cluster):
     proxy, proxy_proc, nodes = cluster
     body = dict(model=MODEL, messages=QUESTION, max_tokens=400, temperature=0, ignore_eos=True, stream=True)
@@ -347,22 +382,26 @@ def test_killed_node_loses_no_request_that_had_not_started(cluster):
         with ThreadPoolExecutor(6) as pool:  # sent at once: some are sent to the dead node first
             answers = list(pool.map(lambda _: chat(proxy), range(6)))
         text, roles, errors, done = read_stream([*head, *lines])
-    # the broken stream was not replayed: it ends with the proxy's error, no second start, no [DONE]
-    assert not done and roles == 1 and len(errors) == 1 and errors[0]['code'] == 'node_failed', (text, errors)
+    # the broken stream was not replayed: it ends with the proxy's error (a server error, then [DONE], as the
+    # api_server ends its own), no second start
+    assert done and roles == 1 and len(errors) == 1 and errors[0]['code'] == 'node_failed', (text, errors)
+    assert errors[0]['type'] == 'internal_server_error'
     assert len(text) > 0
     # the requests sent after the kill all succeeded, on the survivor, once each
     assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
     assert {r.headers['x-lmdeploy-node'] for r in answers} == {survivor.url}
     assert metric_sum(survivor.url, 'lmdeploy_requests_total') - before == 6
-    st = _wait(lambda: (lambda s: s if victim.url not in s else None)(status(proxy)), 15,
-               'the killed node dropped from /nodes/status')
-    assert st[survivor.url]['healthy']
-    _wait(lambda: 'dropped after' in proxy_proc.output, 5, 'the drop logged')
+    # dropped after 2 failed health checks (the failed requests do not count), and kept: it is still probed
+    st = _wait(lambda: (lambda s: s if s[victim.url]['state'] == 'dropped' else None)(status(proxy)), 15,
+               'the killed node dropped')
+    assert st[survivor.url]['healthy'] and st[victim.url]['failed_checks'] >= 2
+    _wait(lambda: f'node {victim.url} is dropped' in proxy_proc.output, 5, 'the drop logged')
 
 
 def test_graceful_shutdown_deregisters(cluster):
     proxy, proxy_proc, nodes = cluster
     node = next(n for n in nodes if n.p.poll() is None)
+    dead = [n.url for n in nodes if n is not node]
     assert node.url in status(proxy)
     node.p.send_signal(signal.SIGTERM)
     assert node.p.wait(60) == 0
@@ -374,7 +413,7 @@ def test_graceful_shutdown_deregisters(cluster):
     err = r.json()['error']
     assert err['code'] == 'no_available_node' and err['type'] == 'service_unavailable_error'
     assert httpx.get(proxy + '/health').status_code == 503
-    with open(proxy_proc.state_file) as f:
-        assert json.load(f)['nodes'] == []
+    with open(proxy_proc.state_file) as f:  # the killed node's address is kept, as dropped
+        assert [(e['url'], e['dropped']) for e in json.load(f)['nodes']] == [(u, True) for u in dead]
     proxy_proc.p.send_signal(signal.SIGTERM)
     assert proxy_proc.p.wait(30) == 0

@@ -1,9 +1,14 @@
 """The node table: every api_server the proxy spreads requests over, and what it measured of each.
 
 A node is keyed by its base URL. Adding a URL that is already there (a restarted node registering
-again) keeps its measurements and makes it healthy again. With a file (``--state-file``) the table's
-URLs, models and given speeds are written on every change and read at start-up, so a restarted
-proxy keeps its nodes (the health check then finds out which are still alive).
+again, or a live one's periodic registration) keeps its measurements and its state: the proxy then
+asks the node's ``/health`` itself (:mod:`.app`). A node's states: ``healthy`` (gets requests),
+``not_ready`` (answered 503), ``unreachable`` (a request or a health check got no answer) and
+``dropped`` (``drop_after`` health checks in a row got none): only a healthy node gets requests, and
+every other one is still probed, so a node that answers ``/health`` again gets traffic again. With a
+file (``--state-file``) the table's URLs, models, given speeds and batch sizes (and which nodes are
+dropped) are written on every change and read at start-up, so a restarted proxy keeps its nodes (the
+health check then finds out which are still alive).
 """
 from __future__ import annotations
 
@@ -41,13 +46,18 @@ def normalize_url(url: str) -> str:
 class Node:
     """One api_server: its models, health, and the requests it has and had."""
 
-    def __init__(self, url: str, models: Optional[List[str]] = None, given_speed: Optional[float] = None):
+    def __init__(self, url: str, models: Optional[List[str]] = None, given_speed: Optional[float] = None,
+                 max_batch_size: Optional[int] = None):
         self.url = url
         self.models = list(models) if models else None  # None: unknown, any model is sent to it
         self.given_speed = given_speed  # requests a second, as registered; until it is measured
-        self.state = 'healthy'  # healthy | not_ready (answered 503) | unreachable
-        self.failures = 0  # consecutive failed health checks / connections
-        self.unfinished = 0  # requests sent to it and not finished
+        self.max_batch_size = max_batch_size  # sequences its engine runs at once, as registered (None: unknown)
+        self.state = 'healthy'  # healthy | not_ready (answered 503) | unreachable | dropped
+        self.failed_checks = 0  # health checks in a row that got no answer (only these drop a node)
+        self.connect_failures = 0  # requests that got no answer from it (sent on to another node; all time)
+        self.dropped_at: Optional[float] = None  # time.time() when it was dropped (while it is)
+        self.unfinished = 0  # requests sent to it and not finished: queued plus running there
+        self.unstarted = 0  # streamed ones among them that it has not begun answering (queued there)
         self.finished = 0
         self.failed = 0  # requests that failed on it (not counting the ones retried elsewhere)
         self.registered_at = time.time()
@@ -96,8 +106,9 @@ class Node:
     def status(self) -> dict:
         speed, lat = self.speed(), self.observed_latency()
         return {'url': self.url, 'models': self.models, 'state': self.state, 'healthy': self.healthy,
-                'unfinished': self.unfinished, 'finished': self.finished, 'failed': self.failed,
-                'consecutive_failures': self.failures,
+                'max_batch_size': self.max_batch_size, 'unfinished': self.unfinished, 'unstarted': self.unstarted,
+                'finished': self.finished, 'failed': self.failed, 'failed_checks': self.failed_checks,
+                'connect_failures': self.connect_failures, 'dropped_at': self.dropped_at,
                 'speed': round(speed, 4) if speed is not None else None,
                 'observed_latency': round(lat, 4) if lat is not None else None,
                 'registered_at': self.registered_at}
@@ -112,21 +123,47 @@ class NodeTable:
         if path and os.path.exists(path):
             self._load(path)
 
-    def add(self, url: str, models: Optional[List[str]] = None, speed: Optional[float] = None) -> Node:
+    def add(self, url: str, models: Optional[List[str]] = None, speed: Optional[float] = None,
+            max_batch_size: Optional[int] = None) -> Node:
+        """A new node (healthy), or a known one with what is given updated (its state is not changed:
+        whoever registers it again, the health check decides; see :meth:`set_state`)."""
         url = normalize_url(url)
         if speed is not None and not (isinstance(speed, (int, float)) and speed > 0):
             raise ValueError(f'speed must be a positive number of requests a second, got {speed!r}')
+        if max_batch_size is not None and not (isinstance(max_batch_size, int) and max_batch_size >= 1):
+            raise ValueError(f'max_batch_size must be an integer >= 1, got {max_batch_size!r}')
         node = self.nodes.get(url)
         if node is None:
-            node = self.nodes[url] = Node(url, models, speed)
+            node = self.nodes[url] = Node(url, models, speed, max_batch_size)
             logger.warning('node added: %s (models: %s)', url, ', '.join(models) if models else 'any')
-        else:
-            node.models = list(models) if models else node.models
-            node.given_speed = speed if speed is not None else node.given_speed
-            node.state, node.failures = 'healthy', 0
+            self._save()
+            return node
+        before = (node.models, node.given_speed, node.max_batch_size)
+        node.models = list(models) if models else node.models
+        node.given_speed = speed if speed is not None else node.given_speed
+        node.max_batch_size = max_batch_size if max_batch_size is not None else node.max_batch_size
+        if (node.models, node.given_speed, node.max_batch_size) != before:
             logger.warning('node registered again: %s', url)
-        self._save()
+            self._save()
         return node
+
+    def set_state(self, node: Node, state: str, why: str = '') -> bool:
+        """Set a node's state (logged when it changes; the file records which nodes are dropped);
+        True when it changed."""
+        if state == node.state:
+            return False
+        old, node.state = node.state, state
+        if state == 'dropped':
+            node.dropped_at = time.time()
+        elif old == 'dropped':
+            node.dropped_at = None
+        if state == 'healthy' and old in ('unreachable', 'dropped'):
+            logger.warning('node %s is back (healthy)%s', node.url, f': {why}' if why else '')
+        else:
+            logger.warning('node %s is %s%s', node.url, state.replace('_', ' '), f' ({why})' if why else '')
+        if 'dropped' in (old, state):
+            self._save()
+        return True
 
     def remove(self, url: str, why: str = 'removed') -> bool:
         try:
@@ -163,7 +200,9 @@ class NodeTable:
     def _save(self):
         if not self.path:
             return
-        data = {'nodes': [{'url': n.url, 'models': n.models, 'speed': n.given_speed} for n in self.nodes.values()]}
+        data = {'nodes': [{'url': n.url, 'models': n.models, 'speed': n.given_speed,
+                           'max_batch_size': n.max_batch_size, 'dropped': n.state == 'dropped'}
+                          for n in self.nodes.values()]}
         folder = os.path.dirname(os.path.abspath(self.path))
         try:
             fd, tmp = tempfile.mkstemp(dir=folder, prefix='.nodes-', suffix='.json')
@@ -183,7 +222,12 @@ class NodeTable:
         for e in entries:
             try:
                 url = normalize_url(e['url'])
-                self.nodes[url] = Node(url, e.get('models'), e.get('speed'))
+                batch = e.get('max_batch_size')
+                node = Node(url, e.get('models'), e.get('speed'), batch if isinstance(batch, int) and batch >= 1
+                            else None)
+                if e.get('dropped'):  # still probed; the clock to forgetting it starts again
+                    node.state, node.dropped_at = 'dropped', time.time()
+                self.nodes[url] = node
             except (ValueError, KeyError, TypeError) as err:
                 logger.warning('skipping an entry of %s: %s', path, err)
         if self.nodes:

@@ -2,8 +2,12 @@
 
 The server registers once it listens (so the proxy's first request finds it up), retrying for a
 while if the proxy is not up yet; a registration that fails in the end is a warning, never a reason
-to stop serving. It deregisters when it starts draining (SIGTERM / SIGINT), so the proxy stops
-sending it new requests while the running ones finish. Only ``httpx`` (synchronous) is needed.
+to stop serving. While it serves it registers again every ``heartbeat`` seconds, so a proxy that
+started later, restarted without its state file, or dropped and forgot it, has it back within that
+time (a node removed by hand is not brought back this way: the proxy ignores its heartbeats). It
+deregisters when it starts draining (SIGTERM / SIGINT), so the proxy stops sending it new requests
+while the running ones finish. Its registration says its engine's batch size, which is how many
+requests the proxy keeps at it. Only ``httpx`` (synchronous) is needed.
 
 The proxy's key comes from ``api_key``, else ``$LMDEPLOY_PROXY_API_KEY``. The URL the node gives
 the proxy is ``node_url`` if set, else built from the host and port it binds; a wildcard host
@@ -21,6 +25,7 @@ from urllib.parse import urlsplit
 logger = logging.getLogger('lmdeploy.serve')
 
 ENV_KEY = 'LMDEPLOY_PROXY_API_KEY'
+DEFAULT_HEARTBEAT = 30.0  # seconds between a live node's registrations
 
 
 def own_url(server_name: str, server_port: int, proxy_url: str, scheme: str = 'http') -> str:
@@ -44,7 +49,8 @@ class ProxyLink:
     """This server's entry in a proxy's node table."""
 
     def __init__(self, proxy_url: str, node_url: str, models: Optional[List[str]] = None,
-                 api_key: Optional[str] = None, timeout: float = 5.0):
+                 api_key: Optional[str] = None, timeout: float = 5.0, max_batch_size: Optional[int] = None,
+                 heartbeat: float = DEFAULT_HEARTBEAT):
         if not proxy_url.startswith(('http://', 'https://')):
             raise ValueError(f'--proxy-url must be http(s)://HOST:PORT, got {proxy_url!r}')
         self.proxy_url = proxy_url.rstrip('/')
@@ -52,33 +58,48 @@ class ProxyLink:
         self.models = models
         self.api_key = api_key if api_key is not None else os.environ.get(ENV_KEY) or None
         self.timeout = timeout
+        self.max_batch_size = max_batch_size
+        self.heartbeat = heartbeat  # seconds between registrations while serving; 0: register once
         self.registered = False
         self._left = threading.Event()
         self._lock = threading.Lock()
+        self._posting = threading.Lock()  # one registration or removal at a time, in order
         self._leaving: Optional[threading.Thread] = None
+        self._beat_error: Optional[str] = None  # what the last heartbeat got, if it was not a 200
 
     def _post(self, path: str, body: dict):
         import httpx
         headers = {'Authorization': f'Bearer {self.api_key}'} if self.api_key else {}
         return httpx.post(self.proxy_url + path, json=body, headers=headers, timeout=self.timeout, trust_env=False)
 
+    def _add(self, heartbeat: bool):
+        """POST /nodes/add unless the server is leaving (then None); a 200 marks it registered."""
+        body = {'url': self.node_url, 'models': self.models}
+        if self.max_batch_size:
+            body['max_batch_size'] = self.max_batch_size
+        if heartbeat:
+            body['heartbeat'] = True
+        with self._posting:
+            if self._left.is_set():
+                return None
+            r = self._post('/nodes/add', body)
+            if r.status_code == 200:
+                self.registered = True
+            return r
+
     def register(self, attempts: int = 10, delay: float = 1.0) -> bool:
         """Add this node to the proxy; True when it answered 200. Stops early once :meth:`deregister` ran."""
         import httpx
         why = ''
         for i in range(attempts):
-            if self._left.is_set():
-                return False
             try:
-                r = self._post('/nodes/add', {'url': self.node_url, 'models': self.models})
+                r = self._add(heartbeat=False)
             except httpx.HTTPError as e:
                 why = f'{type(e).__name__}: {e}'
             else:
+                if r is None:
+                    return False
                 if r.status_code == 200:
-                    with self._lock:
-                        if self._left.is_set():
-                            break  # the server is leaving already: take it out again below
-                        self.registered = True
                     logger.warning('registered with the proxy %s as %s', self.proxy_url, self.node_url)
                     return True
                 why = f'HTTP {r.status_code}: {r.text[:300]}'
@@ -87,21 +108,50 @@ class ProxyLink:
             if i + 1 < attempts and self._left.wait(min(delay * 2 ** i, 10.0)):
                 return False
         if self._left.is_set():
-            self._post_quietly('/nodes/remove')
             return False
         logger.warning('could not register with the proxy %s as %s (%s); serving anyway, but the proxy does not '
-                       'know this server (add it with POST %s/nodes/add)', self.proxy_url, self.node_url, why,
-                       self.proxy_url)
+                       'know this server (add it with POST %s/nodes/add)%s', self.proxy_url, self.node_url, why,
+                       self.proxy_url, f'; trying again every {self.heartbeat:g} s' if self.heartbeat else '')
+        self._beat_error = why
         return False
 
+    def beat(self) -> bool:
+        """Register again (quietly: a change is logged once); True when the proxy answered 200."""
+        import httpx
+        try:
+            r = self._add(heartbeat=True)
+        except httpx.HTTPError as e:
+            why = f'{type(e).__name__}: {e}'
+        else:
+            if r is None:
+                return False
+            if r.status_code == 200:
+                if self._beat_error is not None:
+                    logger.warning('registered with the proxy %s as %s again', self.proxy_url, self.node_url)
+                    self._beat_error = None
+                return True
+            why = f'HTTP {r.status_code}: {r.text[:300]}'
+        if self._beat_error is None:
+            logger.warning('could not register again with the proxy %s (%s); trying every %g s', self.proxy_url,
+                           why, self.heartbeat)
+        self._beat_error = why
+        return False
+
+    def keep_registered(self):
+        """:meth:`beat` every ``heartbeat`` seconds until :meth:`deregister`."""
+        while self.heartbeat and not self._left.wait(self.heartbeat):
+            self.beat()
+
     def register_when_listening(self, server, poll: float = 0.05) -> threading.Thread:
-        """Register from a thread once ``server`` (a uvicorn server) has started listening."""
+        """Register from a thread once ``server`` (a uvicorn server) has started listening, then keep
+        registering every ``heartbeat`` seconds until the server leaves."""
 
         def run():
             while not getattr(server, 'started', False):
                 if self._left.wait(poll) or getattr(server, 'should_exit', False):
                     return
             self.register()
+            self.keep_registered()
 
         t = threading.Thread(target=run, name='lmdeploy-proxy-register', daemon=True)
         t.start()
@@ -113,11 +163,11 @@ class ProxyLink:
             if self._left.is_set():
                 return False
             self._left.set()
-            was = self.registered
-            self.registered = False
-        if not was:
-            return False
-        return self._post_quietly('/nodes/remove')
+        with self._posting:  # after a registration in flight, never before it
+            was, self.registered = self.registered, False
+            if not was:
+                return False
+            return self._post_quietly('/nodes/remove')
 
     def _post_quietly(self, path: str) -> bool:
         import httpx

@@ -1,9 +1,14 @@
 """Which node gets the next request. Pure Python: the strategies see only numbers each node keeps.
 
 ``random``                 a node drawn at random, weighted by its speed (requests a second it completes)
-``min_expected_latency``   the node whose queue clears first: (its unfinished requests + 1) / its speed
+``min_expected_latency``   the node whose queue clears first: (its unfinished requests, queued plus
+                           running there, + 1) / its speed
 ``min_observed_latency``   the node whose recent requests took least time on average (ties: fewest
                            unfinished requests)
+
+They choose among the nodes that have room now (:mod:`.forward`): a request that finds none waits in
+the proxy and goes to the first node that finishes one, so a stale speed decides only which of the
+nodes with room is first, never how much work a node is handed up front.
 
 A node not yet measured is given the mean speed of the measured ones (1 when none is), and, for
 ``min_observed_latency``, the best latency seen, so a new node is tried at once without being
