@@ -281,6 +281,39 @@ def launch(args):
     return subprocess.Popen(cmd, env=env), f'http://127.0.0.1:{args.port}'
 
 
+def scrape(url: str, api_key: Optional[str]) -> Dict[str, float]:
+    """The server's Prometheus counters that say where its time went (this project's names; {} for a server
+    without them): the API process's CPU seconds and the engine's steps, tokens and seconds by phase."""
+    import urllib.request
+    req = urllib.request.Request(url + '/metrics', headers={'Authorization': f'Bearer {api_key}'} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+    except Exception:
+        return {}
+    got = {}
+    for line in text.splitlines():
+        if line.startswith(('process_cpu_seconds_total', 'lmdeploy_engine_step_')):
+            name, _, value = line.rpartition(' ')
+            got[name.replace('lmdeploy_engine_step_', '').replace('_total', '')] = float(value)
+    return got
+
+
+def server_side(before: Dict[str, float], after: Dict[str, float], elapsed: float) -> dict:
+    """What the counters say about one run: the API process's share of a core, and each phase's steps."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    out = {}
+    if 'process_cpu_seconds' in d:
+        out['api_cpu_share'] = d['process_cpu_seconds'] / elapsed
+    for phase in ('prefill', 'decode'):
+        n = d.get(f'steps{{phase="{phase}"}}', 0.0)
+        if n:
+            out[f'{phase}_steps'] = int(n)
+            out[f'{phase}_tokens_per_step'] = d.get(f'tokens{{phase="{phase}"}}', 0.0) / n
+            out[f'{phase}_device_ms_per_step'] = 1e3 * d.get(f'device_seconds{{phase="{phase}"}}', 0.0) / n
+    return out
+
+
 def model_name(url: str, api_key: Optional[str]) -> str:
     import urllib.request
     req = urllib.request.Request(url + '/v1/models', headers={'Authorization': f'Bearer {api_key}'} if api_key else {})
@@ -323,6 +356,8 @@ def main(argv=None) -> int:
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--timeout', type=float, default=600, help='seconds a request may take')
     p.add_argument('--start-timeout', type=float, default=900, help='seconds a launched server may take to start')
+    p.add_argument('--stop-above', type=float, default=0, metavar='MS', help='stop the rates (ascending) after '
+                   'the first whose TTFT p99 exceeds MS milliseconds (0: run them all)')
     p.add_argument('--json', help='append each run\'s summary to this file (JSON lines)')
     p.add_argument('--save-requests', action='store_true', help='with --json: each request\'s lengths and times too')
     shape = p.parse_known_args(argv)[0].shape
@@ -349,9 +384,11 @@ def main(argv=None) -> int:
             asyncio.run(run(url, model, warm, 0, 0, args.chat, args.api_key, args.seed, args.timeout))
         failed = 0
         for rate in args.request_rate:
+            before = scrape(url, args.api_key)
             results, elapsed = asyncio.run(run(url, model, reqs, rate, args.max_concurrency, args.chat,
                                                args.api_key, args.seed, args.timeout, args.burstiness))
             s = summarize(results, elapsed)
+            s['server'] = server_side(before, scrape(url, args.api_key), elapsed) if before else {}
             if args.save_requests:
                 s['requests'] = [dict(start=r.start, prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens,
                                       ttft_ms=1e3 * r.ttft, e2e_ms=1e3 * r.latency,
@@ -362,10 +399,15 @@ def main(argv=None) -> int:
                      endpoint='chat' if args.chat else 'completions')
             print_summary(s, f'rate {rate or "inf"} req/s' + (f', concurrency {args.max_concurrency}'
                                                               if args.max_concurrency else ''))
+            if s['server']:
+                print('server: ' + '   '.join(f'{k} {v:.3g}' for k, v in s['server'].items()))
             failed += s['failed']
             if args.json:
                 with open(args.json, 'a') as f:
                     f.write(json.dumps(s) + '\n')
+            if args.stop_above and not s['ttft_ms'][2] <= args.stop_above:
+                print(f'TTFT p99 above {args.stop_above:g} ms: the higher rates are not run')
+                break
         return 1 if failed else 0
     finally:
         if proc is not None and proc.poll() is None:

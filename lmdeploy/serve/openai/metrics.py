@@ -18,6 +18,11 @@ lmdeploy_kv_cache_usage_ratio               gauge      used / total
 lmdeploy_engine_generated_tokens_total      counter    tokens the engine sampled
 lmdeploy_engine_preemptions_total           counter    sequences preempted (recomputed later)
 lmdeploy_prefix_cache_hit_tokens_total      counter    prompt tokens served from the prefix cache
+lmdeploy_engine_step_steps_total            counter    engine steps {phase: prefill (with prompt rows) | decode}
+lmdeploy_engine_step_tokens_total           counter    tokens those steps ran {phase}
+lmdeploy_engine_step_seconds_total          counter    host seconds of those steps {phase}
+lmdeploy_engine_step_device_seconds_total   counter    device seconds of those steps {phase}
+process_cpu_seconds_total                   counter    the API process's CPU time (and prometheus' other process_*)
 lmdeploy_api_requests_in_flight             gauge      generation requests the server is handling
 lmdeploy_requests_total                     counter    finished generation requests {endpoint, finish_reason}
 lmdeploy_prompt_tokens_total                counter    prompt tokens of finished requests
@@ -33,7 +38,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ['ServerMetrics', 'RequestTimer', 'CONTENT_TYPE_LATEST']
@@ -86,12 +92,24 @@ class _EngineCollector:
         yield counter('lmdeploy_engine_preemptions', 'Sequences preempted by the scheduler.', s.num_preemptions)
         yield counter('lmdeploy_prefix_cache_hit_tokens', 'Prompt tokens served from the prefix cache.',
                       s.num_prefix_hit_tokens)
+        # the steps' make-up: 'prefill' steps carry prompt rows (and the decoding sequences), 'decode' steps
+        # only one-token rows; device seconds come from the device's own marks (where it has them)
+        extra = s.extra or {}
+        for key, doc in (('steps', 'Engine steps run.'), ('tokens', 'Tokens the engine steps ran.'),
+                         ('seconds', 'Host seconds of the engine steps.'),
+                         ('device_seconds', 'Device seconds of the engine steps.')):
+            c = CounterMetricFamily(f'lmdeploy_engine_step_{key}', doc, labels=['phase'])
+            for phase in ('prefill', 'decode'):
+                if f'{phase}_{key}' in extra:
+                    c.add_metric([phase], extra[f'{phase}_{key}'])
+            yield c
 
 
 class ServerMetrics:
 
     def __init__(self, get_engine: Callable[[], Optional[object]]):
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total etc.: the API process's own CPU under load
         self.in_flight = Gauge('lmdeploy_api_requests_in_flight', 'Generation requests the server is handling.',
                                registry=r)
         self.requests = Counter('lmdeploy_requests', 'Finished generation requests.', ['endpoint', 'finish_reason'],
