@@ -83,7 +83,5 @@ def test_fuzz_openapi_no_5xx(srv, mode):
         generating = ('/v1/chat/completions', '/v1/completions', '/generate')
         assert sum(n for (path, status), n in statuses.items() if status == 200 and path in generating) >= 15
     # fuzzed interactive sessions stay open: end them, then nothing may be left behind
-    for sess in list(srv.state.sessions.by_client.values()):
-        srv.gateway.end_session(sess.internal_id)
-    srv.state.sessions.by_client.clear()
+    srv.state.sessions.end_all(srv.gateway)
     assert_clean(srv, timeout=60)

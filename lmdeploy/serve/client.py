@@ -16,6 +16,13 @@
     print(client.generate_text('What is my name?', session_id=7, interactive_mode=True))
     client.end_session(7)
 
+A session belongs to the client that made it. Each ``/generate`` answer
+carries the session's ``session_token``; this client keeps it per session_id
+and sends it back with the next turn, ``cancel`` and ``end_session``, which
+is what reaches the session on a server without API keys (with keys, the
+session_id under the same key does too). Another client's session answers as
+one that does not exist.
+
 As in LMDeploy's own ``APIClient``, the ``*_v1`` methods and
 :meth:`APIClient.generate` are generators: they yield one dict (the whole
 response) or, with ``stream=True``, one dict per streamed chunk. Errors raise
@@ -64,6 +71,7 @@ class APIClient:
         if api_key:
             headers['Authorization'] = f'Bearer {api_key}'
         self._client = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+        self._session_tokens: Dict[int, str] = {}  # session_id -> the token the server gave for it
 
     # --------------------------------------------------------------- plumbing
     def close(self):
@@ -184,16 +192,36 @@ class APIClient:
 
         interactive_mode: keep the session's KV cache after this turn; the next
         call with the same session_id sends only the new turn. ``session_id=-1``
-        lets the server pick one (returned in ``session_id``).
+        lets the server pick one (returned in ``session_id``). The session's
+        ``session_token`` is kept and sent back for the same session_id.
         """
         payload = _drop_none(dict(prompt=prompt, session_id=session_id, interactive_mode=interactive_mode,
                                   stream=stream, stop=stop, request_output_len=request_output_len, top_p=top_p,
                                   top_k=top_k, temperature=temperature, repetition_penalty=repetition_penalty,
-                                  ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens, **kwargs))
-        if stream:
-            yield from self._stream('/generate', payload, sse=False)
+                                  ignore_eos=ignore_eos, skip_special_tokens=skip_special_tokens,
+                                  session_token=kwargs.pop('session_token', None) or
+                                  self._session_tokens.get(session_id), **kwargs))
+        try:
+            items = self._stream('/generate', payload, sse=False) if stream else iter([self._post('/generate',
+                                                                                               payload)])
+            for item in items:
+                self._remember_token(item, interactive_mode)
+                yield item
+        except APIClientError as e:
+            if e.code == 'session_not_found':  # it has ended: the next call with this id starts a new one
+                self._session_tokens.pop(session_id, None)
+            raise
+
+    def _remember_token(self, item: Dict[str, Any], interactive_mode: bool):
+        """Keep an interactive session's token (from its first answer on, so a stream can be cancelled);
+        forget it once the session's last turn has finished."""
+        sid, token = item.get('session_id'), item.get('session_token')
+        if sid is None or token is None:
+            return
+        if interactive_mode or item.get('finish_reason') is None:
+            self._session_tokens[sid] = token
         else:
-            yield self._post('/generate', payload)
+            self._session_tokens.pop(sid, None)
 
     # LMDeploy's name for the same endpoint
     chat_interactive_v1 = generate
@@ -204,8 +232,12 @@ class APIClient:
 
     def end_session(self, session_id: int) -> Dict[str, Any]:
         """Forget an interactive session and free its KV cache."""
-        return self._post('/generate', {'session_id': session_id, 'end_session': True})
+        token = self._session_tokens.pop(session_id, None)
+        return self._post('/generate', _drop_none({'session_id': session_id, 'session_token': token,
+                                                   'end_session': True}))
 
     def cancel(self, session_id: int) -> Dict[str, Any]:
         """Stop the session's running request (it finishes with 'abort')."""
-        return self._post('/generate', {'session_id': session_id, 'cancel': True})
+        token = self._session_tokens.get(session_id)
+        return self._post('/generate', _drop_none({'session_id': session_id, 'session_token': token,
+                                                   'cancel': True}))

@@ -29,9 +29,11 @@ class ChatSettings:
 @dataclass
 class ChatSession:
     """One browser tab's conversation. ``session_id`` is the engine's (local) or the server's client id
-    (remote); ``turns`` counts finished turns the engine keeps; the rest describes the last turn, as the
-    engine reported it."""
+    (remote, with ``session_token``, what reaches the server's session); ``turns`` counts finished turns the
+    engine keeps; the rest describes the last turn, as the engine reported it."""
     session_id: Optional[int] = None
+    session_token: Optional[str] = None
+    pending: Optional[str] = None  # remote: 'cancel' / 'end_session' asked before the server named the token
     turns: int = 0
     input_tokens: int = 0  # the last turn's prompt, history included
     generated_tokens: int = 0

@@ -22,6 +22,7 @@ from lmdeploy.frontend.tool_calls.request import ToolError, ToolRequest, check_t
 
 from . import protocol as P
 from .errors import APIError, error_body
+from .guard import request_owner
 from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
 from .params import (_chat_logprobs, _check_model, _check_unsupported, _choices, _compile_grammar, _encode,
                      _gen_config, _max_new_tokens, _messages, _usage)
@@ -99,7 +100,7 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         rid = f'chatcmpl-{uuid.uuid4().hex}'
         runner.log_request(rid, 'chat', messages, ids, gen)
         n = req.n or 1
-        lease = _Lease(state, req.session_id, exclusive=True)
+        lease = _Lease(state, req.session_id, request_owner(state, request), exclusive=True)
         internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(n - 1)]
         run, firsts = await runner.start(request, 'chat', lease, [  # choices 1.. take choice 0's prompt blocks
             _Job(i, ids, g, sid, stream=bool(req.stream), after=0 if i else None)

@@ -10,6 +10,7 @@ from lmdeploy.engine.grammar import spec_from_response_format
 
 from . import protocol as P
 from .errors import APIError, error_body
+from .guard import request_owner
 from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
 from .params import (MAX_PROMPTS, _check_ids, _check_model, _check_unsupported, _choices, _compile_grammar,
                      _completion_logprobs, _encode, _gen_config, _max_new_tokens, _usage)
@@ -55,7 +56,7 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         n = req.n or 1
         if len(prompts) * n > MAX_PROMPTS:
             raise APIError(400, f'at most {MAX_PROMPTS} choices per request (prompts x n)', 'invalid_value', 'n')
-        lease = _Lease(state, req.session_id, exclusive=True)
+        lease = _Lease(state, req.session_id, request_owner(state, request), exclusive=True)
         internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(len(prompts) * n - 1)]
         # choice index = prompt index * n + choice (OpenAI's order); a prompt's later choices wait for its
         # first and take its prompt blocks

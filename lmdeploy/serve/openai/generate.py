@@ -13,7 +13,8 @@ from .errors import APIError, error_body
 from .jobs import _Job
 from .params import _check_ids, _encode, _finite, _gen_config, _max_new_tokens, _messages
 from .runner import Runner
-from .sessions import _Lease
+from .guard import request_owner
+from .sessions import _end_session, _Lease, _not_found
 
 
 def add_routes(app: FastAPI, runner: Runner, auth, err):
@@ -23,24 +24,24 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
     @app.post('/generate', response_model=P.GenerateResponse, dependencies=auth,
               responses={**err, 200: {'content': {'application/x-ndjson': {}}}})
     async def generate(req: P.GenerateRequest, request: Request):
-        sessions = state.sessions.by_client
-        client_id = req.session_id
-        if req.cancel:
-            sess = sessions.get(client_id)
-            if sess is not None:
-                state.gateway.cancel(sess.internal_id)
-            return P.GenerateResponse(text='', tokens=0, input_tokens=0, finish_reason='abort',
-                                      session_id=client_id)
+        owner = request_owner(state, request)
+        token = req.session_token
+        existing = state.sessions.find(owner, req.session_id, token)
         empty = req.input_ids is None and req.prompt in ('', [])
-        if req.end_session or (empty and not req.interactive_mode and client_id in sessions):
-            sess = sessions.pop(client_id, None)
-            if sess is not None:
-                state.gateway.end_session(sess.internal_id)
-            return P.GenerateResponse(text='', tokens=0, input_tokens=0, finish_reason='stop',
-                                      session_id=client_id)
+        if req.cancel or req.end_session or (empty and not req.interactive_mode and existing is not None):
+            # answered alike whether the session exists or not: another client's must not show
+            if existing is not None:
+                if req.cancel:
+                    state.gateway.cancel(existing.internal_id)
+                else:
+                    _end_session(state, existing)
+            return P.GenerateResponse(text='', tokens=0, input_tokens=0, session_id=req.session_id,
+                                      finish_reason='abort' if req.cancel else 'stop', session_token=token)
+        if token is not None and existing is None:
+            raise _not_found()
+        client_id = existing.client_id if existing is not None else req.session_id
         if client_id == -1:
-            client_id = state.sessions.auto_id()
-        existing = sessions.get(client_id)
+            client_id = state.sessions.auto_id(owner)
         if existing is not None and existing.busy:
             raise APIError(400, f'session {client_id} is busy with another request', 'session_busy', 'session_id')
         sequence_start = existing is None or existing.turns == 0
@@ -59,8 +60,8 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         gen = _gen_config(state, req, max_new, req.logprobs)
         rid = f'generate-{uuid.uuid4().hex}'
         runner.log_request(rid, 'generate', prompt_for_log, ids, gen)
-        lease = _Lease(state, client_id, keep=req.interactive_mode)
-        client_id = lease.client_id
+        lease = _Lease(state, client_id, owner, token, keep=req.interactive_mode)
+        session_token = lease.session.token
         run, firsts = await runner.start(request, 'generate', lease, [
             _Job(0, ids, gen, lease.internal_id, interactive=req.interactive_mode, stream=req.stream)])
 
@@ -68,6 +69,7 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
             return P.GenerateResponse(
                 text=r_text, tokens=tokens, input_tokens=input_tokens,
                 history_tokens=max(0, input_tokens - len(ids)), finish_reason=finish_reason, session_id=client_id,
+                session_token=session_token,
                 token_ids=list(token_ids), logprobs=[{str(k): _finite(v) for k, v in lp.items()}
                                                      for lp in logprobs] if req.logprobs is not None else None)
 

@@ -1,7 +1,8 @@
-"""The ASGI guard in front of every route: API keys, readiness, the body size limit, error counting."""
+"""The ASGI guard in front of every route: API keys, readiness, the body size limit, error counting; and
+whose sessions a request may reach (its key's)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from .errors import _send_json, error_body
 
@@ -10,6 +11,21 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 _OPEN_PATHS = ('/health', '/metrics', '/openapi.json', '/docs', '/docs/oauth2-redirect', '/redoc')
+
+
+def _bearer_key(authorization: str) -> Optional[str]:
+    """The key of an ``Authorization: Bearer KEY`` header's value; None for another scheme."""
+    scheme, _, key = authorization.partition(' ')
+    return key.strip() if scheme.lower() == 'bearer' else None
+
+
+def request_owner(state: ServerState, request) -> Optional[bytes]:
+    """Whose sessions a request may reach: its API key's digest (the guard has checked the key); None on
+    a server without keys, where only a session's token reaches it."""
+    if not state.api_key_digests:
+        return None
+    auth = dict(request.scope.get('headers') or []).get(b'authorization', b'')  # the header the guard read
+    return state.key_digest(_bearer_key(auth.decode('latin-1')))
 
 
 class _GuardMiddleware:
@@ -36,8 +52,8 @@ class _GuardMiddleware:
         headers = dict(scope.get('headers') or [])
         if protected and self.state.api_key_digests:
             auth = headers.get(b'authorization', b'').decode('latin-1')
-            scheme, _, key = auth.partition(' ')
-            if scheme.lower() != 'bearer' or not self.state.key_ok(key.strip()):
+            key = _bearer_key(auth)
+            if key is None or not self.state.key_ok(key):
                 msg = 'missing API key' if not auth else 'invalid API key'
                 return await _send_json(counting_send, 401, error_body(
                     401, f'{msg}: send "Authorization: Bearer YOUR_KEY"', 'invalid_api_key'),

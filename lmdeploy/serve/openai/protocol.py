@@ -117,8 +117,9 @@ class _SamplingFields(_Model):
     spaces_between_special_tokens: Optional[bool] = True
     include_stop_str_in_output: Optional[bool] = False
     min_new_tokens: Optional[int] = Field(None, ge=0)
-    session_id: Optional[int] = Field(None, description='a name for the request (cancel it with POST /generate '
-                                      '{"session_id": ID, "cancel": true}); -1 or absent: none')
+    session_id: Optional[int] = Field(None, description='a name for the request (on a server with API keys, '
+                                      'cancel it with POST /generate {"session_id": ID, "cancel": true} under '
+                                      'the same key); -1 or absent: none')
     response_format: Optional[ResponseFormat] = Field(None, description='structured output (JSON, a JSON '
                                                                          'schema, a regex)')
 
@@ -162,11 +163,20 @@ class GenerateRequest(_Model):
     ``interactive_mode`` on a live session is its last turn; an empty prompt
     (or ``end_session``) then just ends it. ``cancel`` stops the session's
     running request.
+
+    A session belongs to the client that made it: every response carries its
+    ``session_token`` (unguessable), which reaches it from any client that
+    holds it; with API keys the session_id alone reaches it too, but only
+    under the key that made it. Without keys a session_id alone names a new
+    session. Another client's session answers as one that does not exist.
     """
     prompt: Union[str, List[ChatMessage]] = ''
     input_ids: Optional[List[StrictInt]] = Field(None, description='token ids sent as they are (no chat '
                                                  'template; integers, not booleans or strings)')
     session_id: int = -1
+    session_token: Optional[str] = Field(None, min_length=1, max_length=128,
+                                         description='the token a response of this session gave: reaches it '
+                                         'without an API key (an unknown one: 404 session_not_found)')
     interactive_mode: bool = False
     stream: bool = False
     stop: Union[str, List[str], None] = None
@@ -313,6 +323,8 @@ class GenerateResponse(_Model):
     history_tokens: int = Field(0, description='tokens from earlier turns of the session')
     finish_reason: Optional[str] = None
     session_id: int
+    session_token: Optional[str] = Field(None, description='send it back to continue, cancel or end the '
+                                         'session (the only way to reach it on a server without API keys)')
     token_ids: List[int] = Field(default_factory=list, description='new token ids (all of them when not streaming)')
     logprobs: Optional[List[Dict[str, float]]] = None
 

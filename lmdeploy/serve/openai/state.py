@@ -18,7 +18,7 @@ class ServerState:
         self.tool_call_parser = tool_call_parser
         self._tool_format = None
         self.model_name = model_name
-        self.api_key_digests = [hashlib.sha256(k.encode()).digest() for k in (api_keys or []) if k]
+        self.api_key_digests = [self.key_digest(k) for k in (api_keys or []) if k]
         self.max_log_len = max_log_len
         self.draining = False
         self.sessions = _Sessions()
@@ -42,11 +42,16 @@ class ServerState:
     def key_ok(self, key: Optional[str]) -> bool:
         if not self.api_key_digests:
             return True
-        given = hashlib.sha256((key or '').encode()).digest()
+        given = self.key_digest(key)
         ok = False
         for digest in self.api_key_digests:  # no early exit: constant time over the keys
             ok |= hmac.compare_digest(given, digest)
         return ok and bool(key)
+
+    @staticmethod
+    def key_digest(key: Optional[str]) -> bytes:
+        """What the server keeps of a key: its SHA-256 (also the owner of the key's sessions)."""
+        return hashlib.sha256((key or '').encode()).digest()
 
     def not_ready(self) -> Optional[Tuple[str, str]]:
         """(message, code) when requests cannot be served now, else None."""
