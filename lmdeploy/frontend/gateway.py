@@ -7,7 +7,6 @@ increments: incremental detokenization, stop strings, cancellation.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import random
@@ -77,11 +76,16 @@ def take_pending(first: EngineOutput, queue: asyncio.Queue) -> EngineOutput:
     is behind catches up instead of falling further behind."""
     if queue.empty() or first.finished:
         return first
-    out = dataclasses.replace(first, new_token_ids=list(first.new_token_ids),
-                              logprobs=None if first.logprobs is None else list(first.logprobs))
-    while not queue.empty() and not out.finished:
-        out.absorb(queue.get_nowait())
-    return out
+    outs = [first]
+    while not queue.empty() and not outs[-1].finished:
+        outs.append(queue.get_nowait())
+    last = outs[-1]
+    logprobs = None
+    if any(o.logprobs is not None for o in outs):
+        logprobs = [lp for o in outs for lp in (o.logprobs or [])]
+    return EngineOutput([t for o in outs for t in o.new_token_ids], last.finished, last.finish_reason,
+                        last.num_prompt_tokens or first.num_prompt_tokens, logprobs=logprobs,
+                        prompt_loss=last.prompt_loss, error=last.error)
 
 
 def check_text(text: str, what: str):
