@@ -221,3 +221,82 @@ def test_n_samples_share_the_prompts_prefill(smollm2_path, prefix_caching):
         assert stats.num_free_blocks == stats.num_blocks
     finally:
         p.close()
+
+
+def test_get_ppl_checks_the_whole_batch_before_running_any(pipe):
+    """A bad sequence anywhere in the batch raises before anything reaches the engine (a sequence that ran
+    while the call raised once left the process to abort at exit)."""
+    tok = pipe.tokenizer
+    valid = tok.encode('The capital of France is Paris, a city on the Seine. ' * 20)
+    vocab = pipe.engine.model_config.vocab_size
+    before = pipe.engine.stats().extra['prefill_tokens']
+    for bad, why in [([7], r'input_ids\[1\] has 1 token'), ([], r'input_ids\[1\] has 0 token'),
+                     ([1, vocab], rf'token id {vocab}, outside the vocabulary'), ([1, -1], 'token id -1'),
+                     (list(range(5, 5 + pipe.engine.session_len)), 'session_len')]:
+        with pytest.raises(ValueError, match=why):
+            pipe.get_ppl([valid, bad])
+    with pytest.raises(TypeError, match='list of token ids'):
+        pipe.get_ppl([valid, 'text'])
+    assert pipe.engine.wait_idle()
+    assert pipe.engine.stats().extra['prefill_tokens'] == before  # nothing ran
+    assert pipe.get_ppl([valid[:20], valid[:30]])[1] > 0  # and the pipeline goes on
+
+
+def test_a_failed_batch_cancels_the_rest():
+    """When one request of a call raises, the others are cancelled and waited for before the call raises."""
+    import asyncio
+
+    from lmdeploy.frontend.pipeline import _gather_or_cancel
+    ended = []
+
+    async def slow(i):
+        try:
+            await asyncio.sleep(30)
+        finally:
+            ended.append(i)
+
+    async def bad():
+        await asyncio.sleep(0.01)
+        raise ValueError('bad input')
+
+    async def main():
+        with pytest.raises(ValueError, match='bad input'):
+            await _gather_or_cancel([slow(0), bad(), slow(1)])
+        return sorted(ended)
+
+    assert asyncio.run(asyncio.wait_for(main(), 5)) == [0, 1]
+
+
+def test_a_closed_pipeline_refuses_every_call_at_once(tiny_model_factory):
+    """close() ends a call running on another thread (no caller waits forever), and any later call raises
+    a clear error at once instead of blocking."""
+    import threading
+    import time
+    p = pipeline(tiny_model_factory('llama'), backend_config=PytorchEngineConfig(
+        device_type='cpu', session_len=256, num_gpu_blocks=32, block_size=16))
+    first, outcome = threading.Event(), {}
+
+    def stream():
+        try:
+            for piece in p.stream_infer([5, 6, 7], GenerationConfig(max_new_tokens=240, ignore_eos=True)):
+                first.set()
+                outcome['last'] = piece
+        except Exception as e:
+            outcome['error'] = e
+        first.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first.wait(60)
+    p.close()
+    t.join(10)
+    assert not t.is_alive(), 'a call that ran during close() never returned'
+    assert 'error' in outcome or outcome['last'].finish_reason in ('abort', 'length'), outcome
+    calls = [lambda: p('hi'), lambda: list(p.stream_infer('hi')), lambda: p.chat('hi'),
+             lambda: p.get_ppl([1, 2, 3]), lambda: p.end_session(1), lambda: p.infer(['a', 'b'])]
+    for call in calls:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match='the pipeline is closed'):
+            call()
+        assert time.monotonic() - start < 1
+    p.close()  # again: nothing happens

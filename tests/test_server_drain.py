@@ -1,6 +1,8 @@
 """SIGTERM drains a real server process: the running stream completes, new
-requests are refused, and the process exits 0. Also: prompts are logged only
-up to --max-log-len."""
+requests and /health get 503, and the process exits 0; a second signal ends
+the running streams early, each with an error event and [DONE], and no
+traceback. The port is bound before the model loads ("serving" is logged once
+it listens). Also: prompts are logged only up to --max-log-len."""
 from __future__ import annotations
 
 import json
@@ -48,9 +50,12 @@ def server_proc(smollm2_path):
         if proc.poll() is not None:
             reader.join(5)
             pytest.fail(f'server exited with {proc.returncode}:\n{"".join(output)}')
+        said_serving = any('serving' in line for line in list(output))
         try:
             if httpx.get(url + '/health', timeout=2).status_code == 200:
                 break
+        except httpx.ConnectError:
+            assert not said_serving, 'the server said "serving" before it was listening'
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
@@ -107,8 +112,8 @@ def test_sigterm_drains_running_stream_then_exits_0(server_proc):
     assert len(engines) == 1
     engines[0].send_signal(signal.SIGTERM)  # a group-wide SIGTERM reaches it too: it is the server's to stop
     proc.send_signal(signal.SIGTERM)
-    # new requests are refused from now on (connection refused, or 503 on a kept-alive one; a connection
-    # that reached the backlog just as the listener closed is reset unanswered, also a refusal)
+    # new requests are refused from now on: 503 while the stream runs (the listener stays open while draining);
+    # once it has finished the server stops listening (connection refused, or reset in the backlog)
     refused = None
     deadline = time.monotonic() + 10
     while refused is None and time.monotonic() < deadline:
@@ -167,3 +172,84 @@ def test_a_dead_engine_process_fails_requests_and_health(server_proc):
     assert r.status_code == 503 and time.monotonic() - t0 < 10, r.text
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
+
+
+def _stream(url, path, body, events, first):
+    """Collect a stream's SSE data lines (events); ``first`` is set at the first content."""
+    try:
+        with httpx.stream('POST', url + path, json=body, headers={'Authorization': f'Bearer {KEY}'},
+                          timeout=120) as r:
+            events.append(('status', r.status_code))
+            for line in r.iter_lines():
+                if line.startswith('data: '):
+                    events.append(('data', line[len('data: '):]))
+                    first.set()
+    except Exception as e:  # reported by the test
+        events.append(('exception', repr(e)))
+    first.set()
+
+
+def test_second_signal_ends_running_streams_well_formed(server_proc):
+    """Ctrl-C drains: /health and new requests answer 503 while the streams run on; a second Ctrl-C ends
+    them early, each with an error event then [DONE] (no stream cut mid-way), and no traceback is printed."""
+    proc, url, output, reader = server_proc
+    headers = {'Authorization': f'Bearer {KEY}'}
+    engines = psutil.Process(proc.pid).children()
+    bodies = [('/v1/chat/completions', dict(model=MODEL, messages=[{'role': 'user', 'content': 'Count to 1000.'}],
+                                            max_tokens=900, ignore_eos=True, stream=True)),
+              ('/v1/completions', dict(model=MODEL, prompt='Count to 1000:', max_tokens=900, ignore_eos=True,
+                                       stream=True))]
+    streams = []
+    for path, body in bodies:
+        events, first = [], threading.Event()
+        t = threading.Thread(target=_stream, args=(url, path, body, events, first))
+        t.start()
+        streams.append((t, events, first))
+    for _, _, first in streams:
+        assert first.wait(120)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    health = httpx.get(url + '/health', timeout=10)
+    assert health.status_code == 503 and health.json()['error']['code'] == 'shutting_down', health.text
+    late = httpx.post(url + '/v1/completions', headers=headers, timeout=10,
+                      json=dict(model=MODEL, prompt='hi', max_tokens=2))
+    assert late.status_code == 503 and late.json()['error']['code'] == 'shutting_down', late.text
+    assert all(t.is_alive() for t, _, _ in streams), 'the streams should still be running while draining'
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    for t, _, _ in streams:
+        t.join(30)
+        assert not t.is_alive()
+    assert time.monotonic() - t0 < 15
+    for t, events, _ in streams:
+        kinds = [k for k, _ in events]
+        assert 'exception' not in kinds and events[0] == ('status', 200), events[-3:]
+        data = [v for k, v in events if k == 'data']
+        assert data[-1] == '[DONE]', data[-3:]
+        error = json.loads(data[-2])['error']
+        assert 'shutting down' in error['message'], error
+        assert len(data) < 900  # cut short
+    assert proc.wait(30) == 0
+    psutil.wait_procs(engines, timeout=10)
+    reader.join(10)
+    log = ''.join(output)
+    assert 'Traceback' not in log and 'CancelledError' not in log, log[-3000:]
+    assert 'again' in log  # the second signal was acknowledged
+
+
+def test_a_port_in_use_fails_before_the_model_loads(smollm2_path):
+    """Checked first: the error names the address at once, and the model never loads (no 'KV cache' line,
+    which the engine logs at INFO once loaded)."""
+    with socket.socket() as taken:
+        taken.bind(('127.0.0.1', 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = dict(os.environ)
+        env['PYTHONPATH'] = REPO + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')
+        r = subprocess.run([sys.executable, '-m', 'lmdeploy', 'serve', 'api_server', smollm2_path, '--server-name',
+                            '127.0.0.1', '--server-port', str(port), '--device', 'cpu', '--log-level', 'INFO'],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert f'cannot serve on 127.0.0.1:{port}' in out and 'in use' in out, out
+    assert 'serving' not in out and 'KV cache' not in out and 'Traceback' not in out, out

@@ -31,9 +31,12 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import weakref
 from multiprocessing.connection import Connection
 from typing import Callable, Dict, Optional
+
+from lmdeploy.at_exit import close_at_exit
 
 from .sequence import EngineOutput
 
@@ -46,14 +49,14 @@ def _pack(out: EngineOutput):
     """An output as the wire carries it: a tuple when it holds nothing but ids."""
     if (out.logprobs is None and out.logits is None and out.last_hidden_state is None
             and out.prompt_loss is None):
-        return (out.new_token_ids, out.finished, out.finish_reason, out.num_prompt_tokens, out.error)
+        return (out.new_token_ids, out.finished, out.finish_reason, out.num_prompt_tokens, out.error, out.refused)
     return out
 
 
 def _unpack(item) -> EngineOutput:
     if isinstance(item, tuple):
-        ids, finished, reason, num_prompt, error = item
-        return EngineOutput(ids, finished, reason, num_prompt, error=error)
+        ids, finished, reason, num_prompt, error, refused = item
+        return EngineOutput(ids, finished, reason, num_prompt, error=error, refused=refused)
     return item
 
 
@@ -75,7 +78,7 @@ class EngineProcess:
         # the child imports this very lmdeploy, wherever the parent found it (a path added at run time too)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env['PYTHONPATH'] = os.pathsep.join([root] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-        code = 'import sys; from lmdeploy.engine.process import child_main; sys.exit(child_main(int(sys.argv[1])))'
+        code = 'import sys; from lmdeploy.engine.process import child_entry; child_entry(int(sys.argv[1]))'
         self._proc = subprocess.Popen([sys.executable, '-c', code, str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                       env=env)
         theirs.close()
@@ -102,6 +105,7 @@ class EngineProcess:
         self._reader.start()
         # the child goes when this object does, or at interpreter exit at the latest
         self._finalizer = weakref.finalize(self, EngineProcess._shutdown, self._proc, self._conn, self._send_lock)
+        close_at_exit(self)  # (before the atexit handlers of what was imported since)
 
     # --------------------------------------------------------------- start-up
     def _wait_ready(self, timeout: Optional[float]):
@@ -204,7 +208,7 @@ class EngineProcess:
             msg = pickle.dumps(('add', rid, req.session_id, req.token_ids, req.params, req.interactive, req.stream),
                                protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # e.g. a logits processor that is a lambda
-            req.on_output(EngineOutput([], True, 'error', error=(
+            req.on_output(EngineOutput([], True, 'error', refused=True, error=(
                 f'the request cannot be sent to the engine process ({type(e).__name__}: {e}); logits '
                 'processors must be picklable there, or run the engine in-process (engine_process=False)')))
             return
@@ -279,6 +283,22 @@ class EngineProcess:
 
 
 # ---------------------------------------------------------------- the child
+def child_entry(fd: int):
+    """The child's whole life: ``child_main``, then ``os._exit``. The engine is closed by then (its ranks
+    stopped, its group left); the interpreter's own teardown would only add C++ destructors (CUDA graphs,
+    NCCL communicators), which is where a process that holds a device can hang."""
+    code = 1
+    try:
+        code = child_main(fd)
+    except BaseException:  # noqa: B902 - said here, as the interpreter would have
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def child_main(fd: int) -> int:
     """The engine process: build the engine, then relay requests and outputs until stopped or orphaned."""
     # Ctrl-C and SIGTERM sent to the whole group are the parent's to handle: it drains its requests, then

@@ -1,18 +1,23 @@
 """The synchronous, batteries-included API: ``pipeline(model)(prompts)``.
 
 A private asyncio loop runs on a background thread; every public method
-submits coroutines of the shared :class:`Gateway` to it.
+submits coroutines of the shared :class:`Gateway` to it. A pipeline is
+closed by ``close()``, by ``with``, when it is collected, or at interpreter
+exit at the latest (lmdeploy.at_exit); a closed one refuses every call.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
+from lmdeploy.at_exit import close_at_exit
 from lmdeploy.messages import MAX_N, GenerationConfig, PytorchEngineConfig, RequestError, Response
 
 from .chat_template import ChatTemplateConfig
@@ -21,6 +26,7 @@ from .gateway import Gateway, GenOut
 logger = logging.getLogger('lmdeploy')
 Prompts = Union[str, List[Dict[str, Any]], List[int], List[str], List[List[Dict[str, Any]]], List[List[int]]]
 _DONE = object()
+_CLOSED = 'the pipeline is closed: make a new one with pipeline(...)'
 
 
 def _is_messages(p: Any) -> bool:
@@ -113,6 +119,37 @@ def _group(items: List[Any], gens: List[Any], samples: List[_Sample], responses:
     return [rs if _num_samples(g) > 1 else rs[0] for rs, g in zip(out, gens)]
 
 
+async def _gather_or_cancel(coros) -> list:
+    """``asyncio.gather`` that, when one fails, cancels the others and waits for them before raising: no
+    request of a failed call keeps running in the engine (and holding its blocks) after the caller is told."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def check_ppl_inputs(batch: Sequence[Any], vocab_size: int, session_len: int):
+    """Every sequence of a get_ppl call is checked before any starts: token ids in the vocabulary, at least 2
+    of them (a loss needs a next token), fewer than ``session_len``."""
+    for i, ids in enumerate(batch):
+        where = f'input_ids[{i}]' if len(batch) > 1 else 'input_ids'
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in ids):
+            raise TypeError(f'get_ppl: {where} must be a list of token ids (ints), got {type(ids).__name__}'
+                            + ('' if not isinstance(ids, (list, tuple)) else ' holding other things'))
+        if len(ids) < 2:
+            raise ValueError(f'get_ppl: {where} has {len(ids)} token(s); a perplexity needs at least 2')
+        if len(ids) >= session_len:
+            raise ValueError(f'get_ppl: {where} has {len(ids)} tokens; session_len is {session_len}')
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f'get_ppl: {where} holds token id {bad}, outside the vocabulary [0, {vocab_size})')
+
+
 def _log_refused(resp: Response):
     if resp.refused:
         logger.error('request %d (prompt %d) refused: %s', resp.session_id, resp.index, resp.error)
@@ -183,10 +220,34 @@ class Pipeline:
         self._thread = threading.Thread(target=self._loop.run_forever, name='lmdeploy-pipeline', daemon=True)
         self._thread.start()
         self._closed = False
+        self._closing = threading.Lock()  # a call is submitted either before close() begins or not at all
+        close_at_exit(self)
 
     # -------------------------------------------------------------- helpers
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError(_CLOSED)
+
+    def _submit(self, coro) -> concurrent.futures.Future:
+        with self._closing:
+            if self._closed:
+                coro.close()
+                raise RuntimeError(_CLOSED)
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _result(self, future: concurrent.futures.Future):
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:  # close() (another thread, or exit) cancelled what still ran
+                raise RuntimeError(_CLOSED) from None
+            raise
+        except BaseException:  # e.g. Ctrl-C in the caller: what it started stops too
+            future.cancel()
+            raise
+
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._result(self._submit(coro))
 
     @staticmethod
     def _gen_configs(gen_config, n: int) -> List[GenerationConfig]:
@@ -248,7 +309,7 @@ class Pipeline:
                 on_done()
             return resp
 
-        done = await asyncio.gather(*(one(k) for k in order))
+        done = await _gather_or_cancel(one(k) for k in order)
         responses: List[Any] = [None] * len(samples)
         for k, resp in zip(order, done):
             responses[k] = resp
@@ -270,6 +331,7 @@ class Pipeline:
         longest requests from running nearly alone at the end of the batch
         (fewer, fuller decode steps for the same tokens)."""
         _reject_unknown('infer', kwargs)
+        self._check_open()
         items, single = normalize_prompts(prompts)
         gens = self._gen_configs(gen_config, len(items))
         samples = self._samples(items, gens)
@@ -298,25 +360,17 @@ class Pipeline:
         says which prompt, ``choice`` which of its n samples) as they are
         produced."""
         _reject_unknown('stream_infer', kwargs)
+        self._check_open()
         items, _ = normalize_prompts(prompts)
         gens = self._gen_configs(gen_config, len(items))
         samples = self._samples(items, gens)
         q: queue.Queue = queue.Queue()
-
-        async def run_all():
-            try:
-                await self._run_samples(samples, do_preprocess, range(len(samples)), sink=q.put)
-            finally:
-                q.put(_DONE)
-
-        future = asyncio.run_coroutine_threadsafe(run_all(), self._loop)
+        future = self._submit(self._run_samples(samples, do_preprocess, range(len(samples)), sink=q.put))
+        future.add_done_callback(lambda _: q.put(_DONE))  # also when cancelled before it ran
         try:
-            while True:
-                item = q.get()
-                if item is _DONE:
-                    break
+            while (item := q.get()) is not _DONE:
                 yield item
-            future.result()
+            self._result(future)
         finally:
             if not future.done():  # the caller stopped early: cancel what still runs
                 future.cancel()
@@ -327,6 +381,7 @@ class Pipeline:
         """One turn of a multi-turn chat. The session's KV cache stays in the
         engine, so earlier turns are not prefilled again."""
         _reject_unknown('chat', kwargs)
+        self._check_open()
         if session is None:
             session = Session(self.gateway.next_session_id())
         messages = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else list(prompt)
@@ -354,34 +409,34 @@ class Pipeline:
 
         def stream():
             q: queue.Queue = queue.Queue()
-
-            async def run():
-                try:
-                    return await turn(sink=q.put)
-                finally:
-                    q.put(_DONE)
-
-            future = asyncio.run_coroutine_threadsafe(run(), self._loop)
-            while (item := q.get()) is not _DONE:
-                yield item
-            record(future.result())
+            future = self._submit(turn(sink=q.put))
+            future.add_done_callback(lambda _: q.put(_DONE))
+            try:
+                while (item := q.get()) is not _DONE:
+                    yield item
+                record(self._result(future))
+            finally:
+                if not future.done():
+                    future.cancel()
 
         return stream()
 
     def end_session(self, session: Union[Session, int]):
         """Free an interactive session's cache."""
+        self._check_open()
         self.gateway.end_session(session.session_id if isinstance(session, Session) else session)
 
     def get_ppl(self, input_ids: Union[List[int], List[List[int]]]) -> List[float]:
-        """Mean cross-entropy of each token sequence (transformers' loss)."""
-        if not input_ids:
-            raise ValueError('input_ids is empty')
+        """Mean cross-entropy of each token sequence (transformers' loss). The whole batch is checked first:
+        one bad sequence raises before any runs."""
+        self._check_open()
+        if not isinstance(input_ids, (list, tuple)) or not input_ids:
+            raise ValueError('get_ppl: input_ids must be a non-empty list of token ids, or a list of those')
         batch = [input_ids] if isinstance(input_ids[0], int) else input_ids
+        check_ppl_inputs(batch, self.engine.model_config.vocab_size, self.engine.session_len)
         gen = GenerationConfig(max_new_tokens=1)
 
         async def one(ids: Sequence[int]) -> float:
-            if len(ids) < 2:
-                raise ValueError('get_ppl needs sequences of at least 2 tokens')
             loss = None
             async for out in self.gateway.generate(None, self.gateway.next_session_id(), gen, input_ids=list(ids),
                                                    prompt_loss=True):
@@ -390,17 +445,44 @@ class Pipeline:
                 loss = out.prompt_loss if out.prompt_loss is not None else loss
             return loss
 
-        async def run_all():
-            return await asyncio.gather(*(one(ids) for ids in batch))
-
-        return self._run(run_all())
+        return self._run(_gather_or_cancel(one(ids) for ids in batch))
 
     def close(self):
-        if not self._closed:
+        """Stop the engine (requests still running end as aborted) and the loop; later calls raise."""
+        with self._closing:
+            if self._closed:
+                return
             self._closed = True
+        try:
             self.gateway.close()
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self):
+        """Cancel what still runs on the loop (its callers' futures end as cancelled, so no caller waits
+        forever), then stop the loop and its thread."""
+        loop = self._loop
+
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
+
+        if threading.current_thread() is self._thread:  # closed from a callback on the loop itself
+            for t in asyncio.all_tasks(loop):
+                t.cancel()
+            loop.call_soon(loop.stop)
+            return
+        if not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout=10)
+        except Exception:  # (timed out: stop it all the same)
+            logger.warning('the pipeline loop did not wind down in time')
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(timeout=5)
 
     def __enter__(self):
         return self
@@ -409,6 +491,8 @@ class Pipeline:
         self.close()
 
     def __del__(self):
+        if sys.is_finalizing():  # too late to stop threads cleanly (at_exit closed it already)
+            return
         try:
             self.close()
         except Exception:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from lmdeploy.at_exit import run_bounded
 from lmdeploy.messages import PytorchEngineConfig
 
 from ..model_config import ModelConfig
@@ -52,17 +53,16 @@ class Workers:
         return self._driver
 
     def close(self):
-        """Stop the ranks (call once the engine runs no more steps)."""
+        """Stop the ranks (call once the engine runs no more steps): tell them to stop, leave the group as
+        they do (an NCCL group left to C++ destructors at interpreter exit can hang it), wait for them to
+        exit, kill what is left. Every step is bounded: a rank that hangs costs seconds, not the exit."""
         if self._closed:
             return
-        try:
-            if self._driver is not None:
-                self._driver.stop()
-        except Exception as e:  # a rank already gone: the broadcast fails, the ranks are killed below
-            logger.warning('stopping the tensor-parallel ranks: %s', e)
+        if self._driver is not None:
+            run_bounded(self._driver.stop, _STOP_TIMEOUT_S, 'telling the tensor-parallel ranks to stop')
         self._closed = True
+        run_bounded(leave_group, _STOP_TIMEOUT_S, 'leaving the tensor-parallel group')
         self.launcher.stop(_STOP_TIMEOUT_S)
-        leave_group()
         set_tensor_parallel(0, 1)
 
 

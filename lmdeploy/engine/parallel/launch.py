@@ -6,20 +6,21 @@ and stops them: a clean stop waits for them to exit, then kills what is left."""
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
 import time
 from typing import List, Optional
 
-from .worker import WorkerSpec
+from .worker import WorkerSpec, write_spec
 
 _WORKER = 'from lmdeploy.engine.parallel.worker import main; main()'
+_EOF_GRACE_S = 2.0  # a worker whose pipe closed exits within its watch's poll; then it is killed
 
 
 class ProcessLauncher:
     """One fresh interpreter per rank (nothing of the user's ``__main__`` re-runs in it), on this machine's
-    device ``rank``; each exits with the process that started it."""
+    device ``rank``; each exits with the process that started it: its stdin is a pipe from this process,
+    held open until the stop, whose end of file the worker takes as the order to exit at once."""
     host = '127.0.0.1'
 
     def __init__(self, device):
@@ -31,9 +32,8 @@ class ProcessLauncher:
     def start(self, spec: WorkerSpec):
         spec.device_index = spec.rank
         proc = subprocess.Popen([sys.executable, '-c', _WORKER], stdin=subprocess.PIPE)
-        proc.stdin.write(pickle.dumps(spec))
-        proc.stdin.close()
         self.procs.append(proc)
+        write_spec(proc.stdin, spec)
 
     def gone(self) -> Optional[str]:
         for rank, proc in enumerate(self.procs, 1):
@@ -46,13 +46,29 @@ class ProcessLauncher:
         return [p.pid for p in self.procs]
 
     def stop(self, timeout: float):
+        """Wait for the workers to exit (they were told to stop, or are gone); after ``timeout`` close their
+        pipes (they exit at once), and kill what is still there a moment later."""
         deadline = time.monotonic() + timeout
         for proc in self.procs:
+            _wait(proc, deadline - time.monotonic())
+        for proc in self.procs:
             try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+                proc.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + _EOF_GRACE_S
+        for proc in self.procs:
+            if not _wait(proc, deadline - time.monotonic()):
                 proc.kill()
                 proc.wait()
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> bool:
+    try:
+        proc.wait(max(0.0, timeout))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 class RayLauncher:
@@ -123,6 +139,9 @@ class RayLauncher:
         return []
 
     def stop(self, timeout: float):
+        if not self._ray.is_initialized():  # ray.shutdown() ran first (its atexit handler): the actors went with it
+            self.actors, self._placeholder, self.pg = [], None, None
+            return
         if self.refs:
             self._ray.wait(self.refs, num_returns=len(self.refs), timeout=timeout)
         for actor in self.actors + ([self._placeholder] if self._placeholder is not None else []):

@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from lmdeploy.at_exit import run_bounded
 from lmdeploy.messages import PytorchEngineConfig
 
 from ..model_config import ModelConfig
@@ -22,6 +23,8 @@ from . import channel
 from .group import join_group, leave_group
 
 logger = logging.getLogger('lmdeploy')
+
+_LEAVE_TIMEOUT_S = 10.0  # destroying the process group (NCCL may wait on a peer that is gone)
 
 
 @dataclass
@@ -52,7 +55,7 @@ def serve(spec: WorkerSpec):
         runner = build_rank(spec.model_path, spec.config, spec.model_config, device).runner
         _loop(runner, channel.Channel(device))
     finally:
-        leave_group()
+        run_bounded(leave_group, _LEAVE_TIMEOUT_S, 'leaving the tensor-parallel group')
 
 
 @torch.inference_mode()
@@ -73,28 +76,64 @@ def _loop(runner, chan: channel.Channel):
             raise RuntimeError(f'unknown command {cmd} from rank 0')
 
 
-def _exit_with_parent():
-    """A worker never outlives the process that started it (even one killed without cleanup)."""
+def read_spec(fd: int) -> WorkerSpec:
+    """The spec rank 0 writes on the worker's stdin: its length (8 bytes), then the pickle. Read to the byte,
+    so that what follows on the pipe (nothing, then end of file) is the parent's liveness."""
+    def read(n: int) -> bytes:
+        data = b''
+        while len(data) < n:
+            chunk = os.read(fd, n - len(data))
+            if not chunk:
+                raise EOFError('the engine process closed the pipe before the worker spec was complete')
+            data += chunk
+        return data
+    return pickle.loads(read(int.from_bytes(read(8), 'little')))
+
+
+def write_spec(stream, spec: WorkerSpec):
+    data = pickle.dumps(spec)
+    stream.write(len(data).to_bytes(8, 'little') + data)
+    stream.flush()
+
+
+def _exit_with_parent(fd: int):
+    """A worker never outlives the process that started it, even one killed without clean-up: the parent
+    holds the other end of this pipe (stdin) for the worker's whole life, so the end of the file comes the
+    moment the parent is gone or gives up on a clean stop. The parent pid is watched too (a child the parent
+    forked could hold the pipe open)."""
     parent = os.getppid()
 
     def watch():
         while True:
-            if os.getppid() != parent:
+            readable, _, _ = select.select([fd], [], [], 0.5)
+            if (readable and not os.read(fd, 1)) or os.getppid() != parent:
                 os._exit(1)
-            time.sleep(0.5)
 
     threading.Thread(target=watch, name='lmdeploy-parent-watch', daemon=True).start()
 
 
 def main():
-    """Entry of a worker process (launch.py): the spec arrives pickled on stdin."""
+    """Entry of a worker process (launch.py): the spec arrives on stdin, which stays open while rank 0 lives.
+
+    The process ends with ``os._exit``: once the group is left there is nothing to flush but logs, and the
+    interpreter's own teardown (CUDA graphs, NCCL communicators destroyed by C++ destructors) is where a
+    process that holds a device can hang."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle: it stops the workers
-    _exit_with_parent()
-    spec: WorkerSpec = pickle.load(sys.stdin.buffer)
-    from lmdeploy.log import configure
-    configure(spec.log_level, f' (rank {spec.rank})')
+    code, rank = 1, '?'
     try:
+        spec = read_spec(0)
+        rank = spec.rank
+        _exit_with_parent(0)
+        from lmdeploy.log import configure
+        configure(spec.log_level, f' (rank {rank})')
         serve(spec)
+        code = 0
+    except EOFError:
+        pass  # rank 0 went away before sending the spec
     except Exception:
-        logger.exception('tensor-parallel rank %d failed', spec.rank)
-        sys.exit(1)
+        logger.exception('tensor-parallel rank %s failed', rank)
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

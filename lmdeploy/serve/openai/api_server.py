@@ -26,8 +26,10 @@ The :class:`~lmdeploy.frontend.gateway.Gateway` runs on the server's event
 loop (it is async); the engine runs in a process of its own
 (:mod:`lmdeploy.engine.process`; ``PytorchEngineConfig(engine_process=False)``
 keeps it on a thread of this one). A client that goes
-away cancels its requests; SIGTERM / SIGINT drain: no new requests, running
-ones finish (up to ``drain_timeout``), then :func:`serve` returns 0.
+away cancels its requests; SIGTERM / SIGINT drain: new requests and /health
+get 503, running ones finish (up to ``drain_timeout``, or a second signal:
+then they end with an error event), then :func:`serve` returns 0. The port is
+bound before the model loads, and "serving" logged once it listens.
 
 Run it with ``lmdeploy serve api_server MODEL [flags]``, from Python with
 :func:`serve`, or as ``python -m lmdeploy.serve.openai.api_server MODEL
@@ -55,7 +57,7 @@ from .guard import DEFAULT_MAX_BODY_BYTES, _GuardMiddleware
 from .metrics import CONTENT_TYPE_LATEST
 from .runner import Runner
 from .state import ServerState
-from .uvicorn_server import BackgroundServer, _make_server_class
+from .uvicorn_server import BackgroundServer, _make_server_class, bind_socket
 
 logger = logging.getLogger('lmdeploy.serve')
 
@@ -167,7 +169,8 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
     max_log_len: characters of each prompt logged (INFO); None: all.
     max_body_bytes: larger request bodies are refused with a 413.
     drain_timeout: seconds running requests get after SIGTERM before they
-        are cancelled; None: wait for them however long.
+        are cut short (a stream ends with an error event, then ``[DONE]``);
+        None: wait for them however long (a second signal cuts them).
     tool_call_parser: how the model writes tool calls ('qwen', 'llama3',
         'internlm2'); None or 'auto': detected.
     proxy_url: a ``lmdeploy serve proxy`` to register with once listening (and
@@ -201,10 +204,16 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
                 raise FileNotFoundError(f'SSL file {path!r} does not exist')
         ssl_kwargs = dict(ssl_keyfile=keyfile, ssl_certfile=certfile)
     chat_template_config = _chat_template_config(chat_template_config)
-    # the engine gets a process of its own unless backend_config.engine_process says otherwise: the
-    # server's threads (HTTP, JSON, detokenization) then never hold the interpreter lock its steps need
-    gateway = Gateway(resolve_model_path(model_path), backend_config, chat_template_config, model_name,
-                      engine_process=True)
+    # the port first: one in use fails now, not after the model has loaded
+    sock = bind_socket(server_name, server_port)
+    try:
+        # the engine gets a process of its own unless backend_config.engine_process says otherwise: the
+        # server's threads (HTTP, JSON, detokenization) then never hold the interpreter lock its steps need
+        gateway = Gateway(resolve_model_path(model_path), backend_config, chat_template_config, model_name,
+                          engine_process=True)
+    except BaseException:
+        sock.close()
+        raise
     try:
         app = create_app(gateway, api_keys=api_keys, model_name=model_name, allow_origins=allow_origins,
                          allow_credentials=allow_credentials, allow_methods=allow_methods,
@@ -224,10 +233,16 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
             if link is not None:  # the proxy stops sending new requests while the running ones finish
                 link.deregister_in_background()
 
-        server = _make_server_class()(config, on_exit=on_exit)
         engine = gateway.engine
-        logger.warning('serving %s on %s://%s:%d (KV cache: %d tokens, quant_policy %d)', state.model_name, scheme,
-                       server_name, server_port, engine.num_blocks * engine.block_size, engine.quant_policy)
+
+        def on_listening(_server):
+            logger.warning('serving %s on %s://%s:%d (KV cache: %d tokens, quant_policy %d)', state.model_name,
+                           scheme, server_name, sock.getsockname()[1], engine.num_blocks * engine.block_size,
+                           engine.quant_policy)
+
+        # SIGTERM / SIGINT: /health and new requests answer 503 while the running ones finish (a second signal
+        # or drain_timeout ends them, each response still well-formed), then serve() returns 0
+        server = _make_server_class()(config, on_exit=on_exit, on_cut=state.cut_running, on_listening=on_listening)
         # everything alive now (the app, the tokenizer, imported modules) lives as long as the server: keep it
         # out of the collector's full passes, which otherwise stall every stream for a few hundred ms now and
         # then under load (H100, 35 req/s: TTFT p99 355 ms, all of it from such stalls)
@@ -236,7 +251,7 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
         if link is not None:
             link.register_when_listening(server)
         try:
-            server.run()
+            server.run(sockets=[sock])
         finally:
             if link is not None:
                 link.leave()
@@ -245,6 +260,7 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
         logger.warning('drained; bye')
         return 0
     finally:
+        sock.close()
         gateway.close()
 
 

@@ -99,6 +99,10 @@ class _Run:
             None, job.session_id, job.gen, input_ids=job.input_ids, interactive=job.interactive,
             stream_text=job.stream or job.index in leaders,
             share_prompt=job.after is not None or job.index in leaders))) for job in jobs]
+        self._ended: set = set()  # jobs whose last output is queued
+        state.runs.add(self)
+        if state.cut_reason is not None:  # started as the drain was cut short
+            self.cut(state.cut_reason)
 
     async def _pump(self, job: _Job, gen):
         try:
@@ -120,8 +124,21 @@ class _Run:
             self._put(job.index, None)
 
     def _put(self, index: int, out):
+        if out is not None and out.finish_reason is not None:
+            self._ended.add(index)
         self.queue.append((index, out))
         self._ready.set()
+
+    def cut(self, why: str):
+        """End every generation still running with ``why`` as its error (the server stops before they are
+        done): the response then ends as a failed one does, with an error event (and ``[DONE]``), instead of
+        being dropped mid-stream. The engine's requests are cancelled, which frees their KV blocks."""
+        from lmdeploy.frontend.gateway import GenOut
+        for job, task in zip(self.jobs, self.tasks):
+            if job.index not in self._ended and not task.done():
+                self._put(job.index, GenOut('', len(job.input_ids), self._generated[job.index],
+                                            finish_reason='error', error=why))
+                task.cancel()
 
     async def _get(self) -> Tuple[int, Any]:
         """The oldest item, with the same job's outputs queued right behind it folded in (a stream that fell
@@ -172,6 +189,7 @@ class _Run:
         if self._closed:
             return
         self._closed = True
+        self.state.runs.discard(self)
         for task in self.tasks:
             if not task.done():
                 task.cancel()

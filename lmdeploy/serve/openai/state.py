@@ -21,6 +21,8 @@ class ServerState:
         self.api_key_digests = [self.key_digest(k) for k in (api_keys or []) if k]
         self.max_log_len = max_log_len
         self.draining = False
+        self.runs: set = set()  # the requests generating now (jobs._Run)
+        self.cut_reason: Optional[str] = None  # set when the drain ends what still runs
         self.sessions = _Sessions()
         self.metrics = ServerMetrics(lambda: self.gateway.engine if self.gateway is not None else None)
         if gateway is not None:
@@ -52,6 +54,12 @@ class ServerState:
     def key_digest(key: Optional[str]) -> bytes:
         """What the server keeps of a key: its SHA-256 (also the owner of the key's sessions)."""
         return hashlib.sha256((key or '').encode()).digest()
+
+    def cut_running(self, why: str = 'the server is shutting down: this request was cut short'):
+        """End every running request with an error (the drain's time is up, or a second signal came)."""
+        self.cut_reason = why
+        for run in list(self.runs):
+            run.cut(why)
 
     def not_ready(self) -> Optional[Tuple[str, str]]:
         """(message, code) when requests cannot be served now, else None."""
