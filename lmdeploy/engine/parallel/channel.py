@@ -23,15 +23,17 @@ class Channel:
     def __init__(self, device):
         self.torch_device = device.torch_device()
 
-    def send(self, cmd: int, args: Sequence[int] = (), payload: Optional[torch.Tensor] = None):
-        """Rank 0: broadcast a command (``payload``: an int64 tensor on the device)."""
+    def send(self, cmd: int, args: Sequence[int] = (), payload: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rank 0: broadcast a command (``payload``: an int64 tensor on the device). Returns the header on the
+        device (reading it back waits until the broadcast has left this rank)."""
         n = 0 if payload is None else payload.numel()
         header = [cmd, n, *args]
         if len(header) > _HEADER:
             raise ValueError(f'command header too long: {header}')
-        ops.broadcast(to_device(int64_tensor(header + [0] * (_HEADER - len(header))), self.torch_device))
+        sent = ops.broadcast(to_device(int64_tensor(header + [0] * (_HEADER - len(header))), self.torch_device))
         if n:
             ops.broadcast(payload)
+        return sent
 
     def receive(self) -> Tuple[int, list, Optional[torch.Tensor]]:
         """Other ranks: wait for the next command; returns (cmd, args, payload)."""

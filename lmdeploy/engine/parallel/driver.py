@@ -82,5 +82,5 @@ class ParallelRunner:
         """Tell the other ranks to exit (when none is gone), and wait until the command has left this rank (a
         collective is only queued on the device: the group must not be torn down under it)."""
         if self.workers.error() is None:
-            self.channel.send(channel.STOP)
-            self.runner.device.synchronize()
+            # (read back on its own device: this may run on a thread whose current device is another)
+            self.channel.send(channel.STOP).tolist()
