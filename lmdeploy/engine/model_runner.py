@@ -1,6 +1,7 @@
 """Packs a scheduled batch into tensors, runs the model, owns the KV cache."""
 from __future__ import annotations
 
+import gc
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -81,6 +82,12 @@ class ModelRunner:
         if self.pieces is not None:
             return self.pieces.sizes[-1], None
         return None
+
+    def drop_recordings(self):
+        """Forget the recorded steps once no step will run: under tensor parallelism they hold the collectives
+        of a process group about to be destroyed, and go before it, not in the interpreter's teardown."""
+        self.graphs = self.pieces = None
+        gc.collect()
 
     def _eager_forward(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

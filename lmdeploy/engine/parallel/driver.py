@@ -84,3 +84,4 @@ class ParallelRunner:
         if self.workers.error() is None:
             # (read back on its own device: this may run on a thread whose current device is another)
             self.channel.send(channel.STOP).tolist()
+        self.runner.drop_recordings()

@@ -54,6 +54,7 @@ def serve(spec: WorkerSpec):
         set_tensor_parallel(spec.rank, spec.world)
         runner = build_rank(spec.model_path, spec.config, spec.model_config, device).runner
         _loop(runner, channel.Channel(device))
+        runner.drop_recordings()
     finally:
         run_bounded(leave_group, _LEAVE_TIMEOUT_S, 'leaving the tensor-parallel group')
 
