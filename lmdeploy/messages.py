@@ -38,8 +38,9 @@ class GenerationConfig:
     """How to generate: the fields of LMDeploy's ``GenerationConfig``.
 
     ``do_sample=False`` (the default), ``top_k=1`` or a ``temperature`` below
-    ``GREEDY_TEMPERATURE`` (1e-5; 0 included) decode greedily. ``random_seed`` makes sampling reproducible regardless of which
-    other requests share the batch. ``n`` samples per prompt (the pipeline
+    ``GREEDY_TEMPERATURE`` (1e-5; 0 included) decode greedily. ``random_seed``
+    makes sampling reproducible regardless of which other requests share the
+    batch. ``n`` samples per prompt (the pipeline
     returns a list of n Responses for it; sample i draws with
     ``random_seed + i``).
     """

@@ -121,6 +121,11 @@ def test_content_parts_are_joined():
     assert t.messages2prompt(parts) == t.messages2prompt('a\nb')
     with pytest.raises(ValueError, match='image_url'):
         t.messages2prompt([{'role': 'user', 'content': [{'type': 'image_url', 'image_url': {'url': 'x'}}]}])
+    # a text part without its text is not "an unsupported part": the error says what it lacks
+    for part, got in (({'type': 'text'}, 'none'), ({'type': 'text', 'text': 5}, 'int')):
+        with pytest.raises(ValueError, match=rf'messages\[0\]\.content\[1\]: a text part needs "text", a string; '
+                                             rf'got {got}'):
+            t.messages2prompt([{'role': 'user', 'content': [{'type': 'text', 'text': 'a'}, part]}])
 
 
 @pytest.mark.parametrize('messages, match', [

@@ -522,6 +522,10 @@ INVALID = [
     ('n', 65),
     ('logprobs', -1),
     ('repetition_penalty', 0.0),
+    ('repetition_penalty', float('nan')),
+    ('repetition_penalty', float('inf')),
+    ('temperature', float('nan')),
+    ('temperature', float('inf')),
     ('random_seed', -3),
     ('min_new_tokens', -1),
     ('output_logits', 'everything'),
@@ -544,6 +548,32 @@ def test_invalid_values_through_pipeline(pipe, greedy16):
         r = refused(pipe, PROMPT, gen)
         assert r.finish_reason == 'error' and f'GenerationConfig.{field} ' in r.error, (field, r.error)
         assert r.generate_token_len == 0 and r.token_ids == [] and r.text == ''
+    assert pipe(PROMPT, GenerationConfig(max_new_tokens=4)).token_ids == greedy16[:4]
+
+
+def test_values_float32_cannot_honour(pipe, greedy16):
+    """A temperature that is 0 in float32 (1e-46, 5e-324) decodes greedily instead of dividing the logits
+    by zero (NaN logits, then token 0 every step); a repetition penalty too small for float32 logits is
+    applied as the smallest one they hold (the same order of tokens), not as a division by zero."""
+    for temperature in (1e-300, 1e-46, 5e-324):
+        r = pipe(PROMPT, GenerationConfig(max_new_tokens=16, do_sample=True, temperature=temperature, random_seed=1))
+        assert r.token_ids == greedy16, temperature
+    tiny = pipe(PROMPT, GenerationConfig(max_new_tokens=8, repetition_penalty=1e-46))
+    bound = pipe(PROMPT, GenerationConfig(max_new_tokens=8, repetition_penalty=1e-6))
+    assert tiny.finish_reason == 'length' and tiny.token_ids == bound.token_ids
+
+
+def test_nan_logits_are_an_engine_fault(pipe, greedy16):
+    """Logits with nothing finite to draw from fail the request as the engine's fault, naming it (they
+    used to become token 0, or a grammar's complaint about the request)."""
+    def nan(generated, scores):
+        return scores * float('nan')
+
+    for gen in (GenerationConfig(max_new_tokens=4, logits_processors=[nan]),
+                GenerationConfig(max_new_tokens=4, do_sample=True, temperature=1.0, logits_processors=[nan])):
+        r = refused(pipe, PROMPT, gen)
+        assert r.finish_reason == 'error' and 'engine fault' in r.error and 'finite' in r.error, r.error
+        assert r.token_ids == []
     assert pipe(PROMPT, GenerationConfig(max_new_tokens=4)).token_ids == greedy16[:4]
 
 

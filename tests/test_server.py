@@ -3,6 +3,7 @@ thread, the embedded SmolLM2-135M on cpu) and driven with the unmodified
 ``openai`` package, raw HTTP and ``lmdeploy.serve.client.APIClient``."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import time
@@ -22,12 +23,12 @@ SESSION_LEN = 1024
 MAX_BODY = 1 << 20
 
 
-def start_server(model_path: str, **app_kwargs) -> SimpleNamespace:
+def start_server(model_path: str, session_len: int = SESSION_LEN, **app_kwargs) -> SimpleNamespace:
     from lmdeploy.frontend.gateway import Gateway
     from lmdeploy.messages import PytorchEngineConfig
     from lmdeploy.serve.openai.api_server import BackgroundServer, create_app
     # 256 blocks of 64 tokens: room for every test (the load test runs 64 sequences at a time)
-    config = PytorchEngineConfig(device_type='cpu', session_len=SESSION_LEN, num_gpu_blocks=256)
+    config = PytorchEngineConfig(device_type='cpu', session_len=session_len, num_gpu_blocks=256)
     gateway = Gateway(model_path, config, model_name=MODEL)
     app = create_app(gateway, **{'api_keys': [KEY], 'max_body_bytes': MAX_BODY, 'max_log_len': 64, **app_kwargs})
     server = BackgroundServer(app).start()
@@ -238,7 +239,7 @@ ERROR_CASES = [
     (CHAT, dict(model=MODEL, messages='hi', frequency_penalty=-0.5), 400, 'unsupported_parameter'),
     (CHAT, dict(model=MODEL, messages='hi', top_logprobs=2), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages='hi', logprobs=True, top_logprobs=50), 400, 'invalid_value'),
-    (CHAT, dict(model=MODEL, messages='hi', stop=['']), 400, None),
+    (CHAT, dict(model=MODEL, messages='hi', stop=['']), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages=[]), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages=[{'role': 'wizard', 'content': 'hi'}]), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages=[{'role': 'user', 'content': [
@@ -259,7 +260,7 @@ ERROR_CASES = [
     (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {'name': 'f'}}],
                 tool_choice='required', response_format={'type': 'json_object'}), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages=[{'role': 'assistant', 'tool_calls': [{'id': 'x', 'function': 'f'}]}]), 400,
-     'invalid_value'),
+     'invalid_body'),
     (CHAT, dict(model=MODEL, messages='hi', response_format={'type': 'json_schema', 'json_schema': {
         'name': 'x', 'schema': {'type': 'object', 'properties': {'a': {'type': 'nonsense'}}}}}), 400,
      'invalid_value'),
@@ -633,6 +634,189 @@ def test_extreme_valid_values_do_not_break_the_engine(http, srv, extra):
         assert r.json()['choices'][0]['finish_reason'] in ('stop', 'length')
     ok = http.post(CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=2))
     assert ok.status_code == 200
+
+
+# --------------------------------------------------------------------------- strict validation
+STRICT_CASES = [
+    # (path, body, code, param): what the schema does not allow is refused, with one error naming the field
+    (CHAT, dict(model=MODEL, messages=''), 'invalid_value', 'messages'),
+    (CHAT, dict(model=MODEL, messages='hi', max_tokens='8'), 'invalid_body', 'max_tokens'),
+    (CHAT, dict(model=MODEL, messages='hi', max_tokens=True), 'invalid_body', 'max_tokens'),
+    (CHAT, dict(model=MODEL, messages='hi', temperature=False), 'invalid_body', 'temperature'),
+    (CHAT, dict(model=MODEL, messages='hi', n=2.5), 'invalid_body', 'n'),
+    (CHAT, dict(model=MODEL, messages='hi', stream='true'), 'invalid_body', 'stream'),
+    (CHAT, dict(model=MODEL, messages='hi', seed='7'), 'invalid_body', 'seed'),
+    (CHAT, dict(model=MODEL, messages=[{'role': 'wizard', 'content': 'hi'}]), 'invalid_value', 'messages.0.role'),
+    (CHAT, dict(model=MODEL, messages=[{'role': 'user', 'content': [{'type': 'text'}]}]), 'invalid_body',
+     'messages.0.content.0.text'),
+    (CHAT, dict(model=MODEL, messages=[{'role': 'user', 'content': [{'type': 'text', 'text': 5}]}]), 'invalid_body',
+     'messages.0.content.0.text'),
+    (CHAT, dict(model=MODEL, messages='hi', stop=['a'] * 17), 'invalid_value', 'stop'),
+    (CHAT, dict(model=MODEL, messages='hi', stop='x' * 257), 'invalid_value', 'stop'),
+    (CHAT, dict(model=MODEL, messages='hi', tool_choice={'type': 'function'}), 'invalid_body', 'tool_choice.function'),
+    (CHAT, dict(model=MODEL, messages='hi', response_format={'type': 'json_schema'}), 'invalid_body',
+     'response_format.json_schema'),
+    (COMP, dict(model=MODEL, prompt=['a', 7]), 'invalid_body', 'prompt.1'),
+    (COMP, dict(model=MODEL, prompt=[7, '8']), 'invalid_body', 'prompt.1'),
+    (COMP, dict(model=MODEL, prompt=[7, -1]), 'invalid_value', 'prompt.1'),
+    ('/generate', dict(input_ids=[1, 2.5]), 'invalid_body', 'input_ids.1'),
+    ('/generate', dict(prompt='hi', top_k='40'), 'invalid_body', 'top_k'),
+    ('/generate', dict(prompt='hi', max_tokens=2, request_output_len=2), 'invalid_value', 'max_tokens'),
+]
+
+
+@pytest.mark.parametrize('path,body,code,param', STRICT_CASES, ids=[str(i) for i in range(len(STRICT_CASES))])
+def test_strict_validation_one_error(http, path, body, code, param):
+    """Strings and booleans are not numbers, an empty messages string is not a conversation: refused as
+    the schema says, with the one error that applies (a union is read by the value's JSON type, so an
+    array of messages is not also reported as "not a string")."""
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()['error']
+    assert (err['code'], err['param']) == (code, param), err
+    assert ';' not in err['message'] and param.split('.')[0] in err['message'], err
+
+
+def test_whole_numbers_are_integers(http):
+    """JSON Schema's integers include 2.0: taken as 2 (a string or a boolean is not one)."""
+    r = http.post(CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=2.0, n=1.0, temperature=0, seed=3.0))
+    assert r.status_code == 200 and r.json()['usage']['completion_tokens'] <= 2, r.text
+    r = http.post(COMP, json=dict(model=MODEL, prompt=[504, 2.0, 314], max_tokens=2, ignore_eos=True))
+    assert r.status_code == 200 and r.json()['usage'] == {'prompt_tokens': 3, 'completion_tokens': 2,
+                                                          'total_tokens': 5}, r.text
+
+
+def test_unreadable_bodies_have_a_code(http):
+    """Bodies the JSON reader gives up on (not UTF-8, a number of 5,000 digits, 100,000 nested arrays) and
+    strings that are not Unicode text are each a 400 with a code and a reason, not ``code: null``."""
+    raw = {
+        b'{"model": "smollm2", "messages": "\xff\xfe"}': ('not valid UTF-8', None),
+        b'{"model": "smollm2", "messages": "hi", "seed": ' + b'9' * 5000 + b'}': ('too many digits', None),
+        b'[' * 100000 + b']' * 100000: ('nests', None),
+    }
+    for body, (words, param) in raw.items():
+        r = http.post(CHAT, content=body, headers={'Content-Type': 'application/json'})
+        err = r.json()['error']
+        assert r.status_code == 400 and err['code'] == 'invalid_body' and words in err['message'], err
+    r = http.post(CHAT, content=b'{"model": "smollm2", "messages": "hi", "stop": ["\\ud800"]}',
+                  headers={'Content-Type': 'application/json'})
+    err = r.json()['error']  # a lone surrogate has no UTF-8 form: not a string the server can take
+    assert r.status_code == 400 and (err['code'], err['param']) == ('invalid_body', 'stop.0'), err
+    assert 'unicode' in err['message']
+
+
+def test_the_served_schema_says_what_is_taken(srv):
+    """The OpenAPI schema names the served model and the vocabulary's bound for token ids, and every limit
+    as JSON Schema spells it (minimum / maximum, not pydantic's ge / le)."""
+    schema = srv.app.openapi()
+    text = json.dumps(schema)
+    assert '"ge":' not in text and '"le":' not in text and '"gt":' not in text
+    comps = schema['components']['schemas']
+    vocab = srv.engine.model_config.vocab_size
+    for name in ('ChatCompletionRequest', 'CompletionRequest'):
+        assert comps[name]['properties']['model']['enum'] == [MODEL]
+        assert any('if' in rule for rule in comps[name]['allOf'])
+    ids = [arm for arm in comps['CompletionRequest']['properties']['prompt']['oneOf'] if 'items' in arm]
+    assert any(arm['items'].get('maximum') == vocab - 1 for arm in ids)
+    assert comps['GenerateRequest']['properties']['input_ids']['anyOf'][0]['items']['maximum'] == vocab - 1
+    assert '500' in schema['paths']['/v1/chat/completions']['post']['responses']
+
+
+# --------------------------------------------------------------------------- sampling defaults and faults
+@pytest.mark.parametrize('temperature', [1e-300, 1e-46, 5e-324])
+def test_temperature_that_is_zero_in_float32_is_greedy(http, temperature):
+    """A temperature float32 holds as 0 decodes greedily (it used to give NaN logits: an empty reply, or
+    with a grammar a 400 that blamed the request)."""
+    def ask(**kw):
+        r = http.post(CHAT, json=dict(model=MODEL, messages=MESSAGES, max_tokens=8, **kw))
+        assert r.status_code == 200, r.text
+        return r.json()['choices'][0]['message']['content']
+
+    assert ask(temperature=temperature) == ask(temperature=0) and 'Paris' in ask(temperature=0)
+    if importlib.util.find_spec('xgrammar'):
+        fmt = {'type': 'json_object'}
+        assert ask(temperature=temperature, response_format=fmt) == ask(temperature=0, response_format=fmt)
+
+
+def test_tiny_repetition_penalty_is_honoured(http):
+    r = http.post(CHAT, json=dict(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                  repetition_penalty=1e-46))
+    assert r.status_code == 200 and r.json()['choices'][0]['message']['content'], r.text
+
+
+def test_engine_faults_are_5xx(http, srv, monkeypatch):
+    """NaN logits are the engine's fault: a 500 (code internal_error) whether the request samples or has a
+    grammar, never a 400 that blames the request; the server keeps serving and frees every block."""
+    import lmdeploy.engine.engine as engine_mod
+    sample, mark = engine_mod.sample_tokens, 4242
+
+    def nan_for_marked(logits, seqs, grammars=None):
+        rows = [i for i, s in enumerate(seqs) if s.params.seed == mark]
+        if rows:
+            logits = logits.clone()
+            logits[rows] = float('nan')
+        return sample(logits, seqs, grammars)
+
+    monkeypatch.setattr(engine_mod, 'sample_tokens', nan_for_marked)
+    bodies = [dict(temperature=1.0)]
+    if importlib.util.find_spec('xgrammar'):
+        bodies.append(dict(temperature=0, response_format={'type': 'json_object'}))
+    for extra in bodies:
+        r = http.post(CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=4, seed=mark, **extra))
+        err = r.json()['error']
+        assert r.status_code == 500 and err['code'] == 'internal_error' and 'engine fault' in err['message'], r.text
+        with http.stream('POST', CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=4, seed=mark, stream=True,
+                                                 **extra)) as s:
+            assert s.status_code == 500
+    monkeypatch.undo()
+    assert http.post(CHAT, json=dict(model=MODEL, messages='Hi', max_tokens=2, seed=mark,
+                                     temperature=1.0)).status_code == 200
+    assert_clean(srv)
+
+
+def test_completions_max_tokens_defaults_to_16(http):
+    """OpenAI's default for /v1/completions, whether max_tokens is left out or null."""
+    for body in (dict(), dict(max_tokens=None)):
+        r = http.post(COMP, json=dict(model=MODEL, prompt='Once upon a time', ignore_eos=True, **body))
+        assert r.status_code == 200 and r.json()['usage']['completion_tokens'] == 16, r.text
+
+
+def test_silent_requests_take_the_models_sampling_defaults(http, srv, monkeypatch):
+    """Where a request names no temperature (or top_p, top_k, min_p, repetition_penalty), the model's
+    generation_config.json decides: the default model's names none, so it decodes greedily (the README's
+    client example answers as the CLI does); a model that says to sample at 1.0 is sampled at 1.0."""
+    from lmdeploy.frontend.sampling_defaults import SamplingDefaults
+    prompt = dict(model=MODEL, messages=MESSAGES, max_tokens=12)
+    silent = [http.post(CHAT, json=prompt).json()['choices'][0]['message']['content'] for _ in range(2)]
+    greedy = http.post(CHAT, json=dict(prompt, temperature=0)).json()['choices'][0]['message']['content']
+    assert silent == [greedy, greedy] and 'Paris' in greedy
+    gen = http.post('/generate', json=dict(prompt='What is the capital of France?', request_output_len=12)).json()
+    assert gen['text'] == greedy
+    monkeypatch.setattr(srv.gateway, 'sampling_defaults', SamplingDefaults(temperature=1.0, top_k=0))
+    for seed in (1, 2):
+        silent = http.post(CHAT, json=dict(prompt, seed=seed)).json()['choices'][0]['message']['content']
+        hot = http.post(CHAT, json=dict(prompt, seed=seed, temperature=1.0, top_k=0)).json()
+        assert silent == hot['choices'][0]['message']['content']
+    assert http.post(CHAT, json=dict(prompt, temperature=0)).json()['choices'][0]['message']['content'] == greedy
+
+
+def test_without_xgrammar_the_error_names_what_needs_it(http, srv, monkeypatch):
+    """A forced tool choice needs xgrammar as much as response_format does: the refusal says which."""
+    def missing():
+        raise ValueError('response_format (structured output) needs the xgrammar package')
+
+    monkeypatch.setattr(srv.gateway, 'grammars', missing)
+    tools = [{'type': 'function', 'function': {'name': 'f'}}]
+    for choice, words in (('required', 'tool_choice "required"'),
+                          ({'type': 'function', 'function': {'name': 'f'}}, 'tool_choice naming a function')):
+        r = http.post(CHAT, json=dict(model=MODEL, messages='hi', tools=tools, tool_choice=choice))
+        err = r.json()['error']
+        assert r.status_code == 400 and err['param'] == 'tool_choice' and err['code'] == 'unsupported_parameter'
+        assert err['message'].startswith(words) and 'response_format' not in err['message'], err
+    r = http.post(CHAT, json=dict(model=MODEL, messages='hi', response_format={'type': 'json_object'}))
+    err = r.json()['error']
+    assert r.status_code == 400 and err['param'] == 'response_format', err
+    assert err['message'].startswith('response_format (structured output) needs the xgrammar package'), err
 
 
 def test_text_chunks_match_the_pydantic_chunks():

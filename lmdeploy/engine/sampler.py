@@ -8,7 +8,7 @@ own distribution (before any processing).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -67,12 +67,23 @@ def needs_host_history(seq: Sequence) -> bool:
                 or p.output_logits or p.output_last_hidden_state)
 
 
-def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], grammars=None) -> torch.Tensor:
+NO_TOKEN = -1  # what the host reads for a row that had nothing to draw from
+
+
+def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], grammars=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] on the device (float32 unless every row is a plain
-    greedy pick) -> next token per row, still on
-    the device (nothing here waits for the device)."""
+    greedy pick) -> (next token per row, what the host reads of them), both
+    still on the device (nothing here waits for the device).
+
+    The host's copy has ``NO_TOKEN`` where a processed row (sampled,
+    constrained, penalised, ...) has no finite logit left to draw from (NaN
+    or infinite logits, or a grammar that allows nothing): an engine fault
+    the engine reports as such. The tokens themselves stay valid ids, as the
+    next step may read them before the host does. Plain greedy rows are not
+    checked (their argmax is the hot path)."""
     if all(s.params.plain_greedy for s in seqs):
-        return ops.argmax(logits)
+        tokens = ops.argmax(logits)
+        return tokens, tokens
     banned = [_banned_ids(s) for s in seqs]
     constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if (constrained or any(s.params.logits_processors or s.params.repetition_penalty != 1.0 for s in seqs)
@@ -102,6 +113,8 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], grammars=None) -> 
         logits[tensor_on(rows, device, torch.int64), tensor_on(cols, device, torch.int64)] = NEG_INF
 
     tokens = ops.argmax(logits)
+    # temperature (>= GREEDY_TEMPERATURE) and the filters keep a finite row maximum finite: this row's is the check
+    drawable = torch.isfinite(logits.amax(dim=-1))
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
         rows = tensor_on(sampled, device, torch.int64)
@@ -115,4 +128,4 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], grammars=None) -> 
         seeds = tensor_on([p.seed for p in ps], device, torch.int64)
         offsets = tensor_on([seqs[i].num_generated for i in sampled], device, torch.int64)
         tokens[rows] = ops.sample(sub, seeds, offsets)
-    return tokens
+    return tokens, torch.where(drawable, tokens, torch.full_like(tokens, NO_TOKEN))

@@ -63,6 +63,9 @@ class EngineOutput:
     last_hidden_state: Any = None
     prompt_loss: Optional[float] = None  # mean cross-entropy over the prompt
     error: Optional[str] = None
+    # turned away for something in the request (too long, empty, a busy session): the caller's to fix; an
+    # error without it is the engine's own failure
+    refused: bool = False
 
     def absorb(self, later: 'EngineOutput') -> 'EngineOutput':
         """Append ``later`` to this output in place (its status wins): held
@@ -78,6 +81,7 @@ class EngineOutput:
             if theirs is not None:
                 setattr(self, name, theirs if mine is None else torch.cat([mine, theirs]))
         self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
+        self.refused = later.refused
         self.num_prompt_tokens, self.prompt_loss = later.num_prompt_tokens, later.prompt_loss
         return self
 

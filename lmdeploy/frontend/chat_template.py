@@ -208,11 +208,14 @@ def _content_text(content: Any, index: int) -> str:
         return content
     if isinstance(content, (list, tuple)):
         texts = []
-        for part in content:
+        for j, part in enumerate(content):
             if isinstance(part, str):
                 texts.append(part)
             elif isinstance(part, dict) and part.get('type') == 'text' and isinstance(part.get('text'), str):
                 texts.append(part['text'])
+            elif isinstance(part, dict) and part.get('type') == 'text':
+                raise ValueError(f'messages[{index}].content[{j}]: a text part needs "text", a string; got '
+                                 f'{type(part.get("text")).__name__ if "text" in part else "none"}')
             else:
                 kind = part.get('type') if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f'messages[{index}].content: unsupported content part {kind!r}; '

@@ -8,7 +8,8 @@ from typing import Any, Dict, List, Optional
 
 from .formats import ToolFormat
 
-_NAME = re.compile(r'^[A-Za-z0-9_.\-]{1,64}$')
+NAME_PATTERN = r'^[A-Za-z0-9_.\-]{1,64}$'  # a function's name (the server's schema says it too)
+_NAME = re.compile(NAME_PATTERN)
 MAX_TOOLS = 128
 _CHOICE_SHAPE = ('tool_choice is "none", "auto", "required" or names a function as {"type": "function", '
                  '"function": {"name": ...}}')

@@ -56,6 +56,7 @@ from .errors import APIError, error_response, install_error_handlers
 from .guard import DEFAULT_MAX_BODY_BYTES, _GuardMiddleware
 from .metrics import CONTENT_TYPE_LATEST
 from .runner import Runner
+from .schema import install_schema
 from .state import ServerState
 from .uvicorn_server import BackgroundServer, _make_server_class, bind_socket
 
@@ -95,12 +96,14 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
     app.state.lmdeploy = state
     bearer = HTTPBearer(auto_error=False, description='one of the server\'s --api-keys')
     auth = [Security(bearer)] if api_keys else []
-    err = {status: {'model': P.ErrorResponse} for status in (400, 401, 404, 413, 503)}
+    # 500: the engine failed (never a request's fault)
+    err = {status: {'model': P.ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
     install_error_handlers(app)
     _add_simple_routes(app, state, auth, err)
     runner = Runner(state)
     for family in (chat, completions, generate):
         family.add_routes(app, runner, auth, err)
+    install_schema(app, state)  # the loaded model's name and vocabulary in the schema
     app.add_middleware(_GuardMiddleware, state=state, max_body_bytes=max_body_bytes)
     app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_credentials=allow_credentials,
                        allow_methods=list(allow_methods), allow_headers=list(allow_headers))

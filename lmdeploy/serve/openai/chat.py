@@ -25,7 +25,7 @@ from .errors import APIError, error_body
 from .guard import request_owner
 from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
 from .params import (_chat_logprobs, _check_model, _check_unsupported, _choices, _compile_grammar, _encode,
-                     _gen_config, _max_new_tokens, _messages, _usage)
+                     _gen_config, _grammars, _max_new_tokens, _messages, _usage)
 from .runner import Runner
 from .sessions import _Lease
 from .state import ServerState
@@ -33,7 +33,9 @@ from .state import ServerState
 
 def _tool_request(req: P.ChatCompletionRequest) -> ToolRequest:
     try:
-        return check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, P.NamedToolChoice) else req.tool_choice
+        return check_tools(tools, choice, req.parallel_tool_calls)
     except ToolError as e:
         raise APIError(400, str(e), 'invalid_value', e.param) from None
 
@@ -44,6 +46,8 @@ async def _force_calls(state: ServerState, tools: ToolRequest, fmt, gen):
     if gen.response_format is not None:
         raise APIError(400, 'response_format cannot be combined with tool_choice "required" or a named function',
                        'invalid_value', 'response_format')
+    choice = '"required"' if tools.choice == 'required' else 'naming a function'
+    await _grammars(state, f'tool_choice {choice} (a grammar makes the reply calls)', 'tool_choice')
     for f in tools.functions():
         schema = json.dumps(f.get('parameters') or {'type': 'object'})
         await _compile_grammar(state, GrammarSpec('json_schema', schema), 'tools',

@@ -12,8 +12,8 @@ from . import protocol as P
 from .errors import APIError, error_body
 from .guard import request_owner
 from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
-from .params import (MAX_PROMPTS, _check_ids, _check_model, _check_unsupported, _choices, _compile_grammar,
-                     _completion_logprobs, _encode, _gen_config, _max_new_tokens, _usage)
+from .params import (COMPLETION_MAX_TOKENS, MAX_PROMPTS, _check_ids, _check_model, _check_unsupported, _choices,
+                     _compile_grammar, _completion_logprobs, _encode, _gen_config, _max_new_tokens, _usage)
 from .runner import Runner
 from .sessions import _Lease
 
@@ -46,7 +46,9 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
             raise APIError(400, 'session_id needs a single prompt', 'invalid_value', 'session_id')
         all_ids = [_check_ids(state, p, 'prompt') if isinstance(p, list) else _encode(state, p, do_preprocess=False)
                    for p in prompts]
-        max_news = [_max_new_tokens(state, len(ids), req.max_tokens) for ids in all_ids]
+        # OpenAI's default, for an absent or null max_tokens alike (not "up to session_len")
+        max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        max_news = [_max_new_tokens(state, len(ids), max_tokens) for ids in all_ids]
         top_n = req.logprobs
         gens = [_gen_config(state, req, m, top_n) for m in max_news]
         await _compile_grammar(state, spec_from_response_format(gens[0].response_format))

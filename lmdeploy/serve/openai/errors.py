@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
@@ -12,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger('lmdeploy.serve')
 
+_BODY_PARSE_ERROR = 'There was an error parsing the body'  # FastAPI's detail when json.loads raises
 _CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never received
 _TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 404: 'invalid_request_error',
           405: 'invalid_request_error', 413: 'invalid_request_error', 422: 'invalid_request_error',
@@ -19,7 +21,7 @@ _TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 404: 'inval
 # pydantic error types that mean "a value out of range" (code invalid_value; the rest are invalid_body)
 _VALUE_ERRORS = {'greater_than', 'greater_than_equal', 'less_than', 'less_than_equal', 'multiple_of',
                  'finite_number', 'too_short', 'too_long', 'string_too_short', 'string_too_long', 'value_error',
-                 'literal_error', 'enum'}
+                 'literal_error', 'enum', 'union_tag_invalid', 'string_pattern_mismatch', 'invalid_format_type'}
 
 
 def _validation_code(errors: List[Dict[str, Any]]) -> str:
@@ -44,12 +46,33 @@ def _describe(e: Dict[str, Any]) -> Tuple[str, Optional[str]]:
         where = [x for x in e.get('loc', ()) if isinstance(x, int)]
         at = f' at character {where[0]}' if where else ''
         return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))}{at})", None
-    loc = [str(x) for x in e.get('loc', ()) if x != 'body']
+    loc = _location(e)
     if e.get('type') == 'missing':
         return f"missing required parameter: '{'.'.join(loc)}'", '.'.join(loc) or None
     if not loc:
         return f"the request body: {e.get('msg')} (a JSON object is expected)", None
     return f"{'.'.join(loc)}: {e.get('msg')}", '.'.join(loc)
+
+
+def _location(e: Dict[str, Any]) -> List[str]:
+    """Where in the body an error is, as the client wrote it: without 'body' and without the tags of the
+    unions read by JSON type (``messages.0.role``, not ``messages.array.0.role``)."""
+    from .protocol import UNION_TAGS
+    return [str(x) for x in e.get('loc', ()) if x != 'body' and x not in UNION_TAGS]
+
+
+def _unparsable_body(cause: Optional[BaseException]) -> str:
+    """Why a body the JSON reader gave up on (not a syntax error: those are RequestValidationError) is not
+    one: bytes that are not UTF-8, a number too long to read, arrays or objects nested too deeply."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f'the request body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at position '
+                f'{cause.start}); send JSON encoded as UTF-8')
+    if isinstance(cause, RecursionError):
+        return 'the request body nests arrays or objects too deeply to be read'
+    if isinstance(cause, ValueError) and 'digits' in str(cause):
+        return (f'the request body holds a number with too many digits to be read (at most '
+                f'{sys.get_int_max_str_digits()})')
+    return f'the request body cannot be read as JSON ({type(cause).__name__ if cause else "unknown error"})'
 
 
 class APIError(Exception):
@@ -106,14 +129,17 @@ def install_error_handlers(app: FastAPI):
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: 'not_found', 405: 'method_not_allowed', 413: 'request_too_large'}.get(
+            exc.status_code, 'invalid_request' if exc.status_code < 500 else 'internal_error')  # never null
         if exc.status_code == 404:
             msg = f'{request.method} {request.url.path} not found'
         elif exc.status_code == 405:
             msg = f'method {request.method} is not allowed on {request.url.path}'
+        elif exc.status_code == 400 and exc.detail == _BODY_PARSE_ERROR:  # FastAPI's words for its reader's failure
+            msg, code = _unparsable_body(exc.__cause__), 'invalid_body'
         else:
             msg = str(exc.detail)
-        return error_response(exc.status_code, msg, {404: 'not_found', 405: 'method_not_allowed'}.get(
-            exc.status_code), headers=getattr(exc, 'headers', None))
+        return error_response(exc.status_code, msg, code, headers=getattr(exc, 'headers', None))
 
     @app.exception_handler(_ClientGone)
     async def _client_gone(request: Request, exc: _ClientGone):

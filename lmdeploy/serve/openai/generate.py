@@ -24,6 +24,9 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
     @app.post('/generate', response_model=P.GenerateResponse, dependencies=auth,
               responses={**err, 200: {'content': {'application/x-ndjson': {}}}})
     async def generate(req: P.GenerateRequest, request: Request):
+        if req.max_tokens is not None and req.request_output_len is not None:
+            raise APIError(400, f'max_tokens ({req.max_tokens}) and request_output_len ({req.request_output_len}) '
+                           'name the same limit: give one of them', 'invalid_value', 'max_tokens')
         owner = request_owner(state, request)
         token = req.session_token
         existing = state.sessions.find(owner, req.session_id, token)
@@ -53,9 +56,6 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
             ids = _encode(state, prompt, do_preprocess=req.do_preprocess, sequence_start=sequence_start)
             prompt_for_log = prompt
         # a continuation's history is in the engine: only the engine can check its length
-        if req.max_tokens is not None and req.request_output_len not in (None, req.max_tokens):
-            raise APIError(400, f'max_tokens ({req.max_tokens}) and request_output_len ({req.request_output_len}) '
-                           'name the same limit: give one of them', 'invalid_value', 'max_tokens')
         max_new = _max_new_tokens(state, len(ids), req.request_output_len or req.max_tokens, check=sequence_start)
         gen = _gen_config(state, req, max_new, req.logprobs)
         rid = f'generate-{uuid.uuid4().hex}'

@@ -5,21 +5,17 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
+from lmdeploy.frontend.gateway import check_text
 from lmdeploy.messages import GenerationConfig
 
 from . import protocol as P
 from .errors import APIError
+from .protocol import MAX_PROMPTS, MAX_STOP_WORD_LEN, MAX_STOP_WORDS  # noqa: F401 (the schema's limits)
 
 if TYPE_CHECKING:
     from .state import ServerState
 
-MAX_STOP_WORDS = 16
-MAX_STOP_WORD_LEN = 256
-MAX_PROMPTS = 256  # prompts in one /v1/completions request
-# LMDeploy's server defaults
-DEFAULT_TEMPERATURE = 0.7
-DEFAULT_TOP_P = 1.0
-DEFAULT_TOP_K = 40
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
 
 
 # ---------------------------------------------------------------- validation
@@ -30,16 +26,22 @@ def _check_model(state: ServerState, model: str):
 
 
 def _stop_words(stop) -> Optional[List[str]]:
+    """The request's stop strings (the schema bounds them too: this says why in words)."""
     if stop is None:
         return None
     words = [stop] if isinstance(stop, str) else list(stop)
     if len(words) > MAX_STOP_WORDS:
-        raise APIError(400, f'stop: at most {MAX_STOP_WORDS} strings, got {len(words)}', param='stop')
+        raise APIError(400, f'stop: at most {MAX_STOP_WORDS} strings, got {len(words)}', 'invalid_value', 'stop')
     for w in words:
         if not w:
-            raise APIError(400, 'stop: the strings must not be empty', param='stop')
+            raise APIError(400, 'stop: the strings must not be empty', 'invalid_value', 'stop')
         if len(w) > MAX_STOP_WORD_LEN:
-            raise APIError(400, f'stop: each string has at most {MAX_STOP_WORD_LEN} characters', param='stop')
+            raise APIError(400, f'stop: each string has at most {MAX_STOP_WORD_LEN} characters', 'invalid_value',
+                           'stop')
+        try:
+            check_text(w, f'stop string {w[:40]!r}')
+        except ValueError as e:
+            raise APIError(400, f'stop: {e}', 'invalid_value', 'stop') from None
     return words or None
 
 
@@ -54,21 +56,25 @@ def _check_unsupported(req):
         raise APIError(400, 'logit_bias is not supported', 'unsupported_parameter', 'logit_bias')
 
 
-def _gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional[int], *, temperature=None,
-                top_p=None, top_k=None) -> GenerationConfig:
-    temperature = req.temperature if temperature is None else temperature
-    top_p = req.top_p if top_p is None else top_p
-    top_k = req.top_k if top_k is None else top_k
+def _gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional[int]) -> GenerationConfig:
+    """The request's settings; where it is silent about sampling, the model's own defaults
+    (:mod:`lmdeploy.frontend.sampling_defaults`: greedy when its generation_config.json gives none)."""
+    defaults = state.gateway.sampling_defaults
+
+    def given(name: str):
+        value = getattr(req, name, None)
+        return getattr(defaults, name) if value is None else value
+
     seed = req.seed
     vocab = state.gateway.engine.model_config.vocab_size
     try:
         return GenerationConfig(
             n=1, max_new_tokens=max_new_tokens, do_sample=True,
-            temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
-            top_p=DEFAULT_TOP_P if top_p is None else top_p,
-            top_k=min(DEFAULT_TOP_K if top_k is None else top_k, vocab),
-            min_p=req.min_p or 0.0,
-            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+            temperature=given('temperature'),  # below GREEDY_TEMPERATURE (0 included): greedy
+            top_p=given('top_p'),
+            top_k=min(given('top_k'), vocab),
+            min_p=given('min_p'),
+            repetition_penalty=given('repetition_penalty'),
             ignore_eos=bool(req.ignore_eos),
             # the sampler hashes 32 bits of the seed: any int maps onto them
             random_seed=None if seed is None else seed & 0xFFFFFFFF,
@@ -89,12 +95,21 @@ def _response_format(fmt) -> Optional[Dict[str, Any]]:
     if fmt is None:
         return None
     from lmdeploy.engine.grammar import spec_from_response_format
-    fmt = fmt.model_dump(exclude_none=True)
+    fmt = fmt.model_dump(exclude_none=True, by_alias=True)
     try:
         spec = spec_from_response_format(fmt)
     except ValueError as e:
         raise APIError(400, str(e), 'invalid_value', 'response_format') from None
     return fmt if spec is not None else None
+
+
+async def _grammars(state: ServerState, feature: str, param: str):
+    """The grammar compiler; without xgrammar, a 400 that says which part of the request needs it."""
+    try:
+        return await asyncio.to_thread(state.gateway.grammars)
+    except ValueError:  # xgrammar is missing
+        raise APIError(400, f"{feature} needs the xgrammar package, which this server lacks (pip install "
+                       "'lmdeploy[structured]')", 'unsupported_parameter', param) from None
 
 
 async def _compile_grammar(state: ServerState, spec, param: str = 'response_format', what: str = ''):
@@ -103,10 +118,7 @@ async def _compile_grammar(state: ServerState, spec, param: str = 'response_form
     reason. The compiled grammar stays in xgrammar's cache for the engine's turn."""
     if spec is None:
         return
-    try:
-        grammars = await asyncio.to_thread(state.gateway.grammars)
-    except ValueError as e:  # xgrammar is missing
-        raise APIError(400, str(e), 'unsupported_parameter', param) from None
+    grammars = await _grammars(state, 'response_format (structured output)', param)
     try:
         await asyncio.to_thread(grammars.compile, spec)
     except ValueError as e:

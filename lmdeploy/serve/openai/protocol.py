@@ -5,9 +5,14 @@ The OpenAI fields keep OpenAI's names and meaning; LMDeploy's extensions
 ``skip_special_tokens``, ``session_id``, ...) sit beside them, as in LMDeploy's
 own server. Unknown fields are ignored.
 
-Types are checked here (code ``invalid_body``); value ranges are declared
-here too, so that they show in the OpenAPI schema (code ``invalid_value``);
-both are answered with a 400, as OpenAI answers them (see
+Requests are checked here exactly as the OpenAPI schema describes them:
+strict JSON types (``"8"`` and ``true`` are not integers, ``false`` is not a
+number; code ``invalid_body``), value ranges and lengths (code
+``invalid_value``), and the rules between fields (``RULES``: e.g.
+``top_logprobs`` needs ``logprobs: true``), which the handlers check again
+with their own words. A field that takes several JSON types (``messages``: a
+string or an array) is read by the type it has, so an error names that one
+reading. Both kinds are answered with a 400, as OpenAI answers them (see
 ``errors._validation_code``).
 """
 from __future__ import annotations
@@ -15,7 +20,16 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from typing_extensions import Annotated
+
+from lmdeploy.frontend.tool_calls.request import MAX_TOOLS, NAME_PATTERN
+
+from .schema import SERVED_MODEL, TOKEN_ID
+
+MAX_STOP_WORDS = 16
+MAX_STOP_WORD_LEN = 256
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
 
 
 def _hint(**by_type: Dict[str, Any]):
@@ -32,6 +46,102 @@ def _hint(**by_type: Dict[str, Any]):
 class _Model(BaseModel):
     # NaN / inf are not valid numbers for any field (Python's json accepts them)
     model_config = ConfigDict(allow_inf_nan=False, protected_namespaces=())
+
+
+class _Request(_Model):
+    """A request body (or part of one): JSON types as the schema says them, no coercion."""
+    model_config = ConfigDict(allow_inf_nan=False, protected_namespaces=(), strict=True)
+
+
+def _whole(value: Any) -> Any:
+    """A JSON integer as Python reads it: ``3`` or ``3.0`` (JSON Schema's integers include the latter; a
+    string or a boolean is not one)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _int(**limits):
+    """An integer field: strict, but 3.0 is 3 (as the schema's "integer" has it); ``limits`` are Field's
+    (ge=, le=, ...), put before the conversion so that the schema shows them."""
+    return Annotated[int, Field(**limits), BeforeValidator(_whole)]
+
+
+def _json_type(value: Any) -> Optional[str]:
+    """The JSON type of a parsed value; an array by its first item (``prompt``'s arrays differ there)."""
+    if isinstance(value, list):
+        first = _whole(value[0]) if value else ''
+        return {str: 'array', int: 'array_of_ids', list: 'array_of_arrays'}.get(type(first), 'array')
+    return {str: 'string', dict: 'object'}.get(type(value))
+
+
+# the tags of the unions below: an error's location names the field, not them (errors._describe drops them)
+UNION_TAGS = frozenset({'string', 'object', 'array', 'array_of_ids', 'array_of_arrays'})
+
+
+def _by_json_type(what: str, **arms):
+    """A union read by the value's JSON type: ``string=`` / ``object=`` / ``array=`` (an array of strings or
+    objects), ``array_of_ids=`` / ``array_of_arrays=`` (arrays whose first item is an integer / an array).
+    A value of another type is one error, "Input should be {what}"; a value of one of these types is
+    checked against that arm alone, so its errors are that arm's, not every arm's."""
+    def pick(value: Any) -> Optional[str]:
+        tag = _json_type(value)
+        if tag not in arms and tag in ('array_of_ids', 'array_of_arrays'):
+            tag = 'array'
+        return tag if tag in arms else None
+
+    return Annotated[Union[tuple(Annotated[t, Tag(tag)] for tag, t in arms.items())],
+                     Discriminator(pick, custom_error_type='invalid_type',
+                                   custom_error_message=f'Input should be {what}')]
+
+
+_StopWord = Annotated[str, Field(min_length=1, max_length=MAX_STOP_WORD_LEN)]
+Stop = _by_json_type(f'a string or an array of at most {MAX_STOP_WORDS} strings', string=_StopWord,
+                     array=Annotated[List[_StopWord], Field(max_length=MAX_STOP_WORDS)])
+_STOP_DOC = (f'a string or at most {MAX_STOP_WORDS} strings, each 1 to {MAX_STOP_WORD_LEN} characters; the text '
+             'ends before the first one generated')
+# below the vocabulary size too, which the served schema says (schema.py)
+_TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID: True}), BeforeValidator(_whole)]
+
+
+def _rule(if_: Dict[str, Any], then: Dict[str, Any]) -> Dict[str, Any]:
+    return {'if': if_, 'then': then}
+
+
+def _given(name: str, schema: Dict[str, Any]) -> Dict[str, Any]:
+    """"``name`` is present and matches ``schema``" (an if-clause)."""
+    return {'required': [name], 'properties': {name: schema}}
+
+
+_NO_SESSION = {'anyOf': [{'type': 'null'}, {'const': -1}]}
+_FORCED_CHOICE = {'anyOf': [{'const': 'required'}, {'type': 'object'}]}
+# the rules between fields (JSON Schema if / then), by request; the handlers say the same in words
+RULES = {
+    'n': _rule(_given('n', {'type': 'integer', 'minimum': 2}), {'properties': {'session_id': _NO_SESSION}}),
+    'top_logprobs': _rule(_given('top_logprobs', {'type': 'integer'}),
+                          _given('logprobs', {'const': True})),
+    'tool_choice': _rule(_given('tool_choice', _FORCED_CHOICE), {
+        'required': ['tools'], 'properties': {
+            'tools': {'type': 'array', 'minItems': 1},
+            'response_format': {'anyOf': [{'type': 'null'}, {'properties': {'type': {'const': 'text'}}}]}}}),
+    'session_prompt': _rule(_given('session_id', {'type': 'integer', 'not': {'const': -1}}), {'properties': {
+        'prompt': {'anyOf': [{'type': 'string'}, {'type': 'array', 'maxItems': 1},
+                             {'type': 'array', 'items': {'type': 'integer'}}]}}}),
+    # /v1/completions: prompts x n <= MAX_PROMPTS (an array of token ids is one prompt)
+    'choices': {'allOf': [_rule(_given('n', {'type': 'integer', 'minimum': n}), {'properties': {'prompt': {'anyOf': [
+        {'type': 'string'}, {'type': 'array', 'items': {'type': 'integer'}},
+        {'type': 'array', 'maxItems': MAX_PROMPTS // n}]}}}) for n in range(2, 17)]},
+    'output_len': _rule(_given('max_tokens', {'type': 'integer'}),
+                        {'properties': {'request_output_len': {'type': 'null'}}}),
+    'raw_prompt': _rule(_given('do_preprocess', {'const': False}), {'anyOf': [
+        _given('input_ids', {'type': 'array'}), _given('prompt', {'minLength': 1, 'minItems': 1}),
+        _given('cancel', {'const': True}), _given('end_session', {'const': True})]}),
+}
+
+
+def _rules(*names: str) -> ConfigDict:
+    return ConfigDict(allow_inf_nan=False, protected_namespaces=(), strict=True,
+                      json_schema_extra={'allOf': [RULES[n] for n in names]})
 
 
 # ---------------------------------------------------------------------- errors
@@ -64,43 +174,131 @@ class ModelList(_Model):
 
 
 # ------------------------------------------------------------------- requests
-class StreamOptions(_Model):
+class StreamOptions(_Request):
     include_usage: Optional[bool] = False
 
 
-class ContentPart(_Model):
-    """A part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
-    model_config = ConfigDict(extra='allow', allow_inf_nan=False)
-    type: str
-    text: Optional[str] = None
+class ContentPart(_Request):
+    """A part of a message's content: only text parts, ``{"type": "text", "text": ...}``, are supported."""
+    type: Literal['text'] = Field(description='only text parts are supported')
+    text: str
 
 
-class ChatMessage(_Model):
-    model_config = ConfigDict(extra='allow', allow_inf_nan=False)
+class CalledFunction(_Request):
+    name: str
+    arguments: Union[str, Dict[str, Any], None] = Field(None, description='the JSON text of an object (or the '
+                                                        'object)')
+
+
+class MessageToolCall(_Request):
+    """A call an earlier assistant turn made (OpenAI's shape)."""
+    id: Optional[str] = None
+    type: Optional[Literal['function']] = 'function'
+    function: CalledFunction
+
+
+class ChatMessage(_Request):
     role: Literal['system', 'user', 'assistant', 'tool', 'developer'] = Field(
         description="'developer' is read as 'system'; 'tool' only where the model's template has it")
-    content: Union[str, List[ContentPart], None] = None
+    content: Optional[_by_json_type('a string or an array of text parts', string=str,
+                                    array=List[ContentPart])] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[MessageToolCall]] = Field(None, description="an assistant turn's calls")
+    tool_call_id: Optional[str] = Field(None, description='the call a tool turn answers')
 
 
-class ResponseFormat(_Model):
-    """Structured output: ``text``; ``json_object``; ``json_schema`` with ``json_schema: {name, schema}``;
-    ``regex`` with ``regex`` (or LMDeploy's ``regex_schema``). Needs the xgrammar package."""
-    model_config = ConfigDict(extra='allow', allow_inf_nan=False)
-    type: str = Field(json_schema_extra={'enum': ['text', 'json_object', 'json_schema', 'regex', 'regex_schema']})
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=NAME_PATTERN, description='1 to 64 letters, digits, underscores, dots, dashes; '
+                      'unique among the tools')
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = Field(None, description='a JSON schema of the arguments object')
+    strict: Optional[bool] = None
 
 
-class _SamplingFields(_Model):
-    """Fields /v1/chat/completions and /v1/completions share."""
-    model: str = Field(description='the served model name (see GET /v1/models)')
-    temperature: Optional[float] = Field(None, ge=0, le=2, description='0 decodes greedily; default 0.7')
-    top_p: Optional[float] = Field(None, gt=0, le=1, description='default 1.0')
-    n: Optional[int] = Field(1, ge=1, le=16, description='choices per prompt (they share its prefill when '
-                             'prefix caching is on); with a seed, choice i uses seed + i')
+class Tool(_Request):
+    type: Literal['function'] = 'function'
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str = Field(description='one of the tools')
+
+
+class NamedToolChoice(_Request):
+    type: Literal['function'] = 'function'
+    function: NamedFunction
+
+
+class JsonSchemaSpec(_Request):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Dict[str, Any] = Field(alias='schema', description='the JSON schema the reply follows')
+    strict: Optional[bool] = None
+
+
+class TextFormat(_Request):
+    type: Literal['text']
+
+
+class JsonObjectFormat(_Request):
+    type: Literal['json_object']
+
+
+class JsonSchemaFormat(_Request):
+    type: Literal['json_schema']
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(_Request):
+    type: Literal['regex']
+    regex: str = Field(min_length=1, json_schema_extra={'format': 'regex'})
+
+
+class RegexSchemaFormat(_Request):
+    """LMDeploy's spelling of ``regex``."""
+    type: Literal['regex_schema']
+    regex_schema: str = Field(min_length=1, json_schema_extra={'format': 'regex'})
+
+
+class StructuralTagFormat(_Request):
+    """xgrammar's structural tag (what forces tool calls)."""
+    type: Literal['structural_tag']
+    format: Dict[str, Any]
+
+
+_FORMATS = {'text': TextFormat, 'json_object': JsonObjectFormat, 'json_schema': JsonSchemaFormat,
+            'regex': RegexFormat, 'regex_schema': RegexSchemaFormat, 'structural_tag': StructuralTagFormat}
+
+
+def _format_tag(value: Any) -> Optional[str]:
+    kind = value.get('type') if isinstance(value, dict) else getattr(value, 'type', None)
+    return f'type={kind}' if kind in _FORMATS else None
+
+
+# Structured output: ``text``; ``json_object``; ``json_schema`` with ``json_schema: {name, schema}``; ``regex``
+# with ``regex`` (or LMDeploy's ``regex_schema``); xgrammar's ``structural_tag`` with ``format``. Needs the
+# xgrammar package. Read by its type (an error names that format's field, not every format's).
+ResponseFormat = Annotated[Union[tuple(Annotated[m, Tag(f'type={k}')] for k, m in _FORMATS.items())],
+                           Discriminator(_format_tag, custom_error_type='invalid_format_type', custom_error_message=(
+                               'Input should be an object whose "type" is one of ' + ', '.join(map(repr, _FORMATS))))]
+UNION_TAGS = UNION_TAGS | {f'type={k}' for k in _FORMATS}
+
+
+class _SamplingFields(_Request):
+    """Fields /v1/chat/completions and /v1/completions share. Sampling fields left out (or null) take the
+    model's defaults (its generation_config.json; greedy decoding where it gives none)."""
+    model: str = Field(description='the served model name (see GET /v1/models)',
+                       json_schema_extra={SERVED_MODEL: True})
+    temperature: Optional[float] = Field(None, ge=0, le=2, description='below 1e-5 (0 too) decodes greedily; '
+                                         "default: the model's (greedy if it gives none)")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="default: the model's (else 1)")
+    n: Optional[_int(ge=1, le=16)] = Field(1, description='choices per prompt (they share its prefill when '
+                             'prefix caching is on); with a seed, choice i uses seed + i; n > 1 takes no '
+                             'session_id')
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    stop: Union[str, List[str], None] = Field(None, description='at most 16 non-empty strings')
-    seed: Optional[int] = None
+    stop: Optional[Stop] = Field(None, description=_STOP_DOC)
+    seed: Optional[_int()] = None
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description='not supported: must be 0',
                                               json_schema_extra=_hint(number={'minimum': 0, 'maximum': 0}))
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description='not supported: must be 0',
@@ -109,52 +307,62 @@ class _SamplingFields(_Model):
                                                    json_schema_extra=_hint(object={'maxProperties': 0}))
     user: Optional[str] = None
     # LMDeploy extensions
-    top_k: Optional[int] = Field(None, ge=0, description='0 disables; default 40')
-    min_p: Optional[float] = Field(None, ge=0, le=1)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=100)
+    top_k: Optional[_int(ge=0)] = Field(None, description="0 disables; default: the model's (else 0)")
+    min_p: Optional[float] = Field(None, ge=0, le=1, description="default: the model's (else 0)")
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=100, description="1: none; default: the model's "
+                                                '(else 1)')
     ignore_eos: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     spaces_between_special_tokens: Optional[bool] = True
     include_stop_str_in_output: Optional[bool] = False
-    min_new_tokens: Optional[int] = Field(None, ge=0)
-    session_id: Optional[int] = Field(None, description='a name for the request (on a server with API keys, '
+    min_new_tokens: Optional[_int(ge=0)] = Field(None)
+    session_id: Optional[_int()] = Field(None, description='a name for the request (on a server with API keys, '
                                       'cancel it with POST /generate {"session_id": ID, "cancel": true} under '
                                       'the same key); -1 or absent: none')
     response_format: Optional[ResponseFormat] = Field(None, description='structured output (JSON, a JSON '
-                                                                         'schema, a regex)')
+                                                      'schema, a regex); needs the xgrammar package')
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: Union[str, List[ChatMessage]] = Field(json_schema_extra=_hint(string={'minLength': 1},
-                                                                            array={'minItems': 1}))
-    max_tokens: Optional[int] = Field(None, ge=1, description='default: up to session_len')
-    max_completion_tokens: Optional[int] = Field(None, ge=1, description='overrides max_tokens')
+    model_config = _rules('n', 'top_logprobs', 'tool_choice')
+    messages: _by_json_type('a string or an array of messages', string=Annotated[str, Field(min_length=1)],
+                            array=Annotated[List[ChatMessage], Field(min_length=1)]) = Field(
+        description='the conversation; a string is one user turn')
+    max_tokens: Optional[_int(ge=1)] = Field(None, description='default: up to session_len')
+    max_completion_tokens: Optional[_int(ge=1)] = Field(None, description='overrides max_tokens')
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[List[Dict[str, Any]]] = Field(None, description='functions the model may call: '
-                                                  '{"type": "function", "function": {"name", "description", '
-                                                  '"parameters"}}')
-    tool_choice: Union[str, Dict[str, Any], None] = Field(
+    top_logprobs: Optional[_int(ge=0, le=20)] = Field(None, description='needs logprobs: true')
+    tools: Optional[List[Tool]] = Field(None, max_length=MAX_TOOLS, description='functions the model may call')
+    tool_choice: Optional[_by_json_type('"none", "auto", "required" or a named function',
+                                        string=Literal['none', 'auto', 'required'], object=NamedToolChoice)] = Field(
         None, description='"none", "auto" (default with tools), "required" or {"type": "function", "function": '
-        '{"name": ...}}; the last two are enforced by a grammar, so the reply always parses')
+        '{"name": ...}}; the last two need tools (and no response_format) and are enforced by a grammar, so the '
+        'reply always parses (they need the xgrammar package)')
     parallel_tool_calls: Optional[bool] = Field(None, description='with "required": may the reply hold several '
                                                 'calls (default true)')
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, List[str], List[StrictInt], List[List[StrictInt]]] = Field(
-        description='a string, a list of strings, a list of token ids or a list of those',
-        json_schema_extra=_hint(string={'minLength': 1}, array={'minItems': 1}))
-    max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    model_config = _rules('n', 'session_prompt', 'choices')
+    prompt: _by_json_type(
+        'a string, an array of strings, an array of token ids or an array of arrays of token ids',
+        string=Annotated[str, Field(min_length=1)],
+        array=Annotated[List[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)],
+        array_of_ids=Annotated[List[_TokenId], Field(min_length=1)],
+        array_of_arrays=Annotated[List[Annotated[List[_TokenId], Field(min_length=1)]],
+                                  Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+        description='a string, a list of strings, a list of token ids or a list of those (one prompt with a '
+        'session_id)')
+    max_tokens: Optional[_int(ge=1)] = Field(16, description='16 if absent or null, as OpenAI')
+    logprobs: Optional[_int(ge=0, le=20)] = Field(None)
     echo: Optional[bool] = Field(False, description='not supported: must be false',
                                  json_schema_extra=_hint(boolean={'enum': [False]}))
     suffix: Optional[str] = Field(None, description='not supported', json_schema_extra=_hint(string={'maxLength': 0}))
-    best_of: Optional[int] = Field(None, description='only 1 is supported',
+    best_of: Optional[_int()] = Field(None, description='only 1 is supported',
                                    json_schema_extra=_hint(integer={'minimum': 1, 'maximum': 1}))
 
 
-class GenerateRequest(_Model):
+class GenerateRequest(_Request):
     """LMDeploy's native ``/generate``.
 
     session_id: -1 picks a fresh one. With ``interactive_mode`` the session
@@ -170,31 +378,38 @@ class GenerateRequest(_Model):
     under the key that made it. Without keys a session_id alone names a new
     session. Another client's session answers as one that does not exist.
     """
-    prompt: Union[str, List[ChatMessage]] = ''
-    input_ids: Optional[List[StrictInt]] = Field(None, description='token ids sent as they are (no chat '
-                                                 'template; integers, not booleans or strings)')
-    session_id: int = -1
+    model_config = _rules('output_len', 'raw_prompt')
+    prompt: _by_json_type('a string or an array of messages', string=str, array=List[ChatMessage]) = Field(
+        '', description='a string (templated as a user turn unless do_preprocess is false) or messages; empty: '
+        'ends a live session')
+    input_ids: Optional[Annotated[List[_TokenId], Field(min_length=1)]] = Field(
+        None, description='token ids sent as they are (no chat template; integers, not booleans or strings)')
+    session_id: _int() = -1
     session_token: Optional[str] = Field(None, min_length=1, max_length=128,
                                          description='the token a response of this session gave: reaches it '
                                          'without an API key (an unknown one: 404 session_not_found)')
     interactive_mode: bool = False
     stream: bool = False
-    stop: Union[str, List[str], None] = None
-    request_output_len: Optional[int] = Field(None, ge=1, description='max new tokens; default: up to '
+    stop: Optional[Stop] = Field(None, description=_STOP_DOC)
+    request_output_len: Optional[_int(ge=1)] = Field(None, description='max new tokens; default: up to '
                                               'session_len')
-    max_tokens: Optional[int] = Field(None, ge=1, description="request_output_len under OpenAI's name")
-    top_p: float = Field(0.8, gt=0, le=1)
-    top_k: int = Field(40, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
-    temperature: float = Field(0.8, ge=0, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    max_tokens: Optional[_int(ge=1)] = Field(None, description="request_output_len under OpenAI's name (give one "
+                                      'of the two)')
+    # sampling: left out (or null), the model's defaults (its generation_config.json; greedy where it gives none)
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="default: the model's (else 1)")
+    top_k: Optional[_int(ge=0)] = Field(None, description="0 disables; default: the model's (else 0)")
+    min_p: Optional[float] = Field(None, ge=0, le=1, description="default: the model's (else 0)")
+    temperature: Optional[float] = Field(None, ge=0, le=2, description='below 1e-5 (0 too) decodes greedily; '
+                                         "default: the model's (greedy if it gives none)")
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=100, description="1: none; default: the model's "
+                                                '(else 1)')
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    min_new_tokens: Optional[int] = Field(None, ge=0)
-    seed: Optional[int] = None
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    min_new_tokens: Optional[_int(ge=0)] = Field(None)
+    seed: Optional[_int()] = None
+    logprobs: Optional[_int(ge=0, le=20)] = Field(None)
     do_preprocess: bool = Field(True, description='apply the chat template to a string prompt')
     cancel: bool = False
     end_session: bool = False
