@@ -3,7 +3,8 @@
 # (Llama-3-8B shape, random bf16 weights, session / model length 4096, batch 256, cache 0.8 / 0.9), every
 # workload shape of benchmark/serving.py. Logs and JSON lines go to $LOG_DIR (default ./serve-logs).
 #
-#   bash benchmark/serving_shapes.sh start-lmdeploy [PORT GPU]   # in the background; waits until healthy
+#   bash benchmark/serving_shapes.sh start-lmdeploy [PORT GPU [TREE]]   # in the background; waits until healthy
+#                                                  # TREE: another checkout's root (e.g. an earlier version)
 #   bash benchmark/serving_shapes.sh start-vllm [PORT GPU]       # needs PYTHONPATH with ../shared/peers' site
 #   bash benchmark/serving_shapes.sh run URL LABEL "SHAPES" "RATES" [NUM]   # one serving.py run per shape
 #   bash benchmark/serving_shapes.sh stop PORT
@@ -24,12 +25,12 @@ healthy() {  # URL TIMEOUT_S
 
 case ${1:-} in
   start-lmdeploy)
-    port=${2:-8000}; gpu=${3:-0}
+    port=${2:-8000}; gpu=${3:-0}; tree=${4:-.}
     [ -f "$MODEL/config.json" ] || python3 benchmark/random_model.py --shape llama3-8b --out "$MODEL"
-    t0=$(date +%s)
-    CUDA_VISIBLE_DEVICES=$gpu setsid python3 -m lmdeploy serve api_server "$MODEL" --server-name 127.0.0.1 \
-      --server-port "$port" --device cuda --session-len 4096 --max-batch-size 256 --cache-max-entry-count 0.8 \
-      --log-level WARNING >"$LOG_DIR/lmdeploy-$port.log" 2>&1 &
+    t0=$(date +%s); log=$(realpath "$LOG_DIR")/lmdeploy-$port.log
+    (cd "$tree" && CUDA_VISIBLE_DEVICES=$gpu setsid python3 -m lmdeploy serve api_server "$MODEL" \
+      --server-name 127.0.0.1 --server-port "$port" --device cuda --session-len 4096 --max-batch-size 256 \
+      --cache-max-entry-count 0.8 --log-level WARNING >"$log" 2>&1 &)
     healthy "http://127.0.0.1:$port" 900 && echo "lmdeploy on $port ready in $(( $(date +%s) - t0 )) s" ;;
   start-vllm)
     port=${2:-8001}; gpu=${3:-0}

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = textwrap.dedent('''
     import atexit, signal, sys, threading
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
-    model, tp, backend, engine_process, case = sys.argv[1:]
+    model, tp, backend, engine_process, case, device = sys.argv[1:]
 
     def teardown_state():  # registered first, so it runs after lmdeploy's own exit handler
         import torch.distributed as dist
@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent('''
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
     pipe = pipeline(model, backend_config=PytorchEngineConfig(
-        device_type='cpu', dtype='float32', tp=int(tp), distributed_executor_backend=backend,
+        device_type=device, dtype='float32' if device == 'cpu' else 'auto', tp=int(tp),
+        distributed_executor_backend=backend,
         engine_process=engine_process == '1', session_len=256, num_gpu_blocks=16, block_size=16))
     gen = GenerationConfig(max_new_tokens=4, ignore_eos=True)
     assert pipe([[5, 6, 7], [8, 9]], gen)[0].generate_token_len == 4
@@ -77,7 +78,7 @@ def _run(model, case, tp=2, backend='mp', engine_process=False, sig=None, limit=
     shm = _shm()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
     proc = subprocess.Popen([sys.executable, '-c', SCRIPT, model, str(tp), backend, '1' if engine_process else '0',
-                             case], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             case, DEVICE], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     family = []
     try:
         lines = []
@@ -117,9 +118,13 @@ def _run(model, case, tp=2, backend='mp', engine_process=False, sig=None, limit=
     return code, took, output
 
 
+# on a GPU machine: LMDEPLOY_EXIT_TEST_DEVICE=cuda LMDEPLOY_EXIT_TEST_MODEL=<a model directory> (NCCL for tp=2)
+DEVICE = os.environ.get('LMDEPLOY_EXIT_TEST_DEVICE', 'cpu')
+
+
 @pytest.fixture(scope='module')
-def model(tiny_model_factory):
-    return tiny_model_factory('llama')
+def model(request):
+    return os.environ.get('LMDEPLOY_EXIT_TEST_MODEL') or request.getfixturevalue('tiny_model_factory')('llama')
 
 
 @pytest.mark.parametrize('case', ['return', 'raise'])

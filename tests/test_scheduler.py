@@ -76,6 +76,7 @@ def test_a_burst_of_prompts_is_spread_over_steps_within_the_recorded_limit():
     sched = Scheduler(BlockManager(4096, 16), 64, 512, lambda seq, why: None, mix_prefill_decode=False,
                       mixed_step_limit=(limit_tokens, limit_prompts))
     sched.refill_slots = 1
+    sched.backlog_steps = 10**9  # the limit alone (a lasting backlog lifts it: the next test)
     lengths = [rng.randint(2, 120) for _ in range(30)]
     for i, n in enumerate(lengths[:4]):
         sched.add(Sequence(i, i, [rng.randrange(10, 1000) for _ in range(n)], SamplingParams(max_new_tokens=10**6),
@@ -104,3 +105,30 @@ def test_a_burst_of_prompts_is_spread_over_steps_within_the_recorded_limit():
         for s, n in prompt_rows:
             prefilled[s.seq_id] = prefilled.get(s.seq_id, 0) + n
     assert prefilled == {i: n for i, n in enumerate(lengths) if i >= 4}
+
+
+def test_a_lasting_backlog_lifts_the_limit_and_a_cleared_one_restores_it():
+    """Prompts still waiting after ``backlog_steps`` steps in a row: steps take the whole prefill budget
+    (larger steps prefill more tokens a second under sustained load); once nothing waits, the limit is back."""
+    rng = random.Random()
+    sched = Scheduler(BlockManager(8192, 16), 64, 512, lambda seq, why: None, mix_prefill_decode=False,
+                      mixed_step_limit=(64, 4))
+    sched.refill_slots = 1
+    add = lambda i, n: sched.add(Sequence(i, i, [rng.randrange(10, 1000) for _ in range(n)],  # noqa: E731
+                                          SamplingParams(max_new_tokens=10**6), lambda out: None, 10**6))
+    for i in range(2):
+        add(i, 8)
+    step(sched)  # two sequences decode from now on
+    for i in range(2, 40):
+        add(i, rng.randint(40, 120))
+    sizes = [sum(step(sched).num_new_tokens) for _ in range(sched.backlog_steps)]
+    assert max(sizes) <= 64  # a burst first: within the limit
+    lifted = step(sched)
+    assert sum(lifted.num_new_tokens) > 64 and sum(n for n in lifted.num_new_tokens if n > 1) <= 512
+    for _ in range(100):
+        if not sched.waiting and all(s.num_pending == 1 for s in sched.running):
+            break
+        step(sched)
+    step(sched)  # nothing waits any more
+    add(99, 200)
+    assert sum(step(sched).num_new_tokens) <= 64  # the limit again
