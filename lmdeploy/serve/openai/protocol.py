@@ -72,6 +72,8 @@ def _json_type(value: Any) -> Optional[str]:
     if isinstance(value, list):
         first = _whole(value[0]) if value else ''
         return {str: 'array', int: 'array_of_ids', list: 'array_of_arrays'}.get(type(first), 'array')
+    if isinstance(value, BaseModel):  # (a request built in Python)
+        return 'object'
     return {str: 'string', dict: 'object'}.get(type(value))
 
 
