@@ -27,7 +27,7 @@ def test_warm_up_leaves_nothing_behind(tiny_model_factory):
         engine.runner.recorded_step_limit = lambda: (64, 4)
         waves = prompt_lengths(engine)
         assert waves[0] == [300, 287]  # alone, past the recording: the budget, and not a multiple of 16
-        assert len(waves[1]) == 17 and len(set(waves[1])) > 10 and max(waves[1]) <= 200
+        assert len(waves[1]) == 7 and len(set(waves[1])) == 7 and max(waves[1]) <= 100
         warm_up(engine)
         assert_engine_clean(engine)
         stats = engine.stats()

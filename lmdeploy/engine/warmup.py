@@ -45,8 +45,8 @@ def prompt_lengths(engine: 'Engine') -> List[List[int]]:
     waves = []
     if limit is not None and longest > limit[0]:
         waves.append([longest, max(limit[0] + 1, longest - 13)])
-    short = max(2, min(longest, 200))
-    waves.append([1 + (i * 37) % short for i in range(17)])
+    short = max(2, min(longest, 100))
+    waves.append([1 + (i * 37) % short for i in range(len(_SAMPLINGS) + 1)])  # batches of 7 down to 1
     return waves
 
 
