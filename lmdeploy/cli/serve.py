@@ -55,7 +55,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def add_proxy_link_args(p):
     g = p.add_argument_group('proxy (lmdeploy serve proxy)')
     g.add_argument('--proxy-url', default=None,
-                   help='register with this proxy once listening, e.g. http://HOST:8000 (and leave it on shutdown)')
+                   help='register with this proxy once listening, e.g. http://HOST:8000, and again every 30 s while '
+                   'serving (so a restarted proxy has it back); leave it on shutdown')
     g.add_argument('--proxy-api-key', default=None,
                    help="the proxy's API key for registering (default: $LMDEPLOY_PROXY_API_KEY)")
     g.add_argument('--node-url', default=None,

@@ -229,7 +229,8 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
         config = uvicorn.Config(app, host=server_name, port=server_port, log_level=uv_level, lifespan='off',
                                 timeout_graceful_shutdown=drain_timeout, **ssl_kwargs)
         scheme = 'https' if ssl else 'http'
-        link = _proxy_link(proxy_url, proxy_api_key, node_url, server_name, server_port, scheme, state.model_name)
+        link = _proxy_link(proxy_url, proxy_api_key, node_url, server_name, server_port, scheme, state.model_name,
+                           getattr(gateway.engine, 'max_batch_size', None))
 
         def on_exit():
             state.draining = True
@@ -267,12 +268,12 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
         gateway.close()
 
 
-def _proxy_link(proxy_url, api_key, node_url, server_name, server_port, scheme, model_name):
+def _proxy_link(proxy_url, api_key, node_url, server_name, server_port, scheme, model_name, max_batch_size=None):
     if not proxy_url:
         return None
     from lmdeploy.serve.proxy.register import ProxyLink, own_url
     return ProxyLink(proxy_url, node_url or own_url(server_name, server_port, proxy_url, scheme), [model_name],
-                     api_key)
+                     api_key, max_batch_size=max_batch_size)
 
 
 # ----------------------------------------------------------------- __main__
