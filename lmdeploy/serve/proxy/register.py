@@ -87,24 +87,27 @@ class ProxyLink:
                 self.registered = True
             return r
 
+    def _try_add(self, heartbeat: bool):
+        """(the proxy's answer, or None when the server is leaving or the request failed; why it was not a 200)."""
+        import httpx
+        try:
+            r = self._add(heartbeat)
+        except httpx.HTTPError as e:
+            return None, f'{type(e).__name__}: {e}'
+        return r, ('' if r is None or r.status_code == 200 else f'HTTP {r.status_code}: {r.text[:300]}')
+
     def register(self, attempts: int = 10, delay: float = 1.0) -> bool:
         """Add this node to the proxy; True when it answered 200. Stops early once :meth:`deregister` ran."""
-        import httpx
         why = ''
         for i in range(attempts):
-            try:
-                r = self._add(heartbeat=False)
-            except httpx.HTTPError as e:
-                why = f'{type(e).__name__}: {e}'
-            else:
-                if r is None:
-                    return False
-                if r.status_code == 200:
-                    logger.warning('registered with the proxy %s as %s', self.proxy_url, self.node_url)
-                    return True
-                why = f'HTTP {r.status_code}: {r.text[:300]}'
-                if r.status_code in (400, 401, 403, 404, 422):
-                    break  # it will not change by asking again
+            r, why = self._try_add(heartbeat=False)
+            if r is None and not why:
+                return False
+            if r is not None and r.status_code == 200:
+                logger.warning('registered with the proxy %s as %s', self.proxy_url, self.node_url)
+                return True
+            if r is not None and r.status_code in (400, 401, 403, 404, 422):
+                break  # it will not change by asking again
             if i + 1 < attempts and self._left.wait(min(delay * 2 ** i, 10.0)):
                 return False
         if self._left.is_set():
@@ -117,20 +120,14 @@ class ProxyLink:
 
     def beat(self) -> bool:
         """Register again (quietly: a change is logged once); True when the proxy answered 200."""
-        import httpx
-        try:
-            r = self._add(heartbeat=True)
-        except httpx.HTTPError as e:
-            why = f'{type(e).__name__}: {e}'
-        else:
-            if r is None:
-                return False
-            if r.status_code == 200:
-                if self._beat_error is not None:
-                    logger.warning('registered with the proxy %s as %s again', self.proxy_url, self.node_url)
-                    self._beat_error = None
-                return True
-            why = f'HTTP {r.status_code}: {r.text[:300]}'
+        r, why = self._try_add(heartbeat=True)
+        if r is None and not why:
+            return False
+        if r is not None and r.status_code == 200:
+            if self._beat_error is not None:
+                logger.warning('registered with the proxy %s as %s again', self.proxy_url, self.node_url)
+                self._beat_error = None
+            return True
         if self._beat_error is None:
             logger.warning('could not register again with the proxy %s (%s); trying every %g s', self.proxy_url,
                            why, self.heartbeat)
