@@ -7,6 +7,9 @@
 * ``tiny_models`` - dict name -> directory of a tiny random model (see
   ``helpers.TINY_MODEL_NAMES``), built once per session.
 * ``tiny_model_factory`` - callable name -> directory, building lazily.
+
+Tests whose fixtures' work begins in the background (tests/background.py: the CUDA compiles, the KV
+quantization's perplexity) run last.
 """
 
 from __future__ import annotations
@@ -26,7 +29,27 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')
 
+from background import Background, served  # noqa: E402
 from helpers import TINY_MODEL_NAMES, build_tiny_model  # noqa: E402
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected theirs
+def pytest_collection_modifyitems(session, config, items):
+    """The tests served by background work go last (in their order), so it has the session's idle CPU."""
+    late = [item for item in items if served(item)]
+    if late:
+        items[:] = [item for item in items if not served(item)] + late
+
+
+def pytest_collection_finish(session):
+    if not session.config.option.collectonly:
+        for bg in Background.instances:
+            bg.start(session.items)
+
+
+def pytest_sessionfinish(session):
+    for bg in Background.instances:
+        bg.cancel()
 
 
 @pytest.fixture(scope='session')

@@ -3,15 +3,29 @@ it supports, Volta (sm70) to Hopper (sm90), with the tiles and pipeline
 stages its wrapper picks there, and fits that GPU's shared memory per block.
 
 No GPU needed: Triton compiles for a named target with the ptxas it ships.
-Each target compiles in a subprocess without TRITON_INTERPRET (the kernel
-tests turn the interpreter on for this process when there is no GPU).
+The kernels compile in worker subprocesses without TRITON_INTERPRET (the
+kernel tests turn the interpreter on for this process when there is no GPU).
+
+Compiling is CPU-bound and single-threaded (LLVM, then ptxas: about 9 CPU
+minutes for the five targets, over half of it Volta's attention kernels,
+whose dots unroll into FMAs): one pool of workers, one per CPU, compiles
+every selected target's kernels, costliest first, begun at the lowest
+priority when collection is done (tests/background.py), so the CPU the
+other tests leave idle does most of it; the tests here run last and wait
+for what is left.
 """
+import collections
+import importlib.util
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+from background import Background, lower_priority
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = (70, 75, 80, 86, 90)  # compute capabilities, major * 10 + minor
@@ -90,13 +104,14 @@ def label(fn, constexprs: dict) -> str:
                                  if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'QUANT', 'PACK'))
 
 
-def compile_all(cap: int) -> dict:
-    """Compile every kernel for sm``cap``: name -> shared memory bytes, or
-    the error text."""
+def compile_all(cap: int, specs=None, act=None) -> dict:
+    """Compile every kernel for sm``cap`` (or those of ``specs``, with activations ``act``): name -> shared
+    memory bytes, or the error text."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    specs, act = kernel_specs(cap)
+    if specs is None:
+        specs, act = kernel_specs(cap)
     results = {}
     for fn, ptrs, scalars, constexprs, options in specs:
         name_of = label(fn, constexprs)
@@ -123,15 +138,128 @@ def compile_all(cap: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize('cap', TARGETS)
-def test_kernels_compile_and_fit_shared_memory(cap):
+def _worker_main():
+    """A pool worker: reads ``cap index`` lines, compiles that kernel of :func:`kernel_specs` (cap) and
+    answers ``result`` and a JSON ``[name, shared bytes or error text]`` on one line."""
+    specs = {}
+    for line in sys.stdin:
+        cap, index = map(int, line.split())
+        if cap not in specs:
+            specs[cap] = kernel_specs(cap)
+        result = compile_all(cap, [specs[cap][0][index]], specs[cap][1])
+        print('result', json.dumps(next(iter(result.items()))), flush=True)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class CompilePool:
+    """Every kernel of every cap in ``caps``, compiled by worker subprocesses (one per CPU, lowest priority),
+    costliest first; ``result()`` is cap -> {name: shared bytes or error text}. A worker that dies
+    leaves its kernel's error (its stderr) and is replaced."""
+
+    def __init__(self, caps):
+        self.tasks = queue.Queue()
+        order = sorted(((cap, i, fn.__name__) for cap in caps for i, (fn, *_) in enumerate(kernel_specs(cap)[0])),
+                       key=lambda t: (t[0], 'prefill' not in t[2] and 'rotate' not in t[2]))
+        for cap, i, _ in order:  # older GPUs' attention first: the pool's tail is then the short kernels
+            self.tasks.put((cap, i))
+        self.results = {cap: {} for cap in caps}
+        self.env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+        self.env['PYTHONPATH'] = os.pathsep.join([ROOT, os.path.dirname(os.path.abspath(__file__)),
+                                                  self.env.get('PYTHONPATH', '')])
+        self.procs, self.lock, self.cancelled = [], threading.Lock(), False
+        self.threads = [threading.Thread(target=self._serve, daemon=True)
+                        for _ in range(max(1, min(_cpus(), self.tasks.qsize())))]
+        for t in self.threads:
+            t.start()
+
+    def _start(self, background=True):
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), '--worker'], env=self.env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if background:
+            lower_priority(proc.pid)
+        with self.lock:
+            self.procs.append(proc)
+        tail = collections.deque(maxlen=100)  # stderr drained as it comes, its end kept for a worker that dies
+        threading.Thread(target=tail.extend, args=(proc.stderr, ), daemon=True).start()
+        return proc, tail
+
+    def _serve(self):
+        proc, tail = self._start()
+        while not self.cancelled:
+            try:
+                cap, i = self.tasks.get_nowait()
+            except queue.Empty:
+                break
+            proc.stdin.write(f'{cap} {i}\n')
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            while line and not line.startswith('result '):  # anything else a compiler printed
+                line = proc.stdout.readline()
+            if line:
+                name, shared = json.loads(line[len('result '):])
+            else:  # the worker died (a crash in LLVM or ptxas): this kernel fails, a new worker goes on
+                proc.wait()
+                time.sleep(0.1)
+                spec = kernel_specs(cap)[0][i]
+                name = label(spec[0], spec[3])
+                shared = f'worker exited with {proc.returncode}: ' + ''.join(tail)[-3000:]
+                if self.cancelled:
+                    return
+                proc, tail = self._start(background=False)
+            self.results[cap][name] = shared
+        proc.stdin.close()
+        proc.wait()
+
+    def result(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self.threads):
+            self.cancel()
+            pytest.fail(f'compiling the kernels took over {timeout} s')
+        return self.results
+
+    def pids(self):
+        with self.lock:
+            return [proc.pid for proc in self.procs]
+
+    def cancel(self):
+        self.cancelled = True
+        with self.lock:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+
+
+def _begin(items):
+    """The pool for the targets of the selected tests (all of them for a fixture asked outside a run)."""
+    if importlib.util.find_spec('triton') is None:
+        return None
+    return CompilePool(sorted({item.callspec.params['cap'] for item in items}) or TARGETS)
+
+
+background = Background(
+    serves=lambda item: getattr(item, 'originalname', None) == 'test_kernels_compile_and_fit_shared_memory',
+    begin=_begin)
+
+
+@pytest.fixture(scope='module')
+def compiled(request):
+    """The kernels of every target this session runs the test for, compiled once, by one pool begun in
+    the background (tests/background.py)."""
     pytest.importorskip('triton')
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
-    env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
-    run = subprocess.run([sys.executable, os.path.abspath(__file__), str(cap)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    return background.result(request.session)
+
+
+@pytest.mark.parametrize('cap', TARGETS)
+def test_kernels_compile_and_fit_shared_memory(cap, compiled):
+    results = compiled[cap]
     # every variant the wrappers launch for this GPU compiled (prefill: the short and long prompts' tiles of
     # each policy, one variant where they are the same: on GPUs with under 96 KB of shared memory)
     expected = {label(fn, constexprs) for fn, _, _, constexprs, _ in kernel_specs(cap)[0]}
@@ -143,4 +271,7 @@ def test_kernels_compile_and_fit_shared_memory(cap):
 
 
 if __name__ == '__main__':
-    print(json.dumps(compile_all(int(sys.argv[1]))))
+    if sys.argv[1:] == ['--worker']:
+        _worker_main()
+    else:  # one target's kernels, in this process: python tests/test_cuda_compile.py 90
+        print(json.dumps(compile_all(int(sys.argv[1]))))
