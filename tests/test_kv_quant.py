@@ -172,7 +172,9 @@ class _Quality:
     the other tests leave idle; at the end the three share both cores evenly, finishing together."""
 
     def __init__(self):
-        env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1')
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's lmdeploy
+        env = dict(os.environ, OMP_NUM_THREADS='1', MKL_NUM_THREADS='1',
+                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')])))
         self.procs = {}
         for policy in QUALITY_POLICIES:
             out, err = tempfile.TemporaryFile('w+'), tempfile.TemporaryFile('w+')

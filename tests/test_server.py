@@ -858,29 +858,36 @@ def test_json_schema_and_json_mode_always_parse(client, srv, stream):
     jsonschema = pytest.importorskip('jsonschema')
     pytest.importorskip('xgrammar')
     schema_fmt = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}}
+    patient = client.with_options(timeout=600)  # a whole answer of the batch below, on a busy CPU
 
     def ask(fmt, seed, max_tokens=160):
         kwargs = dict(model=MODEL, messages=[{'role': 'user', 'content': 'Describe a person as JSON.'}],
                       max_tokens=max_tokens, temperature=1.0, seed=seed, response_format=fmt)
         if not stream:
-            r = client.chat.completions.create(**kwargs)
+            r = patient.chat.completions.create(**kwargs)
             return r.choices[0].message.content, r.choices[0].finish_reason
         text, reason = '', None
-        for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for chunk in patient.chat.completions.create(stream=True, **kwargs):
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ''
                 reason = chunk.choices[0].finish_reason or reason
         return text, reason
 
-    for seed in range(20):
-        text, reason = ask(schema_fmt, seed)
+    # all 28 requests in flight together: the engine batches them (one pass as long as the longest answer,
+    # not 28 answers one after another on a CPU); each answer is checked as it would be alone
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(28) as pool:
+        schema_answers = [pool.submit(ask, schema_fmt, seed) for seed in range(20)]
+        mode_answers = [pool.submit(ask, {'type': 'json_object'}, seed, 400) for seed in range(8)]
+    for seed, answer in enumerate(schema_answers):
+        text, reason = answer.result()
         assert reason == 'stop', (seed, text)
         jsonschema.validate(json.loads(text), PERSON)
     # JSON mode bounds nothing: a sampled string may run until max_tokens (finish_reason 'length', as
     # OpenAI's JSON mode warns); every answer that ends by itself is an object
     finished = 0
-    for seed in range(8):
-        text, reason = ask({'type': 'json_object'}, seed, max_tokens=400)
+    for seed, answer in enumerate(mode_answers):
+        text, reason = answer.result()
         if reason == 'stop':
             finished += 1
             assert isinstance(json.loads(text), dict), (seed, text)
