@@ -79,11 +79,21 @@ def test_required_tool_calls_always_parse(client, srv, tool_format, fmt):
     jsonschema = pytest.importorskip('jsonschema')
     tool_format(fmt)
     schemas = {t['function']['name']: t['function']['parameters'] for t in (WEATHER, TIME)}
+
+    def kwargs(seed):
+        return dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice='required', temperature=1.0,
+                    seed=seed, max_tokens=120, parallel_tool_calls=seed >= 4)
+
+    # the 12 requests in flight together, batched by the engine (a seeded reply does not depend on its
+    # batch: test_mixed_batch_each_as_alone), instead of one after another; each checked as before
+    from concurrent.futures import ThreadPoolExecutor
+    patient = client.with_options(timeout=600)
+    with ThreadPoolExecutor(12) as pool:
+        replies = [pool.submit(patient.chat.completions.create, **kwargs(seed)) for seed in range(6)]
+        streamed = [pool.submit(_streamed, patient, **kwargs(seed)) for seed in range(6)]
     for seed in range(6):
         parallel = seed >= 4
-        kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice='required', temperature=1.0,
-                  seed=seed, max_tokens=120, parallel_tool_calls=parallel)
-        r = client.chat.completions.create(**kw)
+        r = replies[seed].result()
         msg, reason = r.choices[0].message, r.choices[0].finish_reason
         assert msg.tool_calls and not (msg.content or '').strip(), (seed, msg)
         complete = msg.tool_calls
@@ -96,7 +106,7 @@ def test_required_tool_calls_always_parse(client, srv, tool_format, fmt):
         for call in complete:
             assert call.type == 'function' and call.id.startswith('call_')
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-        text, calls, s_reason = _streamed(client, **kw)
+        text, calls, s_reason = streamed[seed].result()
         assert s_reason == reason and not text.strip()
         assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments) for c in msg.tool_calls]
     assert_clean(srv)
