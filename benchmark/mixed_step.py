@@ -42,7 +42,8 @@ def main():
     from lmdeploy.engine.sequence import SamplingParams, Sequence
     from lmdeploy.messages import PytorchEngineConfig
     eng = Engine(args.model, PytorchEngineConfig(device_type=args.device, max_batch_size=256,
-                                                 max_prefill_token_num=4096))
+                                                 max_prefill_token_num=4096,
+                                                 warmup=False))  # it warms each path itself
     runner, bm, sync = eng.runner, eng.block_manager, eng.device.synchronize
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size

@@ -136,7 +136,11 @@ def test_fuzz_openapi_all_checks(srv, mode):
     if positive:  # valid bodies do reach the engine
         assert sum(n for (path, status), n in statuses.items() if status == 200 and path in GENERATING) >= 30
     else:  # invalid ones are refused (schemathesis excuses the few whose fault is in a header, not the body)
-        assert sum(n for (path, status), n in statuses.items() if status == 400) >= 40, statuses
+        # (how many of hypothesis's cases break the body rather than a header varies with its version)
+        refused = {path: sum(n for (p, status), n in statuses.items() if p == path and status == 400)
+                   for path, _ in statuses}
+        assert all(refused.values()), statuses
+        assert sum(refused.values()) >= sum(statuses.values()) // 4, statuses
     # fuzzed interactive sessions stay open: end them, then nothing may be left behind
     srv.state.sessions.end_all(srv.gateway)
     assert_clean(srv, timeout=60)

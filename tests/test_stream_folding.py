@@ -55,7 +55,7 @@ def test_the_run_queue_folds_a_jobs_increments_in_order():
 
     async def go():
         run = _Run.__new__(_Run)
-        run.queue, run._ready = deque(), asyncio.Event()
+        run.queue, run._ready, run._ended = deque(), asyncio.Event(), set()
         items = []
         for job in (0, 1):
             for k in range(rng.randint(2, 6)):
