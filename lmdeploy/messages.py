@@ -21,6 +21,7 @@ GREEDY_TEMPERATURE = 1e-5
 # A repetition penalty scales float32 logits by it (or its inverse): beyond these bounds they would
 # overflow, so a stronger penalty is applied as the bound (the tokens' order is the same).
 REPETITION_PENALTY_BOUNDS = (1e-6, 1e6)
+LOGIT_BIAS_BOUND = 100.0  # OpenAI's range for a token's bias: [-100, 100]
 
 
 def _finite(x: Any) -> bool:
@@ -43,6 +44,17 @@ class GenerationConfig:
     batch. ``n`` samples per prompt (the pipeline
     returns a list of n Responses for it; sample i draws with
     ``random_seed + i``).
+
+    ``frequency_penalty`` and ``presence_penalty`` are OpenAI's: each
+    generated token's score drops by frequency_penalty times how often it was
+    generated so far, plus presence_penalty once it was (both in [-2, 2]; the
+    prompt does not count). ``repetition_penalty`` (transformers', over prompt
+    and output) applies before them. ``logit_bias`` ({token id: bias in
+    [-100, 100]}) is added to the model's scores before any of them.
+    ``prompt_logprobs`` (N >= 0): each prompt token's logprob and the top-N
+    alternatives at its position, from the prompt's own forward pass (the
+    first token has none); with ``max_new_tokens=0`` the prompt is only
+    scored.
     """
     n: int = 1
     max_new_tokens: int = 512
@@ -52,6 +64,9 @@ class GenerationConfig:
     min_p: float = 0.0
     temperature: float = 0.8
     repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[Dict[int, float]] = None
     ignore_eos: bool = False
     random_seed: Optional[int] = None
     stop_words: Optional[List[str]] = None
@@ -67,6 +82,7 @@ class GenerationConfig:
     output_logits: Optional[Literal['all', 'generation']] = None
     output_last_hidden_state: Optional[Literal['all', 'generation']] = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         self.validate()
@@ -75,8 +91,9 @@ class GenerationConfig:
         """Raise ValueError naming the first invalid field."""
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, 'n',
                f'must be an integer in [1, {MAX_N}], got {self.n!r}')
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, 'max_new_tokens',
-               f'must be an integer >= 1, got {self.max_new_tokens!r}')
+        _check(isinstance(self.max_new_tokens, int) and not isinstance(self.max_new_tokens, bool)
+               and self.max_new_tokens >= 0, 'max_new_tokens',
+               f'must be an integer >= 0 (0: score the prompt only), got {self.max_new_tokens!r}')
         _check(0.0 < self.top_p <= 1.0, 'top_p', f'must be in (0, 1], got {self.top_p}')
         _check(isinstance(self.top_k, int) and self.top_k >= 0, 'top_k',
                f'must be an integer >= 0 (0 disables it), got {self.top_k!r}')
@@ -85,15 +102,28 @@ class GenerationConfig:
                f'must be a finite number >= 0 (below {GREEDY_TEMPERATURE}: greedy), got {self.temperature!r}')
         _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0.0, 'repetition_penalty',
                f'must be a finite number > 0 (1: none), got {self.repetition_penalty!r}')
+        for name in ('frequency_penalty', 'presence_penalty'):
+            value = getattr(self, name)
+            _check(_finite(value) and -2.0 <= value <= 2.0, name,
+                   f'must be a number in [-2, 2] (0: none), got {value!r}')
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), 'logit_bias', 'must be a dict {token id: bias}')
+            for token, bias in self.logit_bias.items():
+                _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0, 'logit_bias',
+                       f'keys must be token ids (integers >= 0), got {token!r}')
+                _check(_finite(bias) and abs(bias) <= LOGIT_BIAS_BOUND, 'logit_bias',
+                       f'values must be numbers in [-100, 100], got {bias!r} for token {token}')
         if self.random_seed is not None:
             _check(isinstance(self.random_seed, int) and self.random_seed >= 0, 'random_seed',
                    f'must be a non-negative integer, got {self.random_seed!r}')
         if self.min_new_tokens is not None:
             _check(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, 'min_new_tokens',
                    f'must be a non-negative integer, got {self.min_new_tokens!r}')
-        if self.logprobs is not None:
-            _check(isinstance(self.logprobs, int) and 0 <= self.logprobs <= 1024, 'logprobs',
-                   f'must be an integer in [0, 1024], got {self.logprobs!r}')
+        for name in ('logprobs', 'prompt_logprobs'):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1024, name,
+                       f'must be an integer in [0, 1024], got {value!r}')
         for name in ('stop_words', 'bad_words'):
             words = getattr(self, name)
             if words is not None:
@@ -248,6 +278,8 @@ class Response:
 
     logprobs: one dict per generated token, ``{token_id: logprob}`` with the
         top-N alternatives and the chosen token.
+    prompt_logprobs: the same for each prompt token (GenerationConfig.prompt_logprobs); the first
+        token's entry is None (nothing precedes it).
     logits / last_hidden_state: float tensors [num_tokens, dim] when asked for.
     """
     text: str
@@ -262,6 +294,7 @@ class Response:
     index: int = 0
     error: Optional[str] = None
     choice: int = 0  # which of the prompt's n samples (GenerationConfig.n)
+    prompt_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
 
     def __repr__(self):
         error = f', error={self.error!r}' if self.error else ''

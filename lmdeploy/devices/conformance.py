@@ -239,6 +239,37 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         ok = torch.equal(got, want)
         return ok, f'{int((~allowed).sum())} of {allowed.numel()} masked' + ('' if ok else ', differs from expected')
 
+    def _history(rows: int, vocab: int):
+        """Token ids with repeats, padded with -1 (row 0 has none at all)."""
+        ids = torch.randint(0, vocab, (rows, 9), generator=g)
+        ids[:, 6:] = ids[:, :3]  # repeats
+        ids[0] = -1
+        ids[1, 7:] = -1
+        return ids
+
+    def apply_repetition_penalty():
+        logits, ids = randn(3, 40, scale=3).float(), _history(3, 40)
+        penalty = torch.tensor([1.3, 0.7, 2.0])
+        got = ops.apply_repetition_penalty(logits.clone().to(dev), ids.to(dev), penalty.to(dev)).cpu()
+        want = logits.clone()
+        for b in range(3):
+            for t in set(ids[b].tolist()) - {-1}:
+                x = float(logits[b, t])
+                want[b, t] = x / float(penalty[b]) if x > 0 else x * float(penalty[b])
+        return _compare('apply_repetition_penalty', got.double(), want.double(), torch.float32)
+
+    def apply_frequency_presence_penalty():
+        logits, ids = randn(3, 40, scale=3).float(), _history(3, 40)
+        frequency, presence = torch.tensor([0.5, -1.25, 2.0]), torch.tensor([1.5, 0.75, -2.0])
+        got = ops.apply_frequency_presence_penalty(logits.clone().to(dev), ids.to(dev), frequency.to(dev),
+                                                   presence.to(dev)).cpu()
+        want = logits.double().clone()
+        for b in range(3):
+            row = [t for t in ids[b].tolist() if t >= 0]
+            for t in set(row):
+                want[b, t] -= row.count(t) * float(frequency[b]) + float(presence[b])
+        return _compare('apply_frequency_presence_penalty', got.double(), want, torch.float32)
+
     def sample():
         from lmdeploy.devices import rng
         logits = randn(3, 50, scale=3).float()
@@ -254,7 +285,8 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
     found = [('rms_norm', rms_norm), ('silu_and_mul', silu_and_mul), ('apply_rotary', apply_rotary),
              ('rotary_fill_kv', rotary_fill_kv), ('argmax', argmax), ('paged_decode_attention', paged_decode_attention),
              ('paged_prefill_attention', paged_prefill_attention), ('apply_token_bitmask', apply_token_bitmask),
-             ('sample', sample)]
+             ('apply_repetition_penalty', apply_repetition_penalty),
+             ('apply_frequency_presence_penalty', apply_frequency_presence_penalty), ('sample', sample)]
     attention = [('paged_decode_attention', paged_decode_attention),
                  ('paged_prefill_attention', paged_prefill_attention)]
     for policy in (8, 4):  # the quantized caches this device implements (devices/cache.py)

@@ -272,6 +272,16 @@ class DeviceOps:
         """
         raise NotImplementedError
 
+    def apply_frequency_presence_penalty(self, logits: torch.Tensor, token_ids: torch.Tensor,
+                                         frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+        """OpenAI's penalties, in place and returned.
+
+        logits [B, V] float32; token_ids [B, L] int64 padded with -1 (the
+        generated ids, repeats counted); frequency, presence [B]. For every id
+        generated c > 0 times in row b: score - c * frequency - presence.
+        """
+        raise NotImplementedError
+
     def apply_temperature(self, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
         """logits [B, V] / temperature [B, 1]-broadcast (temperature > 0)."""
         raise NotImplementedError

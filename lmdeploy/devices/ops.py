@@ -61,6 +61,10 @@ def apply_repetition_penalty(logits, token_ids, penalty):
     return _ops(logits).apply_repetition_penalty(logits, token_ids, penalty)
 
 
+def apply_frequency_presence_penalty(logits, token_ids, frequency, presence):
+    return _ops(logits).apply_frequency_presence_penalty(logits, token_ids, frequency, presence)
+
+
 def apply_temperature(logits, temperature):
     return _ops(logits).apply_temperature(logits, temperature)
 

@@ -137,6 +137,14 @@ class ReferenceOps(DeviceOps):
         logits.copy_(torch.where(seen, penalised, logits))
         return logits
 
+    def apply_frequency_presence_penalty(self, logits, token_ids, frequency, presence):
+        bsz, vocab = logits.shape
+        counts = torch.zeros(bsz, vocab + 1, dtype=logits.dtype, device=logits.device)  # column 0: the padding
+        counts.scatter_add_(1, token_ids + 1, torch.ones_like(token_ids, dtype=logits.dtype))
+        counts = counts[:, 1:]
+        logits -= counts * frequency[:, None].to(logits.dtype) + (counts > 0) * presence[:, None].to(logits.dtype)
+        return logits
+
     def apply_token_bitmask(self, logits, bitmask):
         # byte k of word w (little-endian) holds tokens 32 w + 8 k .. + 7: unpacked through a table of the
         # 256 bytes' bits
@@ -187,6 +195,7 @@ class ReferenceSampling:
     """The reference's sampling ops for other devices: plain torch that runs on the logits' own device (no
     host round trip per request). A device without faster ones of its own lists this before DeviceOps."""
     apply_repetition_penalty = ReferenceOps.apply_repetition_penalty
+    apply_frequency_presence_penalty = ReferenceOps.apply_frequency_presence_penalty
     apply_token_bitmask = ReferenceOps.apply_token_bitmask
     apply_temperature = ReferenceOps.apply_temperature
     top_k_top_p_min_p = ReferenceOps.top_k_top_p_min_p

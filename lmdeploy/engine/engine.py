@@ -27,7 +27,7 @@ from .block_manager import BlockManager
 from .model_config import ModelConfig, load_model_config
 from .parallel import start_workers
 from .rank import build_rank
-from .sampler import NO_TOKEN, needs_host_history, sample_tokens, token_logprobs
+from .sampler import NO_TOKEN, needs_host_history, prompt_logprobs, sample_tokens, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import EngineOutput, SamplingParams, SeqStatus, Sequence
 
@@ -429,10 +429,10 @@ class Engine:
             self._resolve(prev)
         extras = self._prompt_outputs(batch, hidden, starts)
         for seq, _ in done:
-            if seq.params.prompt_loss:  # get_ppl: the whole prompt is scored, nothing is generated
+            if seq.params.score_only:  # get_ppl, prompt logprobs: the whole prompt is scored, nothing generated
                 self._finish(seq, 'length', output=self._with_extra(EngineOutput([]), extras.get(seq.seq_id)))
         # a sequence that stopped (or was cancelled) at the previous step computed one wasted row here
-        done = [(s, r) for s, r in done if not s.params.prompt_loss and s.status == SeqStatus.RUNNING]
+        done = [(s, r) for s, r in done if not s.params.score_only and s.status == SeqStatus.RUNNING]
         if done:
             self._sample(done, hidden, extras)
 
@@ -476,19 +476,25 @@ class Engine:
             extra = extras.setdefault(seq.seq_id, {})
             if p.output_last_hidden_state == 'all':
                 extra['hidden'] = chunk.float().cpu()
-            if p.output_logits == 'all' or p.prompt_loss:
+            if p.output_logits == 'all' or p.prompt_loss or p.prompt_logprobs is not None:
                 logits = self.runner.logits(chunk, range(offset, offset + len(chunk))).float()
                 if p.output_logits == 'all':
                     extra['logits'] = logits.cpu()
-                if p.prompt_loss:
-                    targets = seq.token_ids[first + 1:last + 1][:last - first]
-                    if targets:
-                        t = torch.tensor(targets, device=logits.device)
-                        loss = torch.nn.functional.cross_entropy(logits[:len(targets)], t, reduction='sum')
-                        seq.loss_sum += float(loss)
-                        seq.loss_count += len(targets)
+                # position j's logits predict token j + 1; the last prompt position's, the first generated one
+                targets = seq.token_ids[first + 1:min(last + 1, seq.num_prompt_tokens)]
+                if p.prompt_loss and targets:
+                    t = torch.tensor(targets, device=logits.device)
+                    loss = torch.nn.functional.cross_entropy(logits[:len(targets)], t, reduction='sum')
+                    seq.loss_sum += float(loss)
+                    seq.loss_count += len(targets)
+                if p.prompt_logprobs is not None:
+                    # a turn's first prompt token gets none (nothing precedes a first turn's)
+                    head = [None] if first == seq.turn_start else []
+                    extra['prompt_logprobs'] = head + prompt_logprobs(logits[:len(targets)], targets,
+                                                                      p.prompt_logprobs)
             if extra and seq.num_pending > 0:
-                self._emit(seq, EngineOutput([], logits=extra.get('logits'), last_hidden_state=extra.get('hidden')))
+                self._emit(seq, EngineOutput([], logits=extra.get('logits'), last_hidden_state=extra.get('hidden'),
+                                             prompt_logprobs=extra.get('prompt_logprobs')))
         return extras
 
     def _sample(self, done, hidden: torch.Tensor, extras: Dict[int, dict]):
@@ -582,4 +588,5 @@ class Engine:
         if extra:
             out.logits = extra.get('logits')
             out.last_hidden_state = extra.get('hidden')
+            out.prompt_logprobs = extra.get('prompt_logprobs')
         return out

@@ -1,10 +1,11 @@
 """Turn the last-position logits of a batch into next tokens.
 
-Order: a grammar's mask (structured output), user logits processors,
-repetition penalty, bans (bad words, stop ids before ``min_new_tokens``),
-then greedy argmax or temperature, top-k,
-top-p, min-p and a seeded draw. Reported logprobs are those of the model's
-own distribution (before any processing).
+Order: logit_bias, a grammar's mask (structured output), user logits
+processors, repetition penalty, OpenAI's frequency and presence penalties,
+bans (bad words, stop ids before ``min_new_tokens``), then greedy argmax or
+temperature, top-k, top-p, min-p and a seeded draw (the bias comes first, as
+vLLM applies it, so the penalties act on biased scores). Reported logprobs
+are those of the model's own distribution (before any processing).
 """
 from __future__ import annotations
 
@@ -40,22 +41,37 @@ def _padded(rows: List[List[int]], device) -> torch.Tensor:
     return to_device(out, device)
 
 
+def logprob_entries(raw: torch.Tensor, tokens: torch.Tensor, tops: List[int]) -> List[Dict[int, float]]:
+    """Per row of raw logits [R, V]: ``{token: logprob}`` of the row's most likely ``tops[r]`` tokens and
+    its chosen one (``tokens`` [R], on raw's device)."""
+    logp = raw.float().log_softmax(dim=-1)
+    k = min(max(tops), logp.shape[-1])
+    top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_vals, top_ids, chosen, ids = top_vals.tolist(), top_ids.tolist(), chosen.tolist(), tokens.tolist()
+    out = []
+    for r, n in enumerate(tops):
+        entry = dict(zip(top_ids[r][:n], top_vals[r][:n]))
+        entry[ids[r]] = chosen[r]
+        out.append(entry)
+    return out
+
+
 def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: List[Sequence]) -> List[Optional[Dict[int, float]]]:
     out: List[Optional[Dict[int, float]]] = [None] * len(seqs)
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if not rows:
-        return out
-    logp = raw[rows].log_softmax(dim=-1)
-    k = max(seqs[i].params.logprobs for i in rows)
-    top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-    chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
-    top_vals, top_ids, chosen = top_vals.tolist(), top_ids.tolist(), chosen.tolist()
-    for j, i in enumerate(rows):
-        n = seqs[i].params.logprobs
-        entry = dict(zip(top_ids[j][:n], top_vals[j][:n]))
-        entry[int(tokens[i])] = chosen[j]
-        out[i] = entry
+    if rows:
+        entries = logprob_entries(raw[rows], tokens[rows], [seqs[i].params.logprobs for i in rows])
+        for i, entry in zip(rows, entries):
+            out[i] = entry
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: List[int], top: int) -> List[Dict[int, float]]:
+    """Each prompt token's entry from the logits of the position before it (logits [len(targets), V])."""
+    if not targets:
+        return []
+    return logprob_entries(logits, torch.tensor(targets, device=logits.device), [top] * len(targets))
 
 
 def needs_host_history(seq: Sequence) -> bool:
@@ -63,8 +79,8 @@ def needs_host_history(seq: Sequence) -> bool:
     (so its previous token must be known before the next one is drawn), or
     its outputs need more than the token id."""
     p = seq.params
-    return bool(p.logits_processors or p.repetition_penalty != 1.0 or p.bad_sequences or p.logprobs is not None
-                or p.output_logits or p.output_last_hidden_state)
+    return bool(p.logits_processors or p.repetition_penalty != 1.0 or p.penalised or p.bad_sequences
+                or p.logprobs is not None or p.output_logits or p.output_last_hidden_state)
 
 
 NO_TOKEN = -1  # what the host reads for a row that had nothing to draw from
@@ -86,10 +102,20 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], grammars=None) -> 
         return tokens, tokens
     banned = [_banned_ids(s) for s in seqs]
     constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
-    if (constrained or any(s.params.logits_processors or s.params.repetition_penalty != 1.0 for s in seqs)
-            or any(banned)):
+    biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+    if (constrained or biased or any(banned) or any(s.params.logits_processors or s.params.repetition_penalty != 1.0
+                                                    or s.params.penalised for s in seqs)):
         logits = logits.clone()  # edited in place below; the caller's copy gives the logprobs
     device = logits.device
+    if biased:
+        rows, cols, vals = [], [], []
+        for i in biased:
+            bias = seqs[i].params.logit_bias
+            rows.extend([i] * len(bias))
+            cols.extend(bias)
+            vals.extend(bias.values())
+        logits.index_put_((tensor_on(rows, device, torch.int64), tensor_on(cols, device, torch.int64)),
+                          tensor_on(vals, device, logits.dtype), accumulate=True)
     if constrained:  # structured output: only what the grammar allows next
         rows = tensor_on(constrained, device, torch.int64)
         mask = to_device(grammars.bitmask([seqs[i].matcher for i in constrained]), device)
@@ -105,6 +131,13 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], grammars=None) -> 
         ids = _padded([seqs[i].token_ids for i in penalised], device)
         penalty = tensor_on([seqs[i].params.repetition_penalty for i in penalised], device)
         logits[rows] = ops.apply_repetition_penalty(logits[rows], ids, penalty)
+    penalised = [i for i, s in enumerate(seqs) if s.params.penalised]
+    if penalised:  # over the generated tokens only (OpenAI's definition)
+        rows = tensor_on(penalised, device, torch.int64)
+        ids = _padded([seqs[i].token_ids[seqs[i].num_prompt_tokens:] or [-1] for i in penalised], device)
+        frequency = tensor_on([seqs[i].params.frequency_penalty for i in penalised], device)
+        presence = tensor_on([seqs[i].params.presence_penalty for i in penalised], device)
+        logits[rows] = ops.apply_frequency_presence_penalty(logits[rows], ids, frequency, presence)
     rows, cols = [], []
     for i, ids in enumerate(banned):
         rows.extend([i] * len(ids))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .grammar import GrammarSpec
 
@@ -21,6 +21,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0  # OpenAI's, over generated tokens
+    presence_penalty: float = 0.0
+    logit_bias: Dict[int, float] = field(default_factory=dict)  # token id -> added to its score
     seed: int = 0
     stop_token_ids: List[int] = field(default_factory=list)  # eos included unless ignore_eos
     bad_token_ids: List[int] = field(default_factory=list)
@@ -31,6 +34,7 @@ class SamplingParams:
     output_last_hidden_state: Optional[str] = None
     logits_processors: List[Callable] = field(default_factory=list)
     prompt_loss: bool = False  # get_ppl: report the prompt's cross-entropy, generate nothing
+    prompt_logprobs: Optional[int] = None  # each prompt token's logprob and this many alternatives
     grammar: Optional[GrammarSpec] = None  # structured output (engine/grammar.py)
     # one of n samples of a prompt: its full prompt blocks are shared with the others through the block
     # manager's keyed blocks, even where prefix caching is off (n > 1 prefills the prompt once)
@@ -41,14 +45,25 @@ class SamplingParams:
         """An argmax of the raw logits, nothing else read or reported (most
         requests): such rows skip the sampler's per-request checks."""
         return (self.greedy and not self.logits_processors and self.repetition_penalty == 1.0
-                and self.grammar is None and not self.bad_token_ids and not self.bad_sequences
+                and not self.penalised and not self.logit_bias and self.grammar is None and not self.bad_token_ids and not self.bad_sequences
                 and not (self.min_new_tokens and self.stop_token_ids) and self.logprobs is None
                 and not self.output_logits and not self.output_last_hidden_state)
 
     @functools.cached_property
+    def penalised(self) -> bool:
+        """Whether OpenAI's frequency or presence penalty applies (they read the generated tokens)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @functools.cached_property
     def needs_all_rows(self) -> bool:
         """Whether every prompt position's output is wanted (no prefix reuse)."""
-        return self.prompt_loss or self.output_logits == 'all' or self.output_last_hidden_state == 'all'
+        return (self.prompt_loss or self.prompt_logprobs is not None or self.output_logits == 'all'
+                or self.output_last_hidden_state == 'all')
+
+    @functools.cached_property
+    def score_only(self) -> bool:
+        """The prompt is run for its outputs (get_ppl, prompt logprobs) and nothing is generated."""
+        return self.prompt_loss or self.max_new_tokens == 0
 
 
 @dataclass
@@ -62,6 +77,8 @@ class EngineOutput:
     logits: Any = None  # tensor [n, V] (cpu) when asked
     last_hidden_state: Any = None
     prompt_loss: Optional[float] = None  # mean cross-entropy over the prompt
+    # per prompt token, in order: {token: logprob} with the alternatives (None for the first token)
+    prompt_logprobs: Optional[List[Optional[dict]]] = None
     error: Optional[str] = None
     # turned away for something in the request (too long, empty, a busy session): the caller's to fix; an
     # error without it is the engine's own failure
@@ -72,10 +89,12 @@ class EngineOutput:
         outputs of a non-streaming request grow without copying."""
         import torch
         self.new_token_ids.extend(later.new_token_ids)
-        if later.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(later.logprobs)
+        for name in ('logprobs', 'prompt_logprobs'):
+            theirs = getattr(later, name)
+            if theirs is not None:
+                if getattr(self, name) is None:
+                    setattr(self, name, [])
+                getattr(self, name).extend(theirs)
         for name in ('logits', 'last_hidden_state'):
             mine, theirs = getattr(self, name), getattr(later, name)
             if theirs is not None:
@@ -118,6 +137,7 @@ class Sequence:
         self.loss_sum = 0.0  # get_ppl
         self.loss_count = 0
         self.num_reported = 0  # prompt positions whose logits/hidden states were delivered
+        self.turn_start = 0  # where this turn's prompt begins in token_ids (interactive sessions)
         self.interactive = False
         self.stream = True  # False: outputs are held and delivered merged at the end
         self.held: Optional[EngineOutput] = None
@@ -164,5 +184,5 @@ class Sequence:
         self.num_generated = 0
         self.finish_reason = None
         self.loss_sum, self.loss_count = 0.0, 0
-        self.num_reported = self.num_tokens - len(new_ids)
+        self.num_reported = self.turn_start = self.num_tokens - len(new_ids)
         self.status = SeqStatus.WAITING

@@ -44,6 +44,8 @@ class GenOut:
     prompt_loss: Optional[float] = None
     error: Optional[str] = None
     refused: bool = False  # the request was turned away for something in it (else an error is the engine's)
+    # each prompt token's {token: logprob} (GenerationConfig.prompt_logprobs; None for the first token)
+    prompt_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
 
     def can_absorb(self, later: 'GenOut') -> bool:
         """Whether ``later`` can be folded into this increment: this one is not the last, and neither carries
@@ -58,6 +60,8 @@ class GenOut:
         self.token_ids = self.token_ids + later.token_ids
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + later.prompt_logprobs
         self.input_token_len = later.input_token_len or self.input_token_len
         self.generate_token_len = later.generate_token_len
         self.finish_reason, self.error = later.finish_reason, later.error or self.error
@@ -80,12 +84,14 @@ def take_pending(first: EngineOutput, queue: asyncio.Queue) -> EngineOutput:
     while not queue.empty() and not outs[-1].finished:
         outs.append(queue.get_nowait())
     last = outs[-1]
-    logprobs = None
-    if any(o.logprobs is not None for o in outs):
-        logprobs = [lp for o in outs for lp in (o.logprobs or [])]
+
+    def joined(name: str):
+        if all(getattr(o, name) is None for o in outs):
+            return None
+        return [lp for o in outs for lp in (getattr(o, name) or [])]
     return EngineOutput([t for o in outs for t in o.new_token_ids], last.finished, last.finish_reason,
-                        last.num_prompt_tokens or first.num_prompt_tokens, logprobs=logprobs,
-                        prompt_loss=last.prompt_loss, error=last.error)
+                        last.num_prompt_tokens or first.num_prompt_tokens, logprobs=joined('logprobs'),
+                        prompt_loss=last.prompt_loss, error=last.error, prompt_logprobs=joined('prompt_logprobs'))
 
 
 def check_text(text: str, what: str):
@@ -268,6 +274,10 @@ class Gateway:
         for name, ids in (('stop_token_ids', gen.stop_token_ids or []), ('bad_token_ids', gen.bad_token_ids or [])):
             if any(i >= vocab for i in ids):
                 raise ValueError(f'GenerationConfig.{name} has ids outside the vocabulary (size {vocab})')
+        outside = [i for i in (gen.logit_bias or {}) if i >= vocab]
+        if outside:
+            raise ValueError(f'GenerationConfig.logit_bias: token id {outside[0]} is outside the vocabulary '
+                             f'(ids are 0 to {vocab - 1})')
         return SamplingParams(
             max_new_tokens=gen.max_new_tokens,
             greedy=gen.is_greedy,
@@ -277,12 +287,16 @@ class Gateway:
             min_p=gen.min_p,
             repetition_penalty=min(max(gen.repetition_penalty, REPETITION_PENALTY_BOUNDS[0]),
                                    REPETITION_PENALTY_BOUNDS[1]),
+            frequency_penalty=float(gen.frequency_penalty),
+            presence_penalty=float(gen.presence_penalty),
+            logit_bias={int(i): float(b) for i, b in (gen.logit_bias or {}).items() if b != 0.0},
             seed=gen.random_seed if gen.random_seed is not None else random.SystemRandom().randrange(1 << 31),
             stop_token_ids=stop_ids,
             bad_token_ids=bad_ids,
             bad_sequences=bad_seqs,
             min_new_tokens=gen.min_new_tokens or 0,
             logprobs=gen.logprobs,
+            prompt_logprobs=gen.prompt_logprobs,
             output_logits=gen.output_logits,
             output_last_hidden_state=gen.output_last_hidden_state,
             logits_processors=list(gen.logits_processors or []),
@@ -374,7 +388,7 @@ class Gateway:
                 yield GenOut(delta, out.num_prompt_tokens or len(ids), num_generated, finish_reason=reason,
                              token_ids=out.new_token_ids, logprobs=out.logprobs, logits=out.logits,
                              last_hidden_state=out.last_hidden_state, prompt_loss=out.prompt_loss,
-                             error=out.error, refused=out.refused)
+                             error=out.error, refused=out.refused, prompt_logprobs=out.prompt_logprobs)
                 if out.finished:
                     finished = True
                     return

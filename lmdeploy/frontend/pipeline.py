@@ -185,6 +185,8 @@ class _Accumulator:
             r.finish_reason = 'error'
         if out.logprobs:
             r.logprobs = (r.logprobs or []) + out.logprobs
+        if out.prompt_logprobs is not None:
+            r.prompt_logprobs = (r.prompt_logprobs or []) + out.prompt_logprobs
         if out.logits is not None:
             self._logits.append(out.logits)
         if out.last_hidden_state is not None:
@@ -275,7 +277,8 @@ class Pipeline:
                                  input_token_len=resp.input_token_len, session_id=session_id,
                                  finish_reason=resp.finish_reason, token_ids=list(out.token_ids),
                                  logprobs=out.logprobs, logits=out.logits, last_hidden_state=out.last_hidden_state,
-                                 index=index, error=out.error, choice=choice)
+                                 index=index, error=out.error, choice=choice,
+                                 prompt_logprobs=out.prompt_logprobs)
                 _log_refused(piece)  # (a streaming caller gets it as a Response: said once in the log too)
                 sink(piece)
         return acc.result()

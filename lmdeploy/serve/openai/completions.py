@@ -1,6 +1,7 @@
 """``POST /v1/completions``: OpenAI's text completions (several prompts, n choices each, logprobs)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -27,8 +28,6 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
     async def completions(req: P.CompletionRequest, request: Request):
         _check_model(state, req.model)
         _check_unsupported(req)
-        if req.echo:
-            raise APIError(400, 'echo is not supported', 'unsupported_parameter', 'echo')
         if req.suffix:
             raise APIError(400, 'suffix is not supported', 'unsupported_parameter', 'suffix')
         if req.best_of not in (None, 1):
@@ -49,8 +48,10 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         # OpenAI's default, for an absent or null max_tokens alike (not "up to session_len")
         max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         max_news = [_max_new_tokens(state, len(ids), max_tokens) for ids in all_ids]
-        top_n = req.logprobs
+        top_n, echo = req.logprobs, bool(req.echo)
         gens = [_gen_config(state, req, m, top_n) for m in max_news]
+        if echo and top_n is not None:  # the prompt's logprobs, from its own forward pass
+            gens = [dataclasses.replace(g, prompt_logprobs=top_n) for g in gens]
         await _compile_grammar(state, spec_from_response_format(gens[0].response_format))
         rid = f'cmpl-{uuid.uuid4().hex}'
         for p, ids, gen in zip(prompts, all_ids, gens):
@@ -65,18 +66,33 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         jobs = [_Job(p * n + c, ids, g, internal[p * n + c], stream=bool(req.stream),
                      after=p * n if c else None)
                 for p, (ids, gen) in enumerate(zip(all_ids, gens)) for c, g in enumerate(_choices(gen, n))]
+        # what echo puts first: the prompt as sent (token ids: their text)
+        echoes = [(p if isinstance(p, str) else tt_decode(state, p)) if echo else '' for p in prompts]
         all_ids = [ids for ids in all_ids for _ in range(n)]
         prompts = [p for p in prompts for _ in range(n)]
+        echoes = [e for e in echoes for _ in range(n)]
         run, firsts = await runner.start(request, 'completions', lease, jobs)
         created = int(time.time())
         tt = runner.token_text()
 
+        def echoed(i: int, r: _Result):
+            """The choice's echo: its prompt text and, with logprobs, the prompt tokens' entries."""
+            if top_n is None:
+                return echoes[i], None
+            return echoes[i], _completion_logprobs(tt, all_ids[i], r.prompt_logprobs, top_n)
+
         if not req.stream:
             results = await runner.collect(request, run, firsts, lease)
-            choices = [P.CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                                          logprobs=(_completion_logprobs(tt, r.token_ids, r.logprobs, top_n)
-                                                    if top_n is not None else None))
-                       for i, r in enumerate(results)]
+            choices = []
+            for i, r in enumerate(results):
+                head, head_logprobs = echoed(i, r)
+                logprobs = None
+                if top_n is not None:
+                    logprobs = _completion_logprobs(tt, r.token_ids, r.logprobs, top_n, offset=len(head))
+                    if head_logprobs is not None:
+                        logprobs = _joined(head_logprobs, logprobs)
+                choices.append(P.CompletionChoice(index=i, text=head + r.text, finish_reason=r.finish_reason,
+                                                  logprobs=logprobs))
             return P.CompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
                                         usage=_usage(sum(r.input_tokens for r in results[::n]),
                                                      sum(r.generated for r in results)))
@@ -89,11 +105,20 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         async def events():
             results = [_Result() for _ in prompts]
             offsets = [0] * len(prompts)
+            waiting_echo = set(range(len(prompts))) if echo else set()
             async for i, out in run.iterate(firsts):
                 _accumulate(results[i], out)
                 if out.finish_reason == 'error':
                     yield _sse(error_body(500, f'generation failed: {out.error}', 'internal_error'))
                     break
+                if i in waiting_echo:  # the prompt goes first, once its logprobs are all in
+                    if top_n is not None and not out.token_ids and out.finish_reason is None:
+                        continue  # (a long prompt's logprobs come chunk by chunk)
+                    waiting_echo.discard(i)
+                    head, head_logprobs = echoed(i, results[i])
+                    offsets[i] = len(head)
+                    yield _sse(P.CompletionResponse(id=rid, created=created, model=state.model_name, choices=[
+                        P.CompletionChoice(index=i, text=head, logprobs=head_logprobs)]), include_usage)
                 logprobs = None
                 if top_n is not None and out.token_ids:
                     logprobs = _completion_logprobs(tt, out.token_ids, out.logprobs, top_n, offsets[i])
@@ -112,3 +137,14 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
             yield 'data: [DONE]\n\n'
 
         return runner.stream(events(), run, lease, lambda: True, media_type='text/event-stream', headers=_SSE_HEADERS)
+
+
+def tt_decode(state, ids) -> str:
+    """A prompt given as token ids, as text (what echo repeats)."""
+    return state.gateway.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _joined(head: P.CompletionLogprobs, tail: P.CompletionLogprobs) -> P.CompletionLogprobs:
+    return P.CompletionLogprobs(tokens=head.tokens + tail.tokens, token_logprobs=head.token_logprobs + tail.token_logprobs,
+                                top_logprobs=head.top_logprobs + tail.top_logprobs,
+                                text_offset=head.text_offset + tail.text_offset)

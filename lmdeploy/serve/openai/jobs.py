@@ -62,6 +62,7 @@ class _Result:
     text: str = ''
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[Dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: List[Optional[Dict[int, float]]] = field(default_factory=list)
     input_tokens: int = 0
     generated: int = 0
     finish_reason: Optional[str] = None
@@ -202,6 +203,8 @@ def _accumulate(r: _Result, out):
     r.token_ids.extend(out.token_ids)
     if out.logprobs:
         r.logprobs.extend(out.logprobs)
+    if out.prompt_logprobs:
+        r.prompt_logprobs.extend(out.prompt_logprobs)
     r.input_tokens = out.input_token_len or r.input_tokens
     r.generated = out.generate_token_len
     if out.finish_reason is not None:

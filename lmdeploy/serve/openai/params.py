@@ -48,12 +48,22 @@ def _stop_words(stop) -> Optional[List[str]]:
 def _check_unsupported(req):
     if (req.n or 1) > 1 and req.session_id not in (None, -1):
         raise APIError(400, 'session_id needs n=1 (a session holds one conversation)', 'invalid_value', 'n')
-    for name in ('presence_penalty', 'frequency_penalty'):
-        if getattr(req, name):
-            raise APIError(400, f'{name} is not supported (must be 0); use repetition_penalty',
-                           'unsupported_parameter', name)
-    if req.logit_bias:
-        raise APIError(400, 'logit_bias is not supported', 'unsupported_parameter', 'logit_bias')
+
+
+def _logit_bias(state: ServerState, bias: Optional[Dict[str, float]]) -> Optional[Dict[int, float]]:
+    """OpenAI's logit_bias (token id as a string -> bias in [-100, 100]) with the ids as integers; an id that
+    is not a token of this model is a 400."""
+    if not bias:
+        return None
+    vocab = state.gateway.engine.model_config.vocab_size
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab:
+            raise APIError(400, f'logit_bias: {key!r} is not a token id of this model (ids are 0 to {vocab - 1})',
+                           'invalid_value', 'logit_bias')
+        out[token] = out.get(token, 0.0) + value
+    return out
 
 
 def _gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional[int]) -> GenerationConfig:
@@ -75,6 +85,9 @@ def _gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional
             top_k=min(given('top_k'), vocab),
             min_p=given('min_p'),
             repetition_penalty=given('repetition_penalty'),
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            logit_bias=_logit_bias(state, req.logit_bias),
             ignore_eos=bool(req.ignore_eos),
             # the sampler hashes 32 bits of the seed: any int maps onto them
             random_seed=None if seed is None else seed & 0xFFFFFFFF,
@@ -216,8 +229,13 @@ def _completion_logprobs(tt: _TokenText, token_ids: List[int], logprobs, top_n: 
     for tid, lp in zip(token_ids, logprobs or []):
         tok = tt(tid)
         out.tokens.append(tok)
-        out.token_logprobs.append(_finite(lp.get(tid, 0.0)))
-        out.top_logprobs.append({tt(i): _finite(v) for i, v in sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]})
+        if lp is None:  # an echoed prompt's first token: nothing precedes it (null, as OpenAI)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            out.token_logprobs.append(_finite(lp.get(tid, 0.0)))
+            out.top_logprobs.append({tt(i): _finite(v)
+                                     for i, v in sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]})
         out.text_offset.append(offset)
         offset += len(tok)
     return out

@@ -18,6 +18,22 @@ if TYPE_CHECKING:
 
 SERVED_MODEL = 'x-served-model'  # a schema node whose value must be the served model's name
 TOKEN_ID = 'x-token-id'  # a schema node that is a token id
+TOKEN_KEY = 'x-token-key'  # a string schema node that is a token id written in decimal (logit_bias's keys)
+
+
+def decimal_pattern(limit: int) -> str:
+    """A regex matching exactly the decimal numbers 0 to ``limit`` (no leading zeros)."""
+    top = str(limit)
+    alts = ['[0-9]' if len(top) > 1 else f'[0-{top}]']
+    alts += [f'[1-9][0-9]{{{k - 1}}}' for k in range(2, len(top))]
+    if len(top) > 1:
+        for i, digit in enumerate(top):
+            low = '1' if i == 0 else '0'
+            if int(digit) > int(low):
+                rest = len(top) - i - 1
+                alts.append(f'{top[:i]}[{low}-{int(digit) - 1}]' + (f'[0-9]{{{rest}}}' if rest else ''))
+        alts.append(top)
+    return '^(' + '|'.join(alts) + ')$'
 
 
 def _fill(node: Any, model_name: str, vocab_size: int):
@@ -26,6 +42,8 @@ def _fill(node: Any, model_name: str, vocab_size: int):
             node['enum'] = [model_name]
         if node.get(TOKEN_ID):
             node['maximum'] = vocab_size - 1
+        if node.get(TOKEN_KEY):
+            node['pattern'] = decimal_pattern(vocab_size - 1)
         for value in node.values():
             _fill(value, model_name, vocab_size)
     elif isinstance(node, list):
