@@ -54,6 +54,35 @@ def test_next_step_is_launched_before_tokens_are_read(engine, prompts, tiny_mode
     assert sum(launched_ahead) >= NEW - 2
 
 
+def test_penalised_requests_run_ahead_too(engine, prompts):
+    """Penalties, bad words and a bias read the history on the host; the engine settles the previous step
+    before sampling, so such requests still launch ahead, and draw what the same engine draws one step at a
+    time (nothing in flight)."""
+    rng = random.Random()
+    settings = [dict(repetition_penalty=1.3, frequency_penalty=0.8),
+                dict(presence_penalty=1.5, bad_sequences=[[rng.randrange(20, 49152), rng.randrange(20, 49152)]]),
+                dict(logit_bias={rng.randrange(20, 49152): 3.0}, frequency_penalty=-0.5)]
+
+    def run():
+        cols = [submit(engine, p, SamplingParams(max_new_tokens=NEW, **kw)) for p, kw in zip(prompts, settings)]
+        return [c.wait().token_ids for c in cols]
+
+    launched_ahead = []
+    forward = engine.runner.forward
+
+    def spy(batch, prev_tokens=None):
+        launched_ahead.append(prev_tokens is not None)
+        return forward(batch, prev_tokens)
+
+    engine.runner.forward = spy
+    ahead = run()
+    assert sum(launched_ahead) >= NEW - 2
+    engine.runner.forward = forward
+    engine.scheduler.can_run_ahead = lambda: False  # every step's tokens read before the next is scheduled
+    assert run() == ahead
+    assert_engine_clean(engine)
+
+
 def test_stop_token_while_next_step_in_flight(engine, prompts, tiny_model_factory):
     ref = hf_greedy(tiny_model_factory('llama'), prompts, NEW)
     i = stop_index(ref[0])

@@ -27,7 +27,7 @@ from .block_manager import BlockManager
 from .model_config import ModelConfig, load_model_config
 from .parallel import start_workers
 from .rank import build_rank
-from .sampler import NO_TOKEN, needs_host_history, prompt_logprobs, sample_tokens, token_logprobs
+from .sampler import NO_TOKEN, prompt_logprobs, reports_more_than_ids, sample_tokens, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import EngineOutput, SamplingParams, SeqStatus, Sequence
 
@@ -505,7 +505,7 @@ class Engine:
         rows = [r for _, r in done]
         last_hidden = self.runner.rows(hidden, rows)
         plain = all(s.params.plain_greedy for s in seqs)
-        settle_now = bool(extras) or (not plain and any(needs_host_history(s) for s in seqs))
+        settle_now = bool(extras) or (not plain and any(reports_more_than_ids(s) for s in seqs))
         logits = self.runner.logits(last_hidden, rows)
         if settle_now or not plain:
             logits = logits.float()  # sampling, penalties and logprobs work in float32; argmax needs not

@@ -74,13 +74,24 @@ def prompt_logprobs(logits: torch.Tensor, targets: List[int], top: int) -> List[
     return logprob_entries(logits, torch.tensor(targets, device=logits.device), [top] * len(targets))
 
 
-def needs_host_history(seq: Sequence) -> bool:
-    """Whether sampling this sequence reads its generated tokens on the host
-    (so its previous token must be known before the next one is drawn), or
-    its outputs need more than the token id."""
+def reports_more_than_ids(seq: Sequence) -> bool:
+    """Whether this sequence's outputs need more than the token id (logprobs, logits, hidden states), read
+    from this step's tensors on the host.
+
+    What sampling reads of the history on the host (penalties, bad words,
+    logits processors) needs no such wait: the engine settles the previous
+    step's tokens before it samples the next (engine._step), so the history
+    is whole by then."""
     p = seq.params
-    return bool(p.logits_processors or p.repetition_penalty != 1.0 or p.penalised or p.bad_sequences
-                or p.logprobs is not None or p.output_logits or p.output_last_hidden_state)
+    return p.logprobs is not None or bool(p.output_logits or p.output_last_hidden_state)
+
+
+def _history(seq: Sequence, start: int = 0) -> List[int]:
+    """The sequence's token ids from ``start``, every one known on the host (see reports_more_than_ids)."""
+    ids = seq.token_ids[start:]
+    if ids and ids[-1] < 0:
+        raise RuntimeError('a penalty read the history while its last token was still on the device')
+    return ids
 
 
 NO_TOKEN = -1  # what the host reads for a row that had nothing to draw from
@@ -122,19 +133,19 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], grammars=None) -> 
         logits[rows] = ops.apply_token_bitmask(logits[rows], mask)
     for i, seq in enumerate(seqs):
         if seq.params.logits_processors:
-            generated = tensor_on(seq.token_ids[seq.num_prompt_tokens:], device, torch.int64)
+            generated = tensor_on(_history(seq, seq.num_prompt_tokens), device, torch.int64)
             for proc in seq.params.logits_processors:
                 logits[i] = proc(generated, logits[i])
     penalised = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
     if penalised:
         rows = tensor_on(penalised, device, torch.int64)
-        ids = _padded([seqs[i].token_ids for i in penalised], device)
+        ids = _padded([_history(seqs[i]) for i in penalised], device)
         penalty = tensor_on([seqs[i].params.repetition_penalty for i in penalised], device)
         logits[rows] = ops.apply_repetition_penalty(logits[rows], ids, penalty)
     penalised = [i for i, s in enumerate(seqs) if s.params.penalised]
     if penalised:  # over the generated tokens only (OpenAI's definition)
         rows = tensor_on(penalised, device, torch.int64)
-        ids = _padded([seqs[i].token_ids[seqs[i].num_prompt_tokens:] or [-1] for i in penalised], device)
+        ids = _padded([_history(seqs[i], seqs[i].num_prompt_tokens) or [-1] for i in penalised], device)
         frequency = tensor_on([seqs[i].params.frequency_penalty for i in penalised], device)
         presence = tensor_on([seqs[i].params.presence_penalty for i in penalised], device)
         logits[rows] = ops.apply_frequency_presence_penalty(logits[rows], ids, frequency, presence)
