@@ -258,7 +258,7 @@ ERROR_CASES = [
         'name': 'f', 'parameters': {'type': 'object', 'properties': {'a': {'type': 'nonsense'}}}}}],
         tool_choice='required'), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages='hi', tools=[{'type': 'function', 'function': {'name': 'f'}}],
-                tool_choice='required', response_format={'type': 'json_object'}), 400, 'invalid_value'),
+                functions=[{'name': 'f'}]), 400, 'invalid_value'),  # the deprecated form beside tools
     (CHAT, dict(model=MODEL, messages=[{'role': 'assistant', 'tool_calls': [{'id': 'x', 'function': 'f'}]}]), 400,
      'invalid_body'),
     (CHAT, dict(model=MODEL, messages='hi', response_format={'type': 'json_schema', 'json_schema': {

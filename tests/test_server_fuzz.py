@@ -4,10 +4,10 @@ status, content type and body as documented, every allowed body taken (2xx) and 
 refused (4xx). The schema is the one the server serves (the loaded model's name and vocabulary in it).
 
 Generation lengths are clamped (a 135M model on a small CPU). What no JSON schema can say is made true
-of the allowed bodies before they are sent (``_reachable``): function names unique among the tools, a
-named tool_choice naming one of them, the tools' parameters a usable JSON schema (whose text fits the
-context), a response_format xgrammar compiles, a raw prompt the tokenizer makes at least one token of.
-Everything else is as schemathesis generates it."""
+of the allowed bodies before they are sent (``_reachable``): function names unique among the tools (or
+the deprecated functions), a named tool_choice (function_call) naming one of them, their parameters a
+usable JSON schema (whose text fits the context), a response_format xgrammar compiles, a raw prompt the
+tokenizer makes at least one token of. Everything else is as schemathesis generates it."""
 from __future__ import annotations
 
 import pytest
@@ -55,15 +55,19 @@ def _reachable(body: dict, path: str, positive: bool, gateway):
         body['request_output_len' if path == '/generate' else 'max_tokens'] = MAX_NEW_TOKENS
     if not positive:
         return
-    tools = body.get('tools')
-    if isinstance(tools, list) and tools:
-        for i, tool in enumerate(tools):
-            tool['function']['name'] = f'f{i}'
-            # a random object is seldom a JSON schema xgrammar can compile, and its text in the prompt may
-            # not fit the context
-            tool['function']['parameters'] = {'type': 'object', 'properties': {'x': {'type': 'integer'}}}
-        if isinstance(body.get('tool_choice'), dict):
-            body['tool_choice']['function']['name'] = 'f0'
+    # tools (function objects under "function"), or the deprecated functions (the schema allows one of them)
+    for key, choice_key, nested in (('tools', 'tool_choice', True), ('functions', 'function_call', False)):
+        tools = body.get(key)
+        if isinstance(tools, list) and tools:
+            for i, tool in enumerate(tools):
+                function = tool['function'] if nested else tool
+                function['name'] = f'f{i}'
+                # a random object is seldom a JSON schema xgrammar can compile, and its text in the prompt may
+                # not fit the context
+                function['parameters'] = {'type': 'object', 'properties': {'x': {'type': 'integer'}}}
+            choice = body.get(choice_key)
+            if isinstance(choice, dict):
+                (choice['function'] if nested else choice)['name'] = 'f0'
     fmt = body.get('response_format')
     if isinstance(fmt, dict) and not _compiles(gateway, fmt):
         body['response_format'] = {'type': 'json_object'} if _compiles(gateway, {'type': 'json_object'}) else None

@@ -2,7 +2,7 @@
 
 Endpoints:
 
-* ``GET  /v1/models``
+* ``GET  /v1/models``, ``GET /v1/models/{model_id}``
 * ``POST /v1/chat/completions`` (SSE streaming, ending with ``data: [DONE]``)
 * ``POST /v1/completions``
 * ``POST /generate`` - LMDeploy's native API: interactive sessions, streaming
@@ -41,9 +41,10 @@ import asyncio
 import gc
 import logging
 import os
+import time
 from typing import List, Optional, Sequence, Union
 
-from fastapi import FastAPI, Security
+from fastapi import FastAPI, Path, Security
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from fastapi.security import HTTPBearer
@@ -55,8 +56,9 @@ from . import protocol as P
 from .errors import APIError, error_response, install_error_handlers
 from .guard import DEFAULT_MAX_BODY_BYTES, _GuardMiddleware
 from .metrics import CONTENT_TYPE_LATEST
+from .params import _check_model
 from .runner import Runner
-from .schema import install_schema
+from .schema import SERVED_MODEL, install_schema
 from .state import ServerState
 from .uvicorn_server import BackgroundServer, _make_server_class, bind_socket
 
@@ -124,10 +126,23 @@ def _add_simple_routes(app: FastAPI, state: ServerState, auth, err):
         data = await asyncio.to_thread(state.metrics.render)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
+    created = int(time.time())
+
+    def card() -> P.ModelCard:
+        return P.ModelCard(id=state.model_name, created=created, root=state.model_name,
+                           max_model_len=state.gateway.session_len)
+
     @app.get('/v1/models', response_model=P.ModelList, dependencies=auth, responses=err)
     async def list_models():
-        return P.ModelList(data=[P.ModelCard(id=state.model_name, root=state.model_name,
-                                             max_model_len=state.gateway.session_len)])
+        return P.ModelList(data=[card()])
+
+    # (':path': a served name may hold slashes, "org/model")
+    @app.get('/v1/models/{model_id:path}', response_model=P.ModelCard, dependencies=auth, responses=err)
+    async def retrieve_model(model_id: str = Path(description='the served model name (any other: 404 '
+                                                  'model_not_found)', json_schema_extra={SERVED_MODEL: True})):
+        """The model as ``GET /v1/models`` lists it."""
+        _check_model(state, model_id)
+        return card()
 
 
 def _version() -> str:

@@ -4,7 +4,13 @@ With ``tools`` (and ``tool_choice`` not "none") the model is told about them and
 into text and calls (:mod:`lmdeploy.frontend.tool_calls`): ``message.tool_calls`` and
 ``finish_reason: "tool_calls"``, or, streaming, tool-call deltas (a call's first carries id, type and
 name, the rest pieces of its arguments). ``tool_choice`` "required" or a named function puts the reply
-under a grammar that only lets it write calls, so it always parses.
+under a grammar that only lets it write calls, so it always parses. The deprecated ``functions`` /
+``function_call`` are tools / tool_choice in another shape (:mod:`.functions`), answered in theirs.
+
+``response_format`` with tools (OpenAI's reading: a call's arguments follow its function's parameters,
+``response_format`` the text a reply gives the user): a forced call (tool_choice "required" or a named
+function) is under the tools' grammar alone, as it has no text; with tool_choice "auto" the reply is
+either calls or text in the response_format (one grammar allows both, :func:`_calls_or_format`).
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from fastapi import FastAPI, Request
 
@@ -20,6 +26,7 @@ from lmdeploy.engine.grammar import GrammarSpec, spec_from_response_format
 from lmdeploy.frontend.tool_calls import CallDelta, ToolCallParser, assemble
 from lmdeploy.frontend.tool_calls.request import ToolError, ToolRequest, check_tools
 
+from . import functions as legacy
 from . import protocol as P
 from .errors import APIError, error_body
 from .guard import request_owner
@@ -31,43 +38,89 @@ from .sessions import _Lease
 from .state import ServerState
 
 
-def _tool_request(req: P.ChatCompletionRequest) -> ToolRequest:
+def _tool_request(req: P.ChatCompletionRequest, old: bool) -> ToolRequest:
+    """The request's tools (``old``: its deprecated functions), checked."""
     try:
+        if old:
+            return check_tools(*legacy.as_tools(req))
         tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
         choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, P.NamedToolChoice) else req.tool_choice
         return check_tools(tools, choice, req.parallel_tool_calls)
     except ToolError as e:
+        if old:
+            raise APIError(400, legacy.legacy_words(str(e)), 'invalid_value', legacy.PARAMS[e.param]) from None
         raise APIError(400, str(e), 'invalid_value', e.param) from None
 
 
-async def _force_calls(state: ServerState, tools: ToolRequest, fmt, gen):
-    """The generation config whose grammar only lets the reply be calls (each function's parameters
-    schema is compiled first, so one that cannot be used is a 400 that names it)."""
-    if gen.response_format is not None:
-        raise APIError(400, 'response_format cannot be combined with tool_choice "required" or a named function',
-                       'invalid_value', 'response_format')
-    choice = '"required"' if tools.choice == 'required' else 'naming a function'
-    await _grammars(state, f'tool_choice {choice} (a grammar makes the reply calls)', 'tool_choice')
+_CHOICE_PARAM = {'tools': 'tool_choice', 'functions': 'function_call'}
+
+
+async def _compile_parameters(state: ServerState, tools: ToolRequest, param: str):
+    """Each callable function's parameters schema, compiled: one that cannot be used is a 400 naming it."""
     for f in tools.functions():
         schema = json.dumps(f.get('parameters') or {'type': 'object'})
-        await _compile_grammar(state, GrammarSpec('json_schema', schema), 'tools',
-                               f'tools: the parameters of function {f["name"]!r} are not a usable JSON schema')
+        await _compile_grammar(state, GrammarSpec('json_schema', schema), param,
+                               f'{param}: the parameters of function {f["name"]!r} are not a usable JSON schema')
+
+
+async def _force_calls(state: ServerState, tools: ToolRequest, fmt, gen, param: str = 'tools'):
+    """The generation config whose grammar only lets the reply be calls. A response_format is not applied:
+    it governs a reply's text, and a forced reply has none (its calls' arguments follow their schemas)."""
+    choice = '"required"' if tools.choice == 'required' else 'naming a function'
+    what = 'function_call naming a function' if param == 'functions' else f'tool_choice {choice}'
+    await _grammars(state, f'{what} (a grammar makes the reply calls)', _CHOICE_PARAM[param])
+    await _compile_parameters(state, tools, param)
     return dataclasses.replace(gen, response_format=tools.response_format(fmt))
 
 
-def _finish_reason(reason: Optional[str], calls: int) -> Optional[str]:
-    return 'tool_calls' if calls and reason == 'stop' else reason
+def _format_element(spec: GrammarSpec) -> Dict[str, Any]:
+    """A response_format's grammar as an element of an xgrammar structural tag."""
+    if spec.kind == 'json':
+        return {'type': 'json_schema', 'json_schema': {'type': 'object'}, 'max_whitespace_cnt': 1}
+    if spec.kind == 'json_schema':
+        return {'type': 'json_schema', 'json_schema': json.loads(spec.text), 'max_whitespace_cnt': 1}
+    if spec.kind == 'regex':
+        return {'type': 'regex', 'pattern': spec.text}
+    return json.loads(spec.text)['format']  # a structural tag
 
 
-def _message(text: str, fmt) -> P.ChatResponseMessage:
+async def _calls_or_format(state: ServerState, tools: ToolRequest, fmt, gen, param: str = 'tools'):
+    """tool_choice "auto" with a response_format: the generation config whose grammar lets the reply be
+    calls of the tools (as a forced reply's grammar writes them) or text in the response_format."""
+    spec = spec_from_response_format(gen.response_format)
+    await _compile_grammar(state, spec)  # the format alone first: its own error, if it has one
+    await _compile_parameters(state, tools, param)
+    calls = fmt.structural_tag(tools.functions(), parallel=tools.parallel)['format']
+    both = {'type': 'structural_tag', 'format': {'type': 'or', 'elements': [calls, _format_element(spec)]}}
+    return dataclasses.replace(gen, response_format=both)
+
+
+def _finish_reason(reason: Optional[str], calls: int, old: bool = False) -> Optional[str]:
+    if calls and reason == 'stop':
+        return 'function_call' if old else 'tool_calls'
+    return reason
+
+
+def _message(text: str, fmt, old: bool = False) -> P.ChatResponseMessage:
+    """A reply as a message: text, and its calls (``old``: its first call as the legacy function_call)."""
     if fmt is None:
         return P.ChatResponseMessage(content=text)
     p = ToolCallParser(fmt)
     content, calls = assemble(p.feed(text) + p.finish())
     if not calls:
         return P.ChatResponseMessage(content=content)
+    if old:
+        return P.ChatResponseMessage(content=content or None, function_call=P.FunctionCall(
+            name=calls[0].name, arguments=calls[0].arguments))
     return P.ChatResponseMessage(content=content or None, tool_calls=[
         P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls])
+
+
+def _delta_function_call(e: CallDelta) -> P.DeltaMessage:
+    """A piece of the legacy streamed call: the name first (arguments ""), then pieces of arguments."""
+    if e.id is not None:
+        return P.DeltaMessage(function_call=P.DeltaFunctionCall(name=e.name, arguments=e.arguments))
+    return P.DeltaMessage(function_call=P.DeltaFunctionCall(arguments=e.arguments))
 
 
 def _delta_tool_call(e: CallDelta) -> P.DeltaToolCall:
@@ -87,9 +140,11 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         _check_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, 'top_logprobs needs logprobs=true', 'invalid_value', 'top_logprobs')
-        tools = _tool_request(req)
+        old = legacy.is_legacy(req)
+        tools = _tool_request(req, old)
+        param = 'functions' if old else 'tools'
         fmt = state.tool_format() if tools.active else None
-        messages = _messages(req.messages)
+        messages = _messages(legacy.messages(req.messages))
         ids = _encode(state, messages, tools=tools.tools if fmt else None, tool_format=fmt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_new = _max_new_tokens(state, len(ids), max_tokens)
@@ -97,7 +152,11 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
         gen = _gen_config(state, req, max_new, top_n if req.logprobs else None)
         if fmt is not None:
             if tools.forced:
-                gen = await _force_calls(state, tools, fmt, gen)
+                # the format, unused on this turn, is still checked: a request is valid or not whatever its tools
+                await _compile_grammar(state, spec_from_response_format(gen.response_format))
+                gen = await _force_calls(state, tools, fmt, gen, param)
+            elif gen.response_format is not None:
+                gen = await _calls_or_format(state, tools, fmt, gen, param)
             if fmt.keeps_special_tokens:  # the call markers are special tokens
                 gen = dataclasses.replace(gen, skip_special_tokens=False)
         await _compile_grammar(state, spec_from_response_format(gen.response_format))
@@ -119,10 +178,10 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
             results = await runner.collect(request, run, firsts, lease)
             choices = []
             for i, r in enumerate(results):
-                message = _message(r.text, fmt)
+                message = _message(r.text, fmt, old)
+                calls = len(message.tool_calls or []) + (message.function_call is not None)
                 choices.append(P.ChatCompletionChoice(
-                    index=i, message=message, finish_reason=_finish_reason(r.finish_reason, len(message.tool_calls
-                                                                                                 or [])),
+                    index=i, message=message, finish_reason=_finish_reason(r.finish_reason, calls, old),
                     logprobs=_chat_logprobs(tt, r.token_ids, r.logprobs, top_n) if req.logprobs else None))
             return P.ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
                                             usage=usage(results))
@@ -146,11 +205,14 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
             for e in events:
                 if isinstance(e, str):
                     yield text_chunk(e, None, i)
+                elif old:
+                    if e.index == 0:  # the legacy API has one call: the rest are dropped
+                        yield _sse(chunk(_delta_function_call(e), index=i), include_usage)
                 else:
                     yield _sse(chunk(P.DeltaMessage(tool_calls=[_delta_tool_call(e)]), index=i), include_usage)
             if out.finish_reason is not None:
-                yield _sse(chunk(P.DeltaMessage(), _finish_reason(out.finish_reason, parsers[i].calls), index=i),
-                           include_usage)
+                yield _sse(chunk(P.DeltaMessage(), _finish_reason(out.finish_reason, parsers[i].calls, old),
+                                 index=i), include_usage)
 
         async def events():
             for i in range(n):

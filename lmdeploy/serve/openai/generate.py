@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from . import protocol as P
 from .errors import APIError, error_body
 from .jobs import _Job
+from .functions import messages as legacy_messages
 from .params import _check_ids, _encode, _finite, _gen_config, _max_new_tokens, _messages
 from .runner import Runner
 from .guard import request_owner
@@ -52,7 +53,7 @@ def add_routes(app: FastAPI, runner: Runner, auth, err):
             ids = _check_ids(state, req.input_ids, 'input_ids')
             prompt_for_log: Any = str(req.input_ids)
         else:
-            prompt = req.prompt if isinstance(req.prompt, str) else _messages(req.prompt)
+            prompt = req.prompt if isinstance(req.prompt, str) else _messages(legacy_messages(req.prompt))
             ids = _encode(state, prompt, do_preprocess=req.do_preprocess, sequence_start=sequence_start)
             prompt_for_log = prompt
         # a continuation's history is in the engine: only the engine can check its length

@@ -117,15 +117,22 @@ def _given(name: str, schema: Dict[str, Any]) -> Dict[str, Any]:
 
 _NO_SESSION = {'anyOf': [{'type': 'null'}, {'const': -1}]}
 _FORCED_CHOICE = {'anyOf': [{'const': 'required'}, {'type': 'object'}]}
+_ABSENT = {'type': 'null'}
 # the rules between fields (JSON Schema if / then), by request; the handlers say the same in words
 RULES = {
     'n': _rule(_given('n', {'type': 'integer', 'minimum': 2}), {'properties': {'session_id': _NO_SESSION}}),
     'top_logprobs': _rule(_given('top_logprobs', {'type': 'integer'}),
                           _given('logprobs', {'const': True})),
+    # (a forced call is under the tools' grammar: a response_format governs only replies that are text)
     'tool_choice': _rule(_given('tool_choice', _FORCED_CHOICE), {
-        'required': ['tools'], 'properties': {
-            'tools': {'type': 'array', 'minItems': 1},
-            'response_format': {'anyOf': [{'type': 'null'}, {'properties': {'type': {'const': 'text'}}}]}}}),
+        'required': ['tools'], 'properties': {'tools': {'type': 'array', 'minItems': 1}}}),
+    # the deprecated functions / function_call: not beside tools / tool_choice; a named call needs functions
+    'functions': {'allOf': [
+        _rule(_given('functions', {'type': 'array'}), {'properties': {'tools': _ABSENT, 'tool_choice': _ABSENT}}),
+        _rule(_given('function_call', {'type': ['string', 'object']}),
+              {'properties': {'tools': _ABSENT, 'tool_choice': _ABSENT}}),
+        _rule(_given('function_call', {'type': 'object'}), {
+            'required': ['functions'], 'properties': {'functions': {'type': 'array', 'minItems': 1}}})]},
     'session_prompt': _rule(_given('session_id', {'type': 'integer', 'not': {'const': -1}}), {'properties': {
         'prompt': {'anyOf': [{'type': 'string'}, {'type': 'array', 'maxItems': 1},
                              {'type': 'array', 'items': {'type': 'integer'}}]}}}),
@@ -200,13 +207,16 @@ class MessageToolCall(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal['system', 'user', 'assistant', 'tool', 'developer'] = Field(
-        description="'developer' is read as 'system'; 'tool' only where the model's template has it")
+    role: Literal['system', 'user', 'assistant', 'tool', 'function', 'developer'] = Field(
+        description="'developer' is read as 'system'; 'function' (deprecated) is a 'tool' turn: the result of "
+        "the function `name`")
     content: Optional[_by_json_type('a string or an array of text parts', string=str,
                                     array=List[ContentPart])] = None
-    name: Optional[str] = None
+    name: Optional[str] = Field(None, description="a 'function' turn's function")
     tool_calls: Optional[List[MessageToolCall]] = Field(None, description="an assistant turn's calls")
     tool_call_id: Optional[str] = Field(None, description='the call a tool turn answers')
+    function_call: Optional[CalledFunction] = Field(None, description="deprecated: an assistant turn's call "
+                                                    '(read as one more of its tool_calls)')
 
 
 class FunctionDefinition(_Request):
@@ -326,7 +336,7 @@ class _SamplingFields(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    model_config = _rules('n', 'top_logprobs', 'tool_choice')
+    model_config = _rules('n', 'top_logprobs', 'tool_choice', 'functions')
     messages: _by_json_type('a string or an array of messages', string=Annotated[str, Field(min_length=1)],
                             array=Annotated[List[ChatMessage], Field(min_length=1)]) = Field(
         description='the conversation; a string is one user turn')
@@ -338,10 +348,18 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[_by_json_type('"none", "auto", "required" or a named function',
                                         string=Literal['none', 'auto', 'required'], object=NamedToolChoice)] = Field(
         None, description='"none", "auto" (default with tools), "required" or {"type": "function", "function": '
-        '{"name": ...}}; the last two need tools (and no response_format) and are enforced by a grammar, so the '
-        'reply always parses (they need the xgrammar package)')
+        '{"name": ...}}; the last two need tools and are enforced by a grammar, so the reply always parses (they '
+        'need the xgrammar package; a response_format does not apply to such a reply, which is calls, not text)')
     parallel_tool_calls: Optional[bool] = Field(None, description='with "required": may the reply hold several '
                                                 'calls (default true)')
+    functions: Optional[List[FunctionDefinition]] = Field(
+        None, max_length=MAX_TOOLS, description='deprecated form of tools (not with tools or tool_choice): '
+        'functions the model may call; a call comes back as message.function_call (one call, finish_reason '
+        '"function_call")')
+    function_call: Optional[_by_json_type('"none", "auto" or a named function', string=Literal['none', 'auto'],
+                                          object=NamedFunction)] = Field(
+        None, description='deprecated form of tool_choice (not with tools or tool_choice): "none", "auto" '
+        '(default with functions) or {"name": ...} (one of functions; enforced by a grammar as tool_choice\'s)')
 
 
 class CompletionRequest(_SamplingFields):
@@ -456,6 +474,8 @@ class ChatResponseMessage(_Model):
     role: str = 'assistant'
     content: Optional[str] = None
     tool_calls: Optional[List[ToolCall]] = None
+    function_call: Optional[FunctionCall] = Field(None, description='the call, where the request gave the '
+                                                  'deprecated functions (then no tool_calls)')
 
 
 class ChatCompletionChoice(_Model):
@@ -491,6 +511,8 @@ class DeltaMessage(_Model):
     role: Optional[str] = None
     content: Optional[str] = None
     tool_calls: Optional[List[DeltaToolCall]] = None
+    function_call: Optional[DeltaFunctionCall] = Field(None, description='with the deprecated functions: the '
+                                                       "call's name first, then pieces of its arguments")
 
 
 class ChatCompletionStreamChoice(_Model):
