@@ -3,6 +3,12 @@
 Callers on any thread ``submit`` requests and get ``EngineOutput``s through
 their callback (called on the engine thread, so it must be quick). All
 engine state is touched only by the loop (or under its lock).
+
+The engine keeps the loop, the commands (add, cancel, end), the step's run,
+sampling and the outputs; the scheduler keeps the sequences' cache state: the
+engine hands it each launched step (``Scheduler.postprocess``) and says how a
+request ends (``park`` / ``finish`` / ``end_session``, ``resume`` for a next
+turn). What the frontend may use of an engine is ``protocol.EngineLike``.
 """
 from __future__ import annotations
 
@@ -178,13 +184,12 @@ class Engine:
             self._time_steps()
             self._step_stats = {p: [0, 0, 0, 0.0, 0.0] for p in ('prefill', 'decode')}
             self._num_generated = 0
-            self.scheduler.num_preemptions = 0
-            self.block_manager.num_prefix_hits = 0
+            self.scheduler.reset_counters()
 
     def check_invariants(self):
         """Assert that every KV block is free or owned, counts consistent."""
         with self._lock:
-            self.block_manager.check_invariants(s.block_ids for s in self.scheduler.all_sequences())
+            self.scheduler.check_invariants()
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until nothing is queued or running (for tests and shutdown)."""
@@ -196,6 +201,10 @@ class Engine:
         """True while the engine accepts and runs requests."""
         return (not self._stopping and self._thread.is_alive()
                 and (self.workers is None or self.workers.error() is None))
+
+    @property
+    def device_name(self) -> str:
+        return self.device.name
 
     def why_stopped(self) -> Optional[str]:
         """Why the engine stopped running steps without being closed (None while it runs, or once closed)."""
@@ -323,7 +332,7 @@ class Engine:
     # ------------------------------------------------------------- commands
     def _on_add(self, req: EngineRequest):
         params = req.params
-        idle = self.scheduler.idle.get(req.session_id)
+        idle = self.scheduler.idle_session(req.session_id)
         history = idle.num_tokens if idle is not None else 0
         total = history + len(req.token_ids)
         error = None
@@ -346,9 +355,8 @@ class Engine:
         if error is not None:  # turned away at the door; an idle session stays as it was
             req.on_output(EngineOutput([], True, error[0], num_prompt_tokens=total, error=error[1], refused=refused))
             return
-        if idle is not None:
-            del self.scheduler.idle[req.session_id]
-            seq = idle
+        seq = self.scheduler.resume(req.session_id)
+        if seq is not None:
             seq.start_turn(req.token_ids, params, req.on_output, self.session_len)
         else:
             seq = Sequence(self._next_seq_id, req.session_id, req.token_ids, params, req.on_output,
@@ -371,9 +379,7 @@ class Engine:
         if seq is not None:
             seq.interactive = False
             self._finish(seq, 'abort')
-        idle = self.scheduler.idle.pop(session_id, None)
-        if idle is not None:
-            self.scheduler.remove(idle)
+        self.scheduler.end_session(session_id)
 
     def _abort_all(self):
         with self._lock:
@@ -393,27 +399,20 @@ class Engine:
             self._finish(seq, 'error', error=error)
 
     def _finish_too_long(self, seq: Sequence, why: str):
-        seq.interactive = False
-        self._finish(seq, 'length', error=why, release=False)
+        seq.interactive = False  # (the scheduler let it go already: nothing to keep)
+        self._finish(seq, 'length', error=why)
 
     # ---------------------------------------------------------------- steps
-    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None, release: bool = True,
+    def _finish(self, seq: Sequence, reason: str, error: Optional[str] = None,
                 output: Optional[EngineOutput] = None):
+        """End the request: an interactive session is parked with its cache (not after an error), any
+        other sequence's blocks are freed; the final output goes out."""
         self._active.pop(seq.session_id, None)
-        if seq.unresolved:  # a token still in flight is dropped with the request
-            seq.token_ids.pop()
-            seq.num_generated -= 1
-        seq.finish_reason = reason
-        keep = seq.interactive and reason != 'error'
-        if release:
-            self.scheduler.remove(seq, keep_blocks=keep)
-        if keep:
-            seq.status = SeqStatus.IDLE
-            # the cache may hold fewer tokens than the history; the rest is recomputed next turn
-            seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
-            self.scheduler.idle[seq.session_id] = seq
+        if seq.interactive and reason != 'error':
+            self.scheduler.park(seq)
         else:
-            seq.status = SeqStatus.FINISHED
+            self.scheduler.finish(seq)
+        seq.finish_reason = reason
         out = output or EngineOutput([])
         out.finished, out.finish_reason, out.error = True, reason, error
         out.num_prompt_tokens = seq.num_prompt_tokens
@@ -424,7 +423,7 @@ class Engine:
     def _step(self, batch: ScheduledBatch):
         prev, self._inflight = self._inflight, None
         hidden = self.runner.forward(batch, prev.tokens if prev is not None else None)
-        starts, done = self._advance(batch)
+        starts, done = self.scheduler.postprocess(batch)
         if prev is not None:  # the device runs this step while the host settles the previous one
             self._resolve(prev)
         extras = self._prompt_outputs(batch, hidden, starts)
@@ -435,27 +434,6 @@ class Engine:
         done = [(s, r) for s, r in done if not s.params.score_only and s.status == SeqStatus.RUNNING]
         if done:
             self._sample(done, hidden, extras)
-
-    def _advance(self, batch: ScheduledBatch):
-        """Count the step's tokens as computed; returns each sequence's first
-        row in ``hidden`` and (sequence, last row) for those ready to sample."""
-        starts, done = [], []
-        row = 0
-        keyed, bs = self.block_manager.prefix_caching, self.block_manager.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            starts.append(row)
-            seq.num_computed += n
-            if keyed:  # only known tokens are keyed (a block holding a token in flight is keyed next step)
-                self.block_manager.register_full_blocks(seq.token_ids, min(seq.num_computed, seq.num_resolved),
-                                                        seq.block_ids, seq.block_keys)
-            elif seq.params.share_prompt and len(seq.block_keys) * bs < seq.num_prompt_tokens:
-                # n samples of one prompt, prefix caching off: the prompt's blocks only
-                self.block_manager.register_full_blocks(seq.token_ids, min(seq.num_computed, seq.num_prompt_tokens),
-                                                        seq.block_ids, seq.block_keys, shared=True)
-            if seq.num_computed == len(seq.token_ids):
-                done.append((seq, row + n - 1))
-            row += n
-        return starts, done
 
     def _prompt_outputs(self, batch: ScheduledBatch, hidden: torch.Tensor, starts: List[int]) -> Dict[int, dict]:
         """Prompt-wide outputs: get_ppl losses, 'all' logits and hidden states.

@@ -10,7 +10,7 @@ talks to it over one socket pair:
   ``('end', sid)``, ``('call', cid, method, args)``, ``('stop',)``
 * child -> parent: ``('out', [(rid, output), ...])`` once per engine loop
   iteration (one message per step, not per token), ``('reply', cid, ok,
-  value)``, and at start-up ``('ready', info)`` or ``('fatal', exception)``.
+  value)``, and at start-up ``('ready', EngineInfo)`` or ``('fatal', exception)``.
 
 Outputs that carry only token ids travel as a plain tuple (a few times
 cheaper to pickle than the dataclass). The child is a fresh interpreter
@@ -38,6 +38,7 @@ from typing import Callable, Dict, Optional
 
 from lmdeploy.at_exit import close_at_exit
 
+from .protocol import EngineInfo
 from .sequence import EngineOutput
 
 logger = logging.getLogger('lmdeploy')
@@ -65,9 +66,9 @@ class EngineProcessError(RuntimeError):
 
 
 class EngineProcess:
-    """:class:`Engine`'s surface (submit, cancel, end_session, stats,
-    wait_idle, check_invariants, is_alive, close, and the sizes the
-    frontend reads), with the engine running in a child process."""
+    """:class:`Engine`'s surface as the frontend uses it (:class:`~lmdeploy.engine.protocol.EngineLike`:
+    submit, cancel, end_session, stats, wait_idle, check_invariants, is_alive, close, and the sizes),
+    with the engine running in a child process."""
 
     def __init__(self, model_path: str, config=None, model_config=None, start_timeout: Optional[float] = None):
         from lmdeploy.messages import PytorchEngineConfig
@@ -99,8 +100,15 @@ class EngineProcess:
         if kind == 'fatal':
             self._proc.wait()
             raise info
-        for name, value in info.items():
-            setattr(self, name, value)
+        # the sizes EngineLike promises, as the child's engine has them
+        self.model_config = info.model_config
+        self.session_len: int = info.session_len
+        self.num_blocks: int = info.num_blocks
+        self.block_size: int = info.block_size
+        self.max_batch_size: int = info.max_batch_size
+        self.quant_policy: int = info.quant_policy
+        self.device_name: str = info.device_name
+        self.dtype = info.dtype
         self._reader = threading.Thread(target=self._read, name='lmdeploy-engine-reader', daemon=True)
         self._reader.start()
         # the child goes when this object does, or at interpreter exit at the latest
@@ -344,11 +352,7 @@ def child_main(fd: int) -> int:
             pass  # the parent is gone
         return 1
     try:
-        send(('ready', dict(model_config=engine.model_config, session_len=engine.session_len,
-                            num_blocks=engine.num_blocks, block_size=engine.block_size,
-                            max_batch_size=engine.max_batch_size, dtype=engine.dtype,
-                            quant_policy=engine.quant_policy,
-                            device_name=engine.device.name)))
+        send(('ready', EngineInfo.of(engine)))
     except OSError:  # the parent went away while the model loaded
         engine.close()
         return 0

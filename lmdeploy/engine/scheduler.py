@@ -8,6 +8,14 @@ lists the one-token rows first (attention runs them as a decode batch). When
 a running sequence needs a block and none is free, the most recently
 admitted running sequence is preempted: its blocks are freed and it is
 recomputed later.
+
+The scheduler owns the sequences' cache state: the queues, the idle
+interactive sessions and, through its block manager, every block and prefix
+key. The engine hands it each step's batch once the step is launched
+(``postprocess``: computed tokens, full blocks keyed) and tells it how a
+request ends (``park``: an interactive session keeps its blocks between
+turns; ``finish``; ``end_session``; ``resume`` for a session's next turn);
+nothing else writes its queues or ``idle``.
 """
 from __future__ import annotations
 
@@ -72,6 +80,45 @@ class Scheduler:
     def all_sequences(self) -> List[Sequence]:
         return list(self.waiting) + self.running + list(self.idle.values())
 
+    # ------------------------------------------------------------ sessions
+    def idle_session(self, session_id: int) -> Optional[Sequence]:
+        """The session's sequence if it is idle between turns (it stays idle)."""
+        return self.idle.get(session_id)
+
+    def resume(self, session_id: int) -> Optional[Sequence]:
+        """Take an idle session out of ``idle`` for its next turn (its blocks come along); None if there
+        is none. The caller starts the turn and ``add``s it."""
+        return self.idle.pop(session_id, None)
+
+    def park(self, seq: Sequence):
+        """An interactive turn ended: out of the queues, blocks kept, idle until its next turn (or until
+        ``end_session``; ``_free_idle_session`` may drop its cache meanwhile)."""
+        self._drop_in_flight(seq)
+        self.remove(seq, keep_blocks=True)
+        seq.status = SeqStatus.IDLE
+        # the cache may hold fewer tokens than the history; the rest is recomputed next turn
+        seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+        self.idle[seq.session_id] = seq
+
+    def finish(self, seq: Sequence):
+        """A request ended for good: out of the queues, its blocks freed (a sequence the scheduler
+        already let go, as one too long for the cache, is only marked)."""
+        self._drop_in_flight(seq)
+        self.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def end_session(self, session_id: int):
+        """Forget an idle session and free its cache (a running one is ``finish``ed by the engine first)."""
+        seq = self.idle.pop(session_id, None)
+        if seq is not None:
+            self.remove(seq)
+
+    @staticmethod
+    def _drop_in_flight(seq: Sequence):
+        if seq.unresolved:  # a token still in flight is dropped with the request
+            seq.token_ids.pop()
+            seq.num_generated -= 1
+
     def remove(self, seq: Sequence, keep_blocks: bool = False):
         """Take a sequence out of every queue; free its blocks unless kept."""
         if seq in self.running:
@@ -82,6 +129,15 @@ class Scheduler:
             del self.idle[seq.session_id]
         if not keep_blocks:
             self._release(seq)
+
+    def check_invariants(self):
+        """Assert that every KV block is free or owned by the sequences' block tables, counts consistent."""
+        self.bm.check_invariants(s.block_ids for s in self.all_sequences())
+
+    def reset_counters(self):
+        """Zero the statistics kept here and in the block manager (preemptions, prefix-cache hits)."""
+        self.num_preemptions = 0
+        self.bm.num_prefix_hits = 0
 
     def _release(self, seq: Sequence):
         self.bm.free(seq.block_ids)
@@ -230,3 +286,26 @@ class Scheduler:
         # one-token rows first: the attention layer runs them as one decode batch
         rows = sorted(range(len(seqs)), key=lambda r: counts[r] != 1)
         return ScheduledBatch([seqs[r] for r in rows], [counts[r] for r in rows])
+
+    def postprocess(self, batch: ScheduledBatch) -> Tuple[List[int], List[Tuple[Sequence, int]]]:
+        """The step of ``batch`` is launched: count its tokens as computed and key the blocks they fill
+        (prefix caching, or the prompt blocks of n samples of one prompt). Returns each sequence's first
+        row in the step's output and (sequence, last row) for those ready to sample."""
+        starts, done = [], []
+        row = 0
+        bm = self.bm
+        keyed, bs = bm.prefix_caching, bm.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            starts.append(row)
+            seq.num_computed += n
+            if keyed:  # only known tokens are keyed (a block holding a token in flight is keyed next step)
+                bm.register_full_blocks(seq.token_ids, min(seq.num_computed, seq.num_resolved),
+                                        seq.block_ids, seq.block_keys)
+            elif seq.params.share_prompt and len(seq.block_keys) * bs < seq.num_prompt_tokens:
+                # n samples of one prompt, prefix caching off: the prompt's blocks only
+                bm.register_full_blocks(seq.token_ids, min(seq.num_computed, seq.num_prompt_tokens),
+                                        seq.block_ids, seq.block_keys, shared=True)
+            if seq.num_computed == len(seq.token_ids):
+                done.append((seq, row + n - 1))
+            row += n
+        return starts, done
