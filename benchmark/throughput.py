@@ -77,6 +77,8 @@ def run_lmdeploy(args, prompts, outs) -> dict:
         pipe.engine.scheduler.refill_slots = args.refill_slots
     fmt = json.loads(args.response_format) if args.response_format else None
     gens = [GenerationConfig(max_new_tokens=o, ignore_eos=True, response_format=fmt) for o in outs]
+    if args.openai_mix:
+        gens = openai_mix(gens, args.openai_mix, pipe.engine.model_config.vocab_size, args.seed)
     if args.warmup:
         pipe(prompts[:2], gens[:2])
     if args.profile_at is not None:
@@ -122,6 +124,25 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     return dict(engine='lmdeploy', device=device, load_s=load_s, elapsed_s=elapsed, output_tokens=generated,
                 kv_capacity_tokens=stats.num_blocks * stats.block_size, preemptions=stats.num_preemptions,
                 step_stats=x)
+
+
+def openai_mix(gens, fraction: float, vocab: int, seed: int):
+    """Every request in ``fraction`` of them (spread evenly) asks for one of OpenAI's extra fields, in turn:
+    frequency and presence penalties, a logit_bias on 8 tokens, or echo's prompt logprobs (top 1)."""
+    import dataclasses
+    import random
+    rng = random.Random(seed)
+    kinds = [dict(frequency_penalty=0.5, presence_penalty=0.3),
+             None,  # logit_bias, drawn per request
+             dict(prompt_logprobs=1)]
+    every = max(1, round(1 / fraction))
+    out = list(gens)
+    for n, i in enumerate(range(0, len(gens), every)):
+        kind = kinds[n % len(kinds)]
+        if kind is None:
+            kind = dict(logit_bias={rng.randrange(vocab): rng.uniform(-3, 3) for _ in range(8)})
+        out[i] = dataclasses.replace(gens[i], **kind)
+    return out
 
 
 def timeline(engine, period: float, finished: threading.Event):
@@ -243,6 +264,9 @@ def main():
     p.add_argument('--response-format', default=None,
                    help='structured output for every request: a response_format as JSON, e.g. \'{"type": '
                    '"json_schema", "json_schema": {"name": "t", "schema": {...}}}\' (needs xgrammar)')
+    p.add_argument('--openai-mix', type=float, default=0.0,
+                   help="this fraction of requests ask for penalties, a logit_bias or echo's prompt logprobs, in "
+                   'turn (the rest are plain)')
     p.add_argument('--eager', action='store_true')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--warmup', action='store_true')

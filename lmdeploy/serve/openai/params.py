@@ -85,9 +85,10 @@ def _gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional
             top_k=min(given('top_k'), vocab),
             min_p=given('min_p'),
             repetition_penalty=given('repetition_penalty'),
-            frequency_penalty=req.frequency_penalty or 0.0,
-            presence_penalty=req.presence_penalty or 0.0,
-            logit_bias=_logit_bias(state, req.logit_bias),
+            # (OpenAI's fields: /generate has none of them)
+            frequency_penalty=getattr(req, 'frequency_penalty', None) or 0.0,
+            presence_penalty=getattr(req, 'presence_penalty', None) or 0.0,
+            logit_bias=_logit_bias(state, getattr(req, 'logit_bias', None)),
             ignore_eos=bool(req.ignore_eos),
             # the sampler hashes 32 bits of the seed: any int maps onto them
             random_seed=None if seed is None else seed & 0xFFFFFFFF,

@@ -25,7 +25,7 @@ from typing_extensions import Annotated
 
 from lmdeploy.frontend.tool_calls.request import MAX_TOOLS, NAME_PATTERN
 
-from .schema import SERVED_MODEL, TOKEN_ID
+from .schema import SERVED_MODEL, TOKEN_ID, TOKEN_KEY
 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_LEN = 256
@@ -104,6 +104,21 @@ _STOP_DOC = (f'a string or at most {MAX_STOP_WORDS} strings, each 1 to {MAX_STOP
              'ends before the first one generated')
 # below the vocabulary size too, which the served schema says (schema.py)
 _TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID: True}), BeforeValidator(_whole)]
+
+
+# logit_bias keys: token ids written as decimal strings (OpenAI's form); the served schema bounds them by the
+# vocabulary (schema.py)
+_TokenKey = Annotated[str, Field(pattern=r'^(0|[1-9][0-9]{0,9})$')]
+MAX_LOGIT_BIAS = 1024  # biased tokens per request
+
+
+def _keys_are_token_ids(schema: Dict[str, Any]):
+    """A ``{token id: number}`` object as JSON Schema says it: every key is a token id, no other key."""
+    for arm in schema.get('anyOf') or [schema]:
+        if arm.get('type') == 'object':
+            (pattern, values), = arm.pop('patternProperties').items()
+            arm['propertyNames'] = {'pattern': pattern, TOKEN_KEY: True}
+            arm['additionalProperties'] = values
 
 
 def _rule(if_: Dict[str, Any], then: Dict[str, Any]) -> Dict[str, Any]:
@@ -311,12 +326,13 @@ class _SamplingFields(_Request):
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Stop] = Field(None, description=_STOP_DOC)
     seed: Optional[_int()] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description='not supported: must be 0',
-                                              json_schema_extra=_hint(number={'minimum': 0, 'maximum': 0}))
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description='not supported: must be 0',
-                                               json_schema_extra=_hint(number={'minimum': 0, 'maximum': 0}))
-    logit_bias: Optional[Dict[str, float]] = Field(None, description='not supported: must be empty',
-                                                   json_schema_extra=_hint(object={'maxProperties': 0}))
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description="OpenAI's: a token's score drops "
+                                              'by this once it was generated (0: none)')
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description="OpenAI's: a token's score drops "
+                                               'by this times how often it was generated (0: none)')
+    logit_bias: Optional[Dict[_TokenKey, Annotated[float, Field(ge=-100, le=100)]]] = Field(
+        None, max_length=MAX_LOGIT_BIAS, json_schema_extra=_keys_are_token_ids, description='token id (a '
+        'string) -> bias in [-100, 100], added to its score before sampling')
     user: Optional[str] = None
     # LMDeploy extensions
     top_k: Optional[_int(ge=0)] = Field(None, description="0 disables; default: the model's (else 0)")
@@ -373,10 +389,12 @@ class CompletionRequest(_SamplingFields):
                                   Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
         description='a string, a list of strings, a list of token ids or a list of those (one prompt with a '
         'session_id)')
-    max_tokens: Optional[_int(ge=1)] = Field(16, description='16 if absent or null, as OpenAI')
-    logprobs: Optional[_int(ge=0, le=20)] = Field(None)
-    echo: Optional[bool] = Field(False, description='not supported: must be false',
-                                 json_schema_extra=_hint(boolean={'enum': [False]}))
+    max_tokens: Optional[_int(ge=0)] = Field(16, description='16 if absent or null, as OpenAI; 0 generates '
+                                            'nothing (with echo: the prompt is only scored)')
+    logprobs: Optional[_int(ge=0, le=20)] = Field(None, description='the chosen tokens\' logprobs and this many '
+                                                  'most likely alternatives; with echo, the prompt\'s too')
+    echo: Optional[bool] = Field(False, description='the prompt comes first in the text (and, with logprobs, its '
+                                 "tokens' logprobs from the prompt's forward pass; the first token's is null)")
     suffix: Optional[str] = Field(None, description='not supported', json_schema_extra=_hint(string={'maxLength': 0}))
     best_of: Optional[_int()] = Field(None, description='only 1 is supported',
                                    json_schema_extra=_hint(integer={'minimum': 1, 'maximum': 1}))
