@@ -28,7 +28,7 @@ def main():
     from transformers import AutoConfig, AutoTokenizer
 
     from lmdeploy.default_model import resolve_model_path
-    from lmdeploy.devices import get_device, ops
+    from lmdeploy.devices import get_device
     from lmdeploy.engine.grammar import Grammars, GrammarSpec
     path = resolve_model_path(args.model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -38,7 +38,8 @@ def main():
     t = time.perf_counter()
     grammars.compile(spec)
     compile_ms = 1e3 * (time.perf_counter() - t)
-    dev = get_device(args.device).torch_device()
+    ops = get_device(args.device)
+    dev = ops.torch_device()
     prefix = tok.encode('{"text": "', add_special_tokens=False)
     words = tok.encode(' the quick brown fox jumps over the lazy dog', add_special_tokens=False)
     print(f'vocab {vocab}, schema compiled in {compile_ms:.1f} ms (then cached)')

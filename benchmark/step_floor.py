@@ -162,16 +162,17 @@ def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_le
 
     import torch
 
-    from lmdeploy.devices import get_device, ops
+    from lmdeploy.devices import get_device
     from lmdeploy.devices.cache import KVCache
     from lmdeploy.engine.graph_runner import GraphRunner
     from lmdeploy.engine.model_runner import ModelRunner
     from lmdeploy.engine.models import get_model_class
-    device = get_device(device_type)
+    from lmdeploy.engine.nn.build import building
+    ops = device = get_device(device_type)
     dev = device.torch_device()
     dtype = torch.bfloat16 if device_type == 'cuda' else torch.float32
     torch.manual_seed(0)
-    with torch.device(dev):
+    with torch.device(dev), building(device):
         model = get_model_class(cfg)(dataclasses.replace(cfg, num_layers=1)).to(dtype).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # O(1) activations, as random_model.py draws them

@@ -372,14 +372,14 @@ def test_decode_sequences_fill_only_the_slices_their_length_needs():
         assert rel_err(out, ref) < tol(dtype) * 2
 
 
-def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):
+def test_prefill_step_with_decode_rows_through_the_attention_layer():
     """A prefill step that carries decoding sequences (one-token rows first,
     attended by the decode kernel in longest-first order; prompt rows by the
     prefill kernel, one of them a chunk after a cached prefix) gives the cpu
     reference's result for the whole batch attended as one prefill."""
-    from lmdeploy import devices as dispatch
     from lmdeploy.devices.cuda.ops import CudaOps
     from lmdeploy.engine.nn import PagedAttention, StepContext
+    from lmdeploy.engine.nn.build import building
     h, hkv, d, bs = 8, 2, 32, 16
     kv_lens, q_lens = [37, 5, 90, 20, 30], [1, 1, 1, 20, 7]
     dtype = DTYPES[-1]
@@ -392,7 +392,8 @@ def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):
     tab = tables.cpu()
     slots = torch.tensor([int(tab[b, p // bs]) * bs + p % bs for b, p in rows], device=DEV)
     starts = torch.tensor([0] + q_lens[:-1]).cumsum(0)
-    layer = PagedAttention(0, h, hkv, d)
+    with building(get_device('cpu')):
+        layer = PagedAttention(0, h, hkv, d)
 
     def run(on, num_decode, order=None):
         as_ref = dict(device='cpu', dtype=torch.float32) if num_decode == 0 else dict(device=on)  # reference: fp32
@@ -404,10 +405,9 @@ def test_prefill_step_with_decode_rows_through_the_attention_layer(monkeypatch):
                           num_decode=num_decode, decode_order=order)
         return layer(q.to(**as_ref), k.to(**as_ref), v.to(**as_ref), cos.to(on), sin.to(on), ctx)
 
-    monkeypatch.setitem(dispatch._serving, 'cpu', get_device('cpu'))
     ref = run('cpu', 0)  # every sequence through the reference prefill op
-    if not HAS_CUDA:  # the cuda device's kernels, interpreted, for tensors on the CPU
-        monkeypatch.setitem(dispatch._serving, 'cpu', CudaOps(num_sms=132))
+    # the cuda device's kernels (interpreted, for tensors on the CPU, without a GPU)
+    layer.ops = get_device('cuda') if HAS_CUDA else CudaOps(num_sms=132)
     out = run(DEV, 3, torch.tensor([2, 0, 1], device=DEV))
     assert rel_err(out, ref) < tol(dtype) * 2
 

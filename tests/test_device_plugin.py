@@ -58,7 +58,6 @@ def plugin_dir(tmp_path):
     yield tmp_path
     sys.path.remove(str(tmp_path))
     devices.refresh()
-    devices.get_device('cpu')  # cpu tensors go back to the cpu device
 
 
 def test_a_registered_device_runs_a_pipeline(plugin_dir, smollm2_path):
@@ -94,3 +93,47 @@ def test_a_device_type_nobody_registered_is_refused():
     from lmdeploy import PytorchEngineConfig
     with pytest.raises(ValueError, match="device_type.*one of \\['auto', 'cpu'"):
         PytorchEngineConfig(device_type='nodev')
+
+
+def test_two_devices_of_one_torch_type_share_a_process(plugin_dir, tiny_model_factory):
+    """Two engines in one process, on the cpu device and on the registered one (both on cpu tensors), run at
+    once: each model's layers call the ops of the device it was built for, so each device sees its own
+    engine's work only, and both give the same tokens (both are the reference)."""
+    import random
+    import threading
+
+    from engine_utils import submit
+
+    from lmdeploy.engine.engine import Engine
+    from lmdeploy.engine.sequence import SamplingParams
+    from lmdeploy.messages import PytorchEngineConfig
+    cls = devices.load_class('testdev')
+    model = tiny_model_factory('llama')
+    rng = random.Random()
+    prompts = [[rng.randrange(20, 1000) for _ in range(rng.randint(3, 12))] for _ in range(4)]
+    engines = {name: Engine(model, PytorchEngineConfig(device_type=name, session_len=128))
+               for name in ('cpu', 'testdev')}
+    try:
+        assert engines['testdev'].device.name == 'testdev' and engines['cpu'].device.name == 'cpu'
+        layers = {name: {type(m.ops).__name__ for m in e.runner.model.modules() if hasattr(m, 'ops')}
+                  for name, e in engines.items()}
+        assert layers == {'cpu': {'CpuOps'}, 'testdev': {'TestDevOps'}}, layers
+        before = cls.linear_calls
+        alone = [c.wait().token_ids for c in [submit(engines['cpu'], p, SamplingParams(max_new_tokens=6))
+                                             for p in prompts]]
+        assert cls.linear_calls == before  # the cpu engine's model never reached the other device's ops
+        results = {}
+
+        def run(name):
+            cols = [submit(engines[name], p, SamplingParams(max_new_tokens=6)) for p in prompts]
+            results[name] = [c.wait().token_ids for c in cols]
+        threads = [threading.Thread(target=run, args=(name, )) for name in engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results['cpu'] == results['testdev'] == alone
+        assert cls.linear_calls > before
+    finally:
+        for e in engines.values():
+            e.close()

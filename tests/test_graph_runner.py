@@ -18,7 +18,6 @@ from graph_emulation import ReplayingCpu
 from helpers import hf_greedy
 
 import lmdeploy.engine.engine as engine_module
-from lmdeploy.devices import ops
 from lmdeploy.engine.engine import Engine
 import lmdeploy.engine.graph_runner as graph_runner
 from lmdeploy.engine.graph_runner import GraphRunner, capture_sizes, token_buckets
@@ -89,6 +88,9 @@ def test_mixed_steps_replayed_whole_give_transformers_tokens(tiny_model_factory,
         return mixed(self, input_ids, positions, ctx)
     monkeypatch.setattr(GraphRunner, '_mixed', spy)
     eng = Engine(model, _config())
+    # the burst must make one step past the recordings: no cap on steps that carry decode rows (the cap and
+    # its lift are test_scheduler.py's), which would split it into recorded steps or not, by timing
+    eng.scheduler.mixed_step_limit = None
     forward = eng.runner._eager_forward
 
     def eager_spy(input_ids, positions, ctx):  # (recordings call the forward they were made with)
@@ -136,7 +138,7 @@ def test_replayed_and_eager_decode_rows_give_attention_the_same_index_types(tiny
     kernel again, mid-run."""
     seen = {'replay': set(), 'eager': set()}
     in_graph = [False]
-    attend = ops.paged_decode_attention
+    attend = replaying.paged_decode_attention
 
     def spy(q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
         seen['replay' if in_graph[0] else 'eager'].add(
@@ -152,7 +154,7 @@ def test_replayed_and_eager_decode_rows_give_attention_the_same_index_types(tiny
                 in_graph[0] = False
         return run
 
-    monkeypatch.setattr(ops, 'paged_decode_attention', spy)
+    monkeypatch.setattr(replaying, 'paged_decode_attention', spy)  # (the layers hold the engine's device)
     capture = replaying.capture_graph
     replaying.capture_graph = lambda fn, pool=None: capture(in_graphs(fn), pool)
     for eager in (False, True):

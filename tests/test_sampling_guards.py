@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from lmdeploy.devices import get_device
 from lmdeploy.engine.sampler import NO_TOKEN, sample_tokens
 from lmdeploy.engine.sequence import SamplingParams, Sequence
 from lmdeploy.frontend.sampling_defaults import SamplingDefaults, load_sampling_defaults, sampling_defaults
@@ -61,19 +62,19 @@ def test_rows_without_finite_logits_reach_the_host_as_no_token():
             _seq(1, SamplingParams(greedy=False, temperature=0.8, seed=2)),
             _seq(2, SamplingParams(greedy=True, repetition_penalty=1.3)),
             _seq(3, SamplingParams(greedy=True, repetition_penalty=1.3))]
-    tokens, drawn = sample_tokens(logits, seqs)
+    tokens, drawn = sample_tokens(logits, seqs, get_device('cpu'))
     assert drawn.tolist()[1] == NO_TOKEN and drawn.tolist()[3] == NO_TOKEN
     assert drawn[0] == tokens[0] and drawn[2] == tokens[2]
     assert ((tokens >= 0) & (tokens < 32)).all()  # what the next step reads stays a valid id
     # the healthy rows are what they are alone
-    alone, _ = sample_tokens(logits[[0, 2]], [seqs[0], seqs[2]])
+    alone, _ = sample_tokens(logits[[0, 2]], [seqs[0], seqs[2]], get_device('cpu'))
     assert alone.tolist() == [tokens[0].item(), tokens[2].item()]
 
 
 def test_plain_greedy_rows_are_not_checked():
     logits = torch.randn(2, 16)
     seqs = [_seq(0, SamplingParams()), _seq(1, SamplingParams())]
-    tokens, drawn = sample_tokens(logits, seqs)
+    tokens, drawn = sample_tokens(logits, seqs, get_device('cpu'))
     assert drawn is tokens and tokens.tolist() == logits.argmax(-1).tolist()
 
 

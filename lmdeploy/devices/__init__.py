@@ -2,21 +2,20 @@
 
 Which devices exist comes from :mod:`.registry` (built-in ones and entry
 points). Device modules are imported lazily, by name, only here. The
-engine asks for a device by its ``device_type``; models call ops through
-:mod:`.ops`, which dispatches on the tensors' torch device type to the
-device serving it (the last one asked for by :func:`get_device`, else the
-built-in device of that type). Importing this package is cheap: no torch
-until a device is loaded.
+engine asks for a device by its ``device_type`` and builds its model for
+that device: each layer holds the device's ops and calls them
+(``lmdeploy.engine.nn.build``), so there is one route from a layer to its
+kernel and no process-wide choice of device. Importing this package is
+cheap: no torch until a device is loaded.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Dict, Optional
 
-from .registry import BUILTIN, ENTRY_POINT_GROUP, device_choices, device_names, refresh, registered
+from .registry import ENTRY_POINT_GROUP, device_choices, device_names, refresh, registered
 
 _instances: Dict[str, object] = {}
-_serving: Dict[str, object] = {}  # torch device type -> the device instance its tensors dispatch to
 
 
 def load_class(device_type: str):
@@ -71,8 +70,7 @@ def resolve_device_type(device_type: str = 'auto') -> str:
 
 
 def get_device(device_type: str = 'auto'):
-    """The (cached) ops object of a device kind; raises if unusable here. It
-    becomes the device that tensors of its torch device type dispatch to."""
+    """The (cached) ops object of a device kind; raises if unusable here."""
     device_type = resolve_device_type(device_type)
     if device_type not in _instances:
         cls = load_class(device_type)
@@ -80,24 +78,7 @@ def get_device(device_type: str = 'auto'):
             why = cls.unavailable_reason() or 'its availability check failed'
             raise RuntimeError(f'device_type {device_type!r} is not available on this machine: {why}')
         _instances[device_type] = cls()
-    device = _instances[device_type]
-    _serving[device.torch_device_type] = device
-    return device
-
-
-def serving(torch_device_type: str):
-    """The device that ops on tensors of this torch device type go to."""
-    device = _serving.get(torch_device_type)
-    if device is not None:
-        return device
-    for name in BUILTIN:  # none asked for yet: the built-in device of that type
-        try:
-            cls = load_class(name)
-        except (NotImplementedError, ImportError):
-            continue
-        if cls.torch_device_type == torch_device_type:
-            return get_device(name)
-    raise RuntimeError(f'no lmdeploy device serves torch device type {torch_device_type!r}')
+    return _instances[device_type]
 
 
 def __getattr__(name):  # DeviceOps without importing torch at package import
@@ -108,4 +89,4 @@ def __getattr__(name):  # DeviceOps without importing torch at package import
 
 
 __all__ = ['DeviceOps', 'get_device', 'resolve_device_type', 'is_available', 'unavailable_reason', 'load_class',
-           'serving', 'device_names', 'device_choices', 'registered', 'refresh', 'ENTRY_POINT_GROUP']
+           'device_names', 'device_choices', 'registered', 'refresh', 'ENTRY_POINT_GROUP']

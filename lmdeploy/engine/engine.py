@@ -487,7 +487,7 @@ class Engine:
         logits = self.runner.logits(last_hidden, rows)
         if settle_now or not plain:
             logits = logits.float()  # sampling, penalties and logprobs work in float32; argmax needs not
-        tokens, drawn = sample_tokens(logits, seqs, self._grammars)
+        tokens, drawn = sample_tokens(logits, seqs, self.device, self._grammars)
         for i, seq in enumerate(seqs):
             seq.token_ids.append(-1 - i)
             seq.num_generated += 1

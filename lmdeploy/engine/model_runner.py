@@ -6,7 +6,6 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from lmdeploy.devices import ops
 from lmdeploy.devices.cache import KEY_MEAN_TOKENS, KVCache, KVCacheSpec
 from lmdeploy.devices.interface import DeviceOps
 
@@ -218,7 +217,7 @@ def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: Device
         cache.set_key_mean(torch.zeros(spec.num_kv_heads, spec.head_dim))
     hidden = _run_one_prompt(model, torch.arange(num_tokens, device=dev) % cfg.vocab_size, caches)
     logits = model.compute_logits(hidden[-1:].expand(max_batch_size, -1))
-    ops.argmax(logits)  # greedy picks read the model-dtype logits: compiled now, not at the first request
+    device.argmax(logits)  # greedy picks read the model-dtype logits: compiled now, not at the first request
     logits.float()
     device.synchronize()
     del caches, hidden

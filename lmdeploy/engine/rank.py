@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from lmdeploy.devices import ops
 from lmdeploy.messages import PytorchEngineConfig
 
 from .model_config import DTYPES, ModelConfig
@@ -65,7 +64,7 @@ def _agree_on_min(value: int, device) -> int:
     if tensor_parallel().size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device.torch_device())
-    return int(ops.all_gather(t).min())
+    return int(device.all_gather(t).min())
 
 
 def num_blocks_for(config: PytorchEngineConfig, device, bytes_per_block: int) -> int:
@@ -82,7 +81,7 @@ def num_blocks_for(config: PytorchEngineConfig, device, bytes_per_block: int) ->
 
 def build_rank(model_path: str, config: PytorchEngineConfig, model_config: ModelConfig, device) -> Rank:
     dtype = pick_dtype(config, model_config, device)
-    model = load_model(model_path, model_config, dtype, device.torch_device())
+    model = load_model(model_path, model_config, dtype, device)
     session_len = session_len_of(config, model_config)
     max_batch_size = config.max_batch_size or device.default_max_batch_size
     # the device lays out the cache (and refuses a quantization it lacks, here at start-up)

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from lmdeploy.devices import ops
+from lmdeploy.devices.interface import DeviceOps
 
 from .sequence import Sequence
 from .transfer import tensor_on, to_device
@@ -97,8 +97,9 @@ def _history(seq: Sequence, start: int = 0) -> List[int]:
 NO_TOKEN = -1  # what the host reads for a row that had nothing to draw from
 
 
-def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], grammars=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] on the device (float32 unless every row is a plain
+def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], ops: DeviceOps,
+                  grammars=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] on the device whose ops are ``ops`` (float32 unless every row is a plain
     greedy pick) -> (next token per row, what the host reads of them), both
     still on the device (nothing here waits for the device).
 

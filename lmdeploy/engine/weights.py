@@ -8,8 +8,11 @@ from typing import Iterator, List, Tuple
 
 import torch
 
+from lmdeploy.devices.interface import DeviceOps
+
 from .model_config import ModelConfig
 from .models import get_model_class
+from .nn.build import building
 from .nn.loading import CheckpointTensor
 from .nn.parallel import check_splits, tensor_parallel
 
@@ -35,14 +38,15 @@ def iter_weights(model_path: str, dtype: torch.dtype, device: torch.device) -> I
                 yield name, CheckpointTensor(f.get_slice(name), dtype, device)
 
 
-def load_model(model_path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Construct the model for ``cfg`` on ``device`` in ``dtype`` and load it (this rank's shard under tensor
-    parallelism: nn/parallel.py)."""
+def load_model(model_path: str, cfg: ModelConfig, dtype: torch.dtype, ops: DeviceOps) -> torch.nn.Module:
+    """Construct the model for ``cfg`` for the device ``ops`` in ``dtype`` and load it (this rank's shard under
+    tensor parallelism: nn/parallel.py). Its layers call ``ops`` (nn/build.py)."""
     cls = get_model_class(cfg)
     tp = tensor_parallel()
     if tp.size > 1:
         check_splits(cfg.num_heads, cfg.num_kv_heads, tp.size)
-    with torch.device('meta'):
+    device = ops.torch_device()
+    with torch.device('meta'), building(ops):
         model = cls(cfg)
     model.to_empty(device=device)
     model.tie_weights()

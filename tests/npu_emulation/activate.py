@@ -38,4 +38,3 @@ def deactivate():
     if clear is not None:
         clear()
     devices._instances.pop('ascend', None)
-    devices.get_device('cpu')  # cpu tensors go back to the cpu device

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmdeploy.devices import ops
-
+from .build import device_ops
 from .context import StepContext
 
 
@@ -19,6 +18,7 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.ops = device_ops()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
@@ -29,7 +29,7 @@ class PagedAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                ctx: StepContext) -> torch.Tensor:
-        cache = ctx.kv_caches[self.layer_idx]
+        ops, cache = self.ops, ctx.kv_caches[self.layer_idx]
         q, k = ops.rotary_fill_kv(q, k, v, cos, sin, cache, ctx.slot_mapping)
         if ctx.is_decode:
             out = ops.paged_decode_attention(q, cache, ctx.block_tables, ctx.kv_seqlens, self.scale, ctx.max_kv_len,

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmdeploy.devices import ops
-
+from .build import device_ops
 from .loading import CheckpointTensor
 from .parallel import tensor_parallel
 
@@ -22,6 +21,7 @@ class _VocabShard(nn.Module):
         per = -(-vocab_size // tp.size)
         self.rows = range(min(tp.rank * per, vocab_size), min((tp.rank + 1) * per, vocab_size))
         self.weight = nn.Parameter(torch.empty(per if tp.size > 1 else vocab_size, dim), requires_grad=False)
+        self.ops = device_ops()
 
     def load_param(self, param_name: str, shard: str, src: CheckpointTensor):
         if src.shape[0] != self.vocab_size:
@@ -34,11 +34,11 @@ class VocabEmbedding(_VocabShard):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return ops.embedding(ids, self.weight)
+            return self.ops.embedding(ids, self.weight)
         local = ids - self.rows.start
         mine = (local >= 0) & (local < len(self.rows))
-        x = ops.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        return ops.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+        x = self.ops.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.ops.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
 
 class LMHead(_VocabShard):
@@ -48,8 +48,8 @@ class LMHead(_VocabShard):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ops.linear(hidden, self.weight)
+        logits = self.ops.linear(hidden, self.weight)
         if self.tp == 1:
             return logits
-        parts = ops.all_gather(logits)  # [tp, T, per]
+        parts = self.ops.all_gather(logits)  # [tp, T, per]
         return parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, :self.vocab_size].contiguous()

@@ -13,8 +13,7 @@ from typing import Dict, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from lmdeploy.devices import ops
-
+from .build import device_ops
 from .loading import CheckpointTensor
 from .parallel import tensor_parallel
 
@@ -26,9 +25,10 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.ops = device_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -65,8 +65,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return ops.linear(x, self.weight, self.bias)
-        y = ops.all_reduce(ops.linear(x, self.weight))
+            return self.ops.linear(x, self.weight, self.bias)
+        y = self.ops.all_reduce(self.ops.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def load_param(self, param_name: str, shard: str, src: CheckpointTensor):

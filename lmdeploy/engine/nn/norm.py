@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from lmdeploy.devices import ops
+from .build import device_ops
 
 
 class RMSNorm(nn.Module):
@@ -11,7 +11,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.ops = device_ops()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor = None):
-        out, residual_out = ops.rms_norm(x, self.weight, self.eps, residual)
+        out, residual_out = self.ops.rms_norm(x, self.weight, self.eps, residual)
         return out if residual is None else (out, residual_out)

@@ -7,8 +7,6 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from lmdeploy.devices import ops
-
 from ..transfer import int64_tensor, to_device
 
 FORWARD = 1  # header: the step's StepMeta; payload: packed inputs, then the resolved input ids
@@ -21,6 +19,7 @@ _HEADER = 12
 class Channel:
 
     def __init__(self, device):
+        self.device = device
         self.torch_device = device.torch_device()
 
     def send(self, cmd: int, args: Sequence[int] = (), payload: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -30,16 +29,16 @@ class Channel:
         header = [cmd, n, *args]
         if len(header) > _HEADER:
             raise ValueError(f'command header too long: {header}')
-        sent = ops.broadcast(to_device(int64_tensor(header + [0] * (_HEADER - len(header))), self.torch_device))
+        sent = self.device.broadcast(to_device(int64_tensor(header + [0] * (_HEADER - len(header))), self.torch_device))
         if n:
-            ops.broadcast(payload)
+            self.device.broadcast(payload)
         return sent
 
     def receive(self) -> Tuple[int, list, Optional[torch.Tensor]]:
         """Other ranks: wait for the next command; returns (cmd, args, payload)."""
-        header = ops.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=self.torch_device)).tolist()
+        header = self.device.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=self.torch_device)).tolist()
         cmd, n, args = header[0], header[1], header[2:]
         payload = None
         if n:
-            payload = ops.broadcast(torch.empty(n, dtype=torch.int64, device=self.torch_device))
+            payload = self.device.broadcast(torch.empty(n, dtype=torch.int64, device=self.torch_device))
         return cmd, args, payload
