@@ -292,7 +292,63 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
     for policy in (8, 4):  # the quantized caches this device implements (devices/cache.py)
         if policy in ops.quant_policies:
             found += [(f'{name}[int{policy}]', lambda fn=fn, p=policy: fn(p)) for name, fn in attention]
+    from .layers import REFERENCE_IMPLS  # every layer kind in every weight format
+    found += [(f'layer:{kind}[{fmt}]', lambda k=kind, f=fmt: check_layer_impl(ops, k, f, dtype))
+              for kind, fmt in sorted(REFERENCE_IMPLS)]
     return found
+
+
+def _random_like(p, g):
+    """Random values for a parameter of a layer implementation, by its dtype: small integers for integer
+    parameters, positive scales for 1-D float ones named as scales, normal values otherwise."""
+    import torch
+    if not p.dtype.is_floating_point:
+        info = torch.iinfo(p.dtype)
+        return torch.randint(max(info.min, -127), min(info.max, 127) + 1, tuple(p.shape), generator=g).to(p.dtype)
+    return torch.randn(tuple(p.shape), generator=g, dtype=torch.float64)
+
+
+def check_layer_impl(ops, kind: str, weight_format: str, dtype=None) -> Tuple[bool, str]:
+    """The device's implementation of a ``kind`` layer for ``weight_format`` against the reference's (plain
+    torch in float64) on the same random parameters and input."""
+    import torch
+    from torch import nn
+
+    from .layers import REFERENCE_IMPLS, param_layout
+    from .reference import ReferenceOps
+    dtype = dtype or test_dtype(ops)
+    dev = ops.torch_device()
+    g = torch.Generator().manual_seed(4321)
+    if kind != 'linear':
+        return False, f'no check for {kind} layers'
+    in_f, out_f = 48, 40
+    mine, ref = nn.Module(), nn.Module()
+    impl = ops.layer_impl(kind, weight_format)
+    ref_impl = REFERENCE_IMPLS[(kind, weight_format)](ReferenceOps())
+    impl.create_weights(mine, in_f, out_f, True)
+    ref_impl.create_weights(ref, in_f, out_f, True)
+    for name, p in ref.named_parameters():
+        value = _random_like(p, g)
+        if name.endswith('scale'):
+            value = value.abs() / 50 + 1e-3
+        ref_p, my_p = getattr(ref, name), getattr(mine, name)
+        keep = param_layout(mine, name).keep_dtype
+        ref_p.data = value.to(p.dtype if keep else torch.float64)
+        my_p.data = value.to(my_p.dtype if keep else dtype).to(dev)
+        if not keep:  # the reference sees what the device holds
+            ref_p.data = my_p.data.cpu().to(torch.float64)
+    impl.process_weights(mine)
+    ref_impl.process_weights(ref)
+    x = torch.randn(7, in_f, generator=g, dtype=torch.float64)
+    got = impl.apply(mine, x.to(dtype).to(dev))
+    want = ref_impl.apply(ref, x.to(dtype).to(torch.float64))
+    ok, detail = _compare(f'{kind}[{weight_format}]', got, want, dtype)
+    if ok and kind == 'linear':  # the fused gate|up path of the same layer
+        half = out_f // 2
+        got2 = impl.apply_silu_and_mul(mine, x.to(dtype).to(dev))
+        want2 = torch.nn.functional.silu(want[:, :half]) * want[:, half:]
+        ok, detail = _compare(f'{kind}[{weight_format}] + silu_and_mul', got2, want2, dtype)
+    return ok, detail
 
 
 def check_names(ops=None) -> List[str]:

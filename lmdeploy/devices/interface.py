@@ -20,7 +20,7 @@ and KV head).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -164,14 +164,29 @@ class DeviceOps:
     # (devices whose allocator keeps activation memory reserved)
     profile_memory: bool = False
 
+    # ---------------------------------------------------------------- layers
+    # (kind, weight format) -> this device's own implementation class (devices/layers.py); the others come
+    # from the reference's, which runs over this device's ops
+    layer_impls: Dict[Tuple[str, str], type] = {}
+
+    def layer_impl(self, kind: str, weight_format: str):
+        """How this device runs a ``kind`` layer (``'linear'``) whose weights come in ``weight_format``
+        (``'dense'``, ``'int8_channel'``, ...): an object that makes the layer's parameters, processes them once
+        after loading and applies the layer (devices/layers.py)."""
+        from .layers import REFERENCE_IMPLS
+        cls = self.layer_impls.get((kind, weight_format)) or REFERENCE_IMPLS.get((kind, weight_format))
+        if cls is None:
+            raise ValueError(f'device {self.name!r} has no {kind} layer for {weight_format!r} weights')
+        return cls(self)
+
     # -------------------------------------------------------------- dense ops
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """ids [T] -> weight[ids] [T, hidden]."""
         raise NotImplementedError
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [T, in] @ weight[out, in].T + bias -> [T, out]. Quantized weights
-        hook in here later (``weight`` may then be a packed object)."""
+        """x [T, in] @ weight[out, in].T + bias -> [T, out] (a plain weight; other formats are layer
+        implementations: :meth:`layer_impl`)."""
         raise NotImplementedError
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -9,6 +9,7 @@ from typing import Iterator, List, Tuple
 import torch
 
 from lmdeploy.devices.interface import DeviceOps
+from lmdeploy.devices.layers import param_layout, weight_format
 
 from .model_config import ModelConfig
 from .models import get_model_class
@@ -46,11 +47,19 @@ def load_model(model_path: str, cfg: ModelConfig, dtype: torch.dtype, ops: Devic
     if tp.size > 1:
         check_splits(cfg.num_heads, cfg.num_kv_heads, tp.size)
     device = ops.torch_device()
-    with torch.device('meta'), building(ops):
+    # the checkpoint's weight format picks each layer's implementation on this device (devices/layers.py)
+    with torch.device('meta'), building(ops, weight_format(cfg.raw.get('quantization_config'))):
         model = cls(cfg)
     model.to_empty(device=device)
     model.tie_weights()
-    for param in model.parameters():  # shared (tied) parameters are visited once
-        param.data = torch.empty_like(param.data, dtype=dtype)
+    seen = set()  # (shared, tied, parameters once)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in seen and not param_layout(module, name).keep_dtype:  # (an int8 weight stays)
+                param.data = torch.empty_like(param.data, dtype=dtype)
+            seen.add(id(param))
     model.load_weights(iter_weights(model_path, dtype, device))
+    for module in model.modules():
+        if hasattr(module, 'process_weights'):
+            module.process_weights()
     return model.eval()

@@ -16,4 +16,4 @@ class SiluAndMul(nn.Module):
     def of_projection(self, proj, x):
         """self(proj(x)) for a stacked gate|up projection, as one op (a device
         may then skip writing and re-reading the projection's output)."""
-        return self.ops.linear_silu_and_mul(x, proj.weight, proj.bias)
+        return proj.impl.apply_silu_and_mul(proj, x)

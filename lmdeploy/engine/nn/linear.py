@@ -13,22 +13,30 @@ from typing import Dict, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .build import device_ops
+from lmdeploy.devices.layers import param_layout
+
+from .build import device_ops, layer_impl
 from .loading import CheckpointTensor
 from .parallel import tensor_parallel
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, whole on every rank."""
+    """y = x W^T + b, whole on every rank. Its parameters are the device's implementation's for the
+    checkpoint's weight format (devices/layers.py: ``weight`` [out, in] for plain weights, an int8 weight
+    and its scales, ...); each says which of its dims are output rows and input columns."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.ops = device_ops()
+        self.impl = layer_impl('linear')
+        self.impl.create_weights(self, in_features, out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        return self.impl.apply(self, x)
+
+    def process_weights(self):
+        """Once, after loading (the implementation may repack its parameters)."""
+        self.impl.process_weights(self)
 
 
 class MergedLinear(Linear):
@@ -49,6 +57,8 @@ class MergedLinear(Linear):
     def load_param(self, param_name: str, shard: str, src: CheckpointTensor):
         param: Optional[torch.Tensor] = getattr(self, param_name)
         rows = self.checkpoint_rows[shard]
+        if param_layout(self, param_name).output_dim != 0:
+            raise ValueError(f'{param_name}: a stacked layer takes parameters split by output rows')
         if src.shape[0] < rows.stop:
             raise ValueError(f'shard {shard!r} has {src.shape[0]} rows, expected {rows.stop}')
         param.data[self.shard_offsets[shard]].copy_(src.take(rows))
@@ -65,12 +75,14 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return self.ops.linear(x, self.weight, self.bias)
-        y = self.ops.all_reduce(self.ops.linear(x, self.weight))
+            return self.impl.apply(self, x)
+        y = self.ops.all_reduce(self.impl.apply(self, x, with_bias=False))
         return y if self.bias is None else y + self.bias
 
     def load_param(self, param_name: str, shard: str, src: CheckpointTensor):
-        if param_name == 'bias':
-            self.bias.data.copy_(src.take())
+        param = getattr(self, param_name)
+        # a parameter with input columns holds this rank's; the others (bias, per-row scales) whole
+        if param_layout(self, param_name).input_dim == 1:
+            param.data.copy_(src.take(cols=self.cols))
         else:
-            self.weight.data.copy_(src.take(cols=self.cols))
+            param.data.copy_(src.take())

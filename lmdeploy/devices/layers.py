@@ -1,0 +1,131 @@
+"""How a device runs a layer whose weights come in a given format.
+
+A layer of the model (``engine/nn``) says what it is (a linear map with
+these sizes) and leaves its parameters to a :class:`LinearImpl` that the
+device picks by the checkpoint's weight format (``DeviceOps.layer_impl``).
+The implementation does three things:
+
+* ``create_weights``: the layer's parameters, with the names, shapes and
+  dtypes the checkpoint stores them in (an int8 weight and its scales, ...);
+  each says which of its dims are the layer's output rows and input columns,
+  which is all the layer needs to load a tensor-parallel slice of it;
+* ``process_weights``: once, after loading (repack, transpose, stack);
+* ``apply``: the layer's output for an input.
+
+The reference implements every format in plain torch over the device's
+ops; a device gives faster ones of the formats it has kernels for, and the
+conformance suite holds each to the reference. Adding a format is a class
+here (or in a device package), an entry in :data:`FORMATS` and one in
+``REFERENCE_IMPLS``: nothing in the engine changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .interface import DeviceOps
+
+DENSE = 'dense'
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How a layer's parameter is laid out: its dim that is the layer's output rows, the one that is its
+    input columns (None: it has none), and whether it keeps its dtype when the model takes the model dtype
+    (an int8 weight)."""
+    output_dim: Optional[int] = 0
+    input_dim: Optional[int] = None
+    keep_dtype: bool = False
+
+
+def add_param(layer: nn.Module, name: str, t: Optional[torch.Tensor], **layout):
+    """A frozen parameter on ``layer`` and its layout in ``layer.param_layout`` (kept apart from the
+    parameter, which moving the model to its device replaces)."""
+    if not hasattr(layer, 'param_layout'):
+        layer.param_layout = {}
+    setattr(layer, name, None if t is None else nn.Parameter(t, requires_grad=False))
+    if t is not None:
+        layer.param_layout[name] = ParamLayout(**layout)
+
+
+def param_layout(layer: nn.Module, name: str) -> ParamLayout:
+    return getattr(layer, 'param_layout', {}).get(name, ParamLayout())
+
+
+class LinearImpl:
+    """y = x W^T + b for one weight format. ``ops``: the device's kernels."""
+    kind = 'linear'
+    format = DENSE
+
+    def __init__(self, ops: 'DeviceOps'):
+        self.ops = ops
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool):
+        add_param(layer, 'bias', torch.empty(out_features) if bias else None)
+
+    def process_weights(self, layer: nn.Module):
+        """Once, after every tensor of the layer is loaded."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a stacked gate|up projection's output (a device may fuse the two)."""
+        return self.ops.silu_and_mul(self.apply(layer, x))
+
+
+class DenseLinear(LinearImpl):
+    """The checkpoint's weight as it is: [out, in] in the model dtype."""
+
+    def create_weights(self, layer, in_features, out_features, bias):
+        add_param(layer, 'weight', torch.empty(out_features, in_features), input_dim=1)
+        super().create_weights(layer, in_features, out_features, bias)
+
+    def apply(self, layer, x, with_bias=True):
+        return self.ops.linear(x, layer.weight, layer.bias if with_bias else None)
+
+    def apply_silu_and_mul(self, layer, x):
+        return self.ops.linear_silu_and_mul(x, layer.weight, layer.bias)
+
+
+class Int8ChannelLinear(LinearImpl):
+    """Weight-only int8 with one scale per output row: W = weight * weight_scale[:, None] (int8 [out, in],
+    float [out]); activations stay in the model dtype. (The worked example of adding a format: see
+    docs/design.md.)"""
+    format = 'int8_channel'
+
+    def create_weights(self, layer, in_features, out_features, bias):
+        add_param(layer, 'weight', torch.empty(out_features, in_features, dtype=torch.int8), input_dim=1,
+                  keep_dtype=True)
+        add_param(layer, 'weight_scale', torch.empty(out_features, dtype=torch.float32), keep_dtype=True)
+        super().create_weights(layer, in_features, out_features, bias)
+
+    def dequantized(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        return (layer.weight.float() * layer.weight_scale.float()[:, None]).to(dtype)
+
+    def apply(self, layer, x, with_bias=True):
+        return self.ops.linear(x, self.dequantized(layer, x.dtype), layer.bias if with_bias else None)
+
+
+# the checkpoint's quantization_config["quant_method"] -> weight format
+FORMATS: Dict[str, str] = {'int8_per_channel': Int8ChannelLinear.format}
+
+REFERENCE_IMPLS: Dict[Tuple[str, str], Any] = {
+    ('linear', DENSE): DenseLinear,
+    ('linear', Int8ChannelLinear.format): Int8ChannelLinear,
+}
+
+
+def weight_format(quantization_config: Optional[Dict[str, Any]]) -> str:
+    """The weight format a checkpoint's ``quantization_config`` (config.json) names; 'dense' without one."""
+    if not quantization_config:
+        return DENSE
+    method = quantization_config.get('quant_method') if isinstance(quantization_config, dict) else None
+    if method not in FORMATS:
+        raise ValueError(f'config.json: quantization_config.quant_method {method!r} is not supported; supported: '
+                         f'{sorted(FORMATS)} (or no quantization_config: plain weights)')
+    return FORMATS[method]
