@@ -369,3 +369,119 @@ def benchmark_module(name):
     finally:
         sys.path.remove(folder)
     return module
+
+
+# ---------------------------------------------------------------------------
+# InternLM2 / InternLM3 checkpoints made from transformers models
+# ---------------------------------------------------------------------------
+
+
+def build_tiny_custom(out: str, tokenizer_dir: str, cls_name: str, kwargs: dict, seed: int) -> str:
+    """A tiny random model of a spec not in ``_tiny_specs`` (whose seeds go by the spec's sorted index),
+    randomized as the others are."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    cfg = _make_config(cls_name, kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize(model, seed)
+    model.generation_config.bos_token_id = 1
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 2
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out)
+    _copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+def _read_hf_dir(src: str):
+    from safetensors.torch import load_file
+    with open(os.path.join(src, 'config.json')) as f:
+        cfg = json.load(f)
+    return cfg, load_file(os.path.join(src, 'model.safetensors'))
+
+
+def _rope_fields(cfg: dict, type_key: str) -> dict:
+    """rope_theta and rope_scaling (or null) the legacy way, the scaling type under ``type_key``."""
+    params = dict(cfg.get('rope_parameters') or {})
+    theta = params.pop('rope_theta', cfg.get('rope_theta', 10000.0))
+    rope_type = params.pop('rope_type', params.pop('type', 'default'))
+    if rope_type == 'default':
+        return dict(rope_theta=theta, rope_scaling=None)
+    return dict(rope_theta=theta, rope_scaling={type_key: rope_type, **params})
+
+
+def _common_fields(cfg: dict) -> dict:
+    keys = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
+            'num_key_value_heads', 'max_position_embeddings', 'rms_norm_eps', 'bos_token_id', 'eos_token_id',
+            'pad_token_id', 'tie_word_embeddings', 'initializer_range')
+    return dict({k: cfg[k] for k in keys if k in cfg}, hidden_act='silu', torch_dtype='float32', use_cache=True)
+
+
+def _write_converted(src: str, out: str, config: dict, state: dict) -> str:
+    from safetensors.torch import save_file
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(src):  # tokenizer, chat template, generation_config.json
+        if name not in ('config.json', 'model.safetensors') and os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(out, name))
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, 'model.safetensors'),
+              metadata={'format': 'pt'})
+    with open(os.path.join(out, 'config.json'), 'w') as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    return out
+
+
+def pack_wqkv(q, k, v, num_kv_heads: int):
+    """InternLM2's wqkv from Llama's q, k, v (weights or biases): for each KV head its query heads, then its
+    k head, then its v head (the inverse of the split in InternLM's tools/convert2llama.py)."""
+    import torch
+    rest = q.shape[1:]
+    q = q.reshape(num_kv_heads, -1, k.shape[0] // num_kv_heads, *rest)  # [kv, G, d, ...]
+    k = k.reshape(num_kv_heads, 1, -1, *rest)
+    v = v.reshape(num_kv_heads, 1, -1, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def llama_to_internlm2(src: str, out: str) -> str:
+    """An InternLM2 checkpoint (names, packed wqkv, config fields of InternLM2's configuration_internlm2.py)
+    computing what the Llama checkpoint ``src`` does. Llama's attention_bias (q, k, v and o) is
+    InternLM2's ``bias`` (wqkv and wo); InternLM2's head_dim is hidden_size / heads."""
+    cfg, state = _read_hf_dir(src)
+    heads, kv_heads = cfg['num_attention_heads'], cfg['num_key_value_heads']
+    assert cfg.get('head_dim', cfg['hidden_size'] // heads) == cfg['hidden_size'] // heads
+    assert not cfg.get('mlp_bias'), 'InternLM2 has no MLP bias'
+    renames = [('model.embed_tokens.', 'model.tok_embeddings.'), ('.self_attn.o_proj.', '.attention.wo.'),
+               ('.input_layernorm.', '.attention_norm.'), ('.post_attention_layernorm.', '.ffn_norm.'),
+               ('.mlp.gate_proj.', '.feed_forward.w1.'), ('.mlp.up_proj.', '.feed_forward.w3.'),
+               ('.mlp.down_proj.', '.feed_forward.w2.'), ('lm_head.', 'output.')]
+    new = {}
+    for name, t in state.items():
+        if '.self_attn.q_proj.' in name:
+            prefix, param = name.split('.self_attn.q_proj.')
+            parts = [state[f'{prefix}.self_attn.{p}_proj.{param}'] for p in 'qkv']
+            new[f'{prefix}.attention.wqkv.{param}'] = pack_wqkv(*parts, kv_heads)
+            continue
+        if '.self_attn.k_proj.' in name or '.self_attn.v_proj.' in name:
+            continue
+        for old, repl in renames:
+            name = name.replace(old, repl)
+        new[name] = t
+    config = dict(_common_fields(cfg), architectures=['InternLM2ForCausalLM'], model_type='internlm2',
+                  bias=bool(cfg.get('attention_bias', False)), attn_implementation='eager',
+                  **_rope_fields(cfg, 'type'))
+    return _write_converted(src, out, config, new)
+
+
+def to_internlm3(src: str, out: str) -> str:
+    """An InternLM3 checkpoint (Llama's names; config fields of InternLM3's configuration_internlm3.py) of
+    the Llama or Qwen2 checkpoint ``src``: q, k, v biased as Qwen2's or Llama's attention_bias
+    (``qkv_bias``), o_proj and the MLP as Llama's attention_bias and mlp_bias (``bias``, one flag)."""
+    cfg, state = _read_hf_dir(src)
+    qwen2 = cfg.get('model_type') == 'qwen2'
+    qkv_bias = qwen2 or bool(cfg.get('attention_bias', False))
+    bias = False if qwen2 else bool(cfg.get('attention_bias', False))
+    assert bool(cfg.get('mlp_bias', False)) == bias, 'InternLM3 has one flag for o_proj and MLP biases'
+    config = dict(_common_fields(cfg), architectures=['InternLM3ForCausalLM'], model_type='internlm3',
+                  qkv_bias=qkv_bias, bias=bias, head_dim=cfg.get('head_dim'), attn_implementation='eager',
+                  **_rope_fields(cfg, 'rope_type'))
+    return _write_converted(src, out, config, dict(state))

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from ..model_config import ModelConfig
+from .internlm2 import InternLM2ForCausalLM
+from .internlm3 import InternLM3ForCausalLM
 from .llama import LlamaForCausalLM
 from .qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -11,6 +13,8 @@ ARCHITECTURES = {
     'YiForCausalLM': LlamaForCausalLM,
     'Qwen2ForCausalLM': Qwen2ForCausalLM,
     'Qwen3ForCausalLM': Qwen3ForCausalLM,
+    'InternLM2ForCausalLM': InternLM2ForCausalLM,
+    'InternLM3ForCausalLM': InternLM3ForCausalLM,
 }
 MODEL_TYPES = {
     'llama': LlamaForCausalLM,
@@ -18,6 +22,8 @@ MODEL_TYPES = {
     'yi': LlamaForCausalLM,
     'qwen2': Qwen2ForCausalLM,
     'qwen3': Qwen3ForCausalLM,
+    'internlm2': InternLM2ForCausalLM,
+    'internlm3': InternLM3ForCausalLM,
 }
 
 
