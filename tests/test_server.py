@@ -823,7 +823,7 @@ def test_text_chunks_match_the_pydantic_chunks():
     """The streams' text-only chunks (built from one dump of the response
     model) are byte for byte what the pydantic models give."""
     from lmdeploy.serve.openai import protocol as P
-    from lmdeploy.serve.openai.jobs import _sse, _TextChunks
+    from lmdeploy.serve.openai.jobs import TextChunks, sse
 
     def chat(delta, finish_reason=None):
         return P.ChatCompletionStreamResponse(id='chatcmpl-1', created=7, model='m', choices=[
@@ -834,11 +834,11 @@ def test_text_chunks_match_the_pydantic_chunks():
             P.CompletionChoice(index=index, text=text, finish_reason=finish_reason)])
 
     for usage in (True, False):
-        chat_chunk = _TextChunks(chat(P.DeltaMessage(content='')), usage)
-        completion_chunk = _TextChunks(completion(''), usage)
+        chat_chunk = TextChunks(chat(P.DeltaMessage(content='')), usage)
+        completion_chunk = TextChunks(completion(''), usage)
         for text, reason, index in (('Hello', None, 0), (' wörld "quoted" \\ \n', 'stop', 2), ('', 'length', 1)):
-            assert chat_chunk(text, reason) == _sse(chat(P.DeltaMessage(content=text), reason), usage)
-            assert completion_chunk(text, reason, index) == _sse(completion(text, reason, index), usage)
+            assert chat_chunk(text, reason) == sse(chat(P.DeltaMessage(content=text), reason), usage)
+            assert completion_chunk(text, reason, index) == sse(completion(text, reason, index), usage)
 
 
 # --------------------------------------------------------------------------- structured output

@@ -66,8 +66,8 @@ def run_in_thread(fn):
 
 # ------------------------------------------------------------------ the session table
 def test_sessions_table_finds_only_the_owners_session():
-    from lmdeploy.serve.openai.sessions import _Session, _Sessions
-    table = _Sessions()
+    from lmdeploy.serve.openai.sessions import _Session, Sessions
+    table = Sessions()
     a, b, anon = _Session(1, 4242, b'alice'), _Session(2, 4242, b'bob'), _Session(3, 4242, None)
     for s in (a, b, anon):
         table.add(s)

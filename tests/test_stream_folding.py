@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from lmdeploy.engine.sequence import EngineOutput
 from lmdeploy.frontend.gateway import GenOut, take_pending
-from lmdeploy.serve.openai.jobs import _Run
+from lmdeploy.serve.openai.jobs import Run
 from lmdeploy.serve.openai.metrics import _TokenHistogram
 
 
@@ -54,7 +54,7 @@ def test_the_run_queue_folds_a_jobs_increments_in_order():
     rng = random.Random()
 
     async def go():
-        run = _Run.__new__(_Run)
+        run = Run.__new__(Run)
         run.queue, run._ready, run._ended = deque(), asyncio.Event(), set()
         items = []
         for job in (0, 1):

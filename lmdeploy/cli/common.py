@@ -1,4 +1,7 @@
-"""Argument helpers the ``lmdeploy`` subcommands share.
+"""Argument helpers the ``lmdeploy`` subcommands share: the engine flags (:func:`add_engine_args`) and the one
+builder of their :class:`PytorchEngineConfig` (:func:`build_engine_config`), the chat template option
+(:func:`add_chat_template_arg`, read by :func:`parse_chat_template` / :func:`chat_template_config`), the
+parser classes.
 
 Kept free of torch: building the parser (``lmdeploy --help``,
 ``lmdeploy --version``) must stay fast.
@@ -111,7 +114,9 @@ def backend_name(args, out=None) -> str:
 
 
 def build_engine_config(args) -> PytorchEngineConfig:
-    """argparse namespace (from :func:`add_engine_args`) -> PytorchEngineConfig.
+    """argparse namespace (from :func:`add_engine_args`) -> PytorchEngineConfig: the one config builder of
+    every command (and of ``python -m lmdeploy.serve.openai.api_server``, whose ``--num-gpu-blocks`` it reads
+    where the namespace has it).
 
     Invalid values raise ValueError naming the field."""
     return PytorchEngineConfig(dtype=args.dtype,
@@ -125,6 +130,7 @@ def build_engine_config(args) -> PytorchEngineConfig:
                                eager_mode=bool(args.eager_mode),
                                quant_policy=args.quant_policy,
                                max_prefill_token_num=args.max_prefill_token_num,
+                               num_gpu_blocks=getattr(args, 'num_gpu_blocks', _ENGINE_DEFAULTS['num_gpu_blocks']),
                                engine_process=getattr(args, 'engine_process', None),
                                distributed_executor_backend=getattr(args, 'distributed_executor_backend', None))
 
@@ -137,11 +143,20 @@ def parse_chat_template(value: Optional[str]):
     a builtin template name (ValueError listing them otherwise)."""
     if value is None or value == '':
         return None
+    if value.endswith('.json') and not (os.path.isfile(value) or value.lstrip().startswith('{')):
+        raise FileNotFoundError(f'chat template file {value!r} does not exist')
+    return chat_template_config(value)
+
+
+def chat_template_config(value):
+    """A builtin template name, or a JSON file / string with ChatTemplateConfig fields -> ChatTemplateConfig;
+    what is not a string (None, a ChatTemplateConfig) is returned as it is. The one reading of a chat template
+    option: :func:`parse_chat_template` (the flag) and ``api_server.serve(chat_template_config=...)``."""
+    if value is None or not isinstance(value, str):
+        return value
     from lmdeploy.frontend.chat_template import ChatTemplateConfig
     if os.path.isfile(value) or value.lstrip().startswith('{'):
         return ChatTemplateConfig.from_json(value)
-    if value.endswith('.json'):
-        raise FileNotFoundError(f'chat template file {value!r} does not exist')
     return ChatTemplateConfig(model_name=value)
 
 

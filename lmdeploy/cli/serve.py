@@ -1,16 +1,17 @@
 """``lmdeploy serve api_server [MODEL]``: the OpenAI-compatible HTTP server.
 
-The flags are turned into the keyword arguments of
+The flags (:func:`add_api_server_args`) are turned into the keyword arguments of
 ``lmdeploy.serve.openai.api_server.serve`` by :func:`build_serve_kwargs`,
-which is testable without starting a server.
+which is testable without starting a server. ``python -m lmdeploy.serve.openai.api_server``
+parses the same flags (:func:`module_parser`) and runs them the same way (:func:`run_api_server`).
 """
 from __future__ import annotations
 
 import argparse
 from typing import Any, Dict
 
-from .common import (add_chat_template_arg, add_engine_args, add_log_args, add_model_arg, backend_name,
-                         build_engine_config, parse_chat_template, resolve_model)
+from .common import (Parser, add_chat_template_arg, add_engine_args, add_log_args, add_model_arg, backend_name,
+                     build_engine_config, parse_chat_template, resolve_model)
 from .serve_gradio import add_gradio_parser
 
 
@@ -22,6 +23,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = serve_sub.add_parser('api_server', help='OpenAI-compatible REST API server',
                              description='Serve MODEL with an OpenAI-compatible REST API '
                              '(/v1/models, /v1/chat/completions, /v1/completions, ...).')
+    add_api_server_args(p)
+    p.set_defaults(func=run_api_server)
+    from .proxy import add_proxy_parser
+    add_proxy_parser(serve_sub)
+    add_gradio_parser(serve_sub)
+    serve.set_defaults(func=lambda args: _serve_help(serve))
+    return serve
+
+
+def add_api_server_args(p: argparse.ArgumentParser):
+    """The flags of ``lmdeploy serve api_server``: MODEL, the server group, the engine flags, the proxy link.
+    ``python -m lmdeploy.serve.openai.api_server`` builds its parser with it too (see :func:`module_parser`)."""
     add_model_arg(p)
     http = p.add_argument_group('server')
     http.add_argument('--server-name', default='0.0.0.0', help='host to bind (default: %(default)s)')
@@ -44,12 +57,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
                       help='characters of prompts / token ids to log per request (default: all)')
     add_engine_args(p)
     add_proxy_link_args(p)
-    p.set_defaults(func=run_api_server)
-    from .proxy import add_proxy_parser
-    add_proxy_parser(serve_sub)
-    add_gradio_parser(serve_sub)
-    serve.set_defaults(func=lambda args: _serve_help(serve))
-    return serve
+
+
+def module_parser(drain_timeout: float) -> argparse.ArgumentParser:
+    """The parser of ``python -m lmdeploy.serve.openai.api_server``: ``lmdeploy serve api_server``'s flags, and
+    two of the module's own (``--num-gpu-blocks``, read by :func:`build_engine_config`; ``--drain-timeout``,
+    a keyword of ``serve()`` from :func:`build_serve_kwargs`). Run it with :func:`run_api_server`."""
+    p = Parser(prog='python -m lmdeploy.serve.openai.api_server',
+               description='Serve MODEL with an OpenAI-compatible REST API (lmdeploy serve api_server).')
+    add_api_server_args(p)
+    g = p.add_argument_group('this module only')
+    g.add_argument('--num-gpu-blocks', type=int, default=0,
+                   help='KV cache blocks to allocate: if > 0, exactly this many (overrides --cache-max-entry-count) '
+                   '(default: %(default)s)')
+    g.add_argument('--drain-timeout', type=float, default=drain_timeout,
+                   help='seconds running requests get after SIGTERM before they are cut short (default: '
+                   '%(default)s)')
+    return p
 
 
 def add_proxy_link_args(p):
@@ -102,7 +126,12 @@ def build_serve_kwargs(args) -> Dict[str, Any]:
                 log_level=args.log_level,
                 max_log_len=args.max_log_len,
                 tool_call_parser=getattr(args, 'tool_call_parser', None),
-                **proxy_link_kwargs(args))
+                **proxy_link_kwargs(args), **drain_kwargs(args))
+
+
+def drain_kwargs(args) -> Dict[str, Any]:
+    """``--drain-timeout`` (``python -m lmdeploy.serve.openai.api_server`` only) -> ``serve()``'s keyword."""
+    return {'drain_timeout': args.drain_timeout} if hasattr(args, 'drain_timeout') else {}
 
 
 def proxy_link_kwargs(args) -> Dict[str, Any]:

@@ -33,7 +33,8 @@ bound before the model loads, and "serving" logged once it listens.
 
 Run it with ``lmdeploy serve api_server MODEL [flags]``, from Python with
 :func:`serve`, or as ``python -m lmdeploy.serve.openai.api_server MODEL
-[flags]`` (a subset of the flags).
+[flags]`` (the same flags, parsed and built by :mod:`lmdeploy.cli.serve`, plus
+``--num-gpu-blocks`` and ``--drain-timeout``).
 """
 from __future__ import annotations
 
@@ -54,13 +55,13 @@ from lmdeploy.messages import PytorchEngineConfig, TurbomindEngineConfig
 from . import chat, completions, generate
 from . import protocol as P
 from .errors import APIError, error_response, install_error_handlers
-from .guard import DEFAULT_MAX_BODY_BYTES, _GuardMiddleware
+from .guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
 from .metrics import CONTENT_TYPE_LATEST
-from .params import _check_model
+from .params import check_model
 from .runner import Runner
 from .schema import SERVED_MODEL, install_schema
 from .state import ServerState
-from .uvicorn_server import BackgroundServer, _make_server_class, bind_socket
+from .uvicorn_server import BackgroundServer, bind_socket, make_server_class
 
 logger = logging.getLogger('lmdeploy.serve')
 
@@ -102,11 +103,11 @@ def create_app(gateway=None, *, api_keys: Optional[Sequence[str]] = None, model_
     err = {status: {'model': P.ErrorResponse} for status in (400, 401, 404, 413, 500, 503)}
     install_error_handlers(app)
     _add_simple_routes(app, state, auth, err)
-    runner = Runner(state)
+    app.state.runner = Runner(state)  # what the handlers run requests on (their dependency: request_runner)
     for family in (chat, completions, generate):
-        family.add_routes(app, runner, auth, err)
+        family.add_routes(app, auth, err)
     install_schema(app, state)  # the loaded model's name and vocabulary in the schema
-    app.add_middleware(_GuardMiddleware, state=state, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, state=state, max_body_bytes=max_body_bytes)
     app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_credentials=allow_credentials,
                        allow_methods=list(allow_methods), allow_headers=list(allow_headers))
     return app
@@ -141,22 +142,13 @@ def _add_simple_routes(app: FastAPI, state: ServerState, auth, err):
     async def retrieve_model(model_id: str = Path(description='the served model name (any other: 404 '
                                                   'model_not_found)', json_schema_extra={SERVED_MODEL: True})):
         """The model as ``GET /v1/models`` lists it."""
-        _check_model(state, model_id)
+        check_model(state, model_id)
         return card()
 
 
 def _version() -> str:
     from lmdeploy.version import __version__
     return __version__
-
-
-def _chat_template_config(value):
-    if value is None or not isinstance(value, str):
-        return value
-    from lmdeploy.frontend.chat_template import ChatTemplateConfig
-    if os.path.isfile(value) or value.lstrip().startswith('{'):
-        return ChatTemplateConfig.from_json(value)
-    return ChatTemplateConfig(model_name=value)
 
 
 def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', server_port: int = 23333,
@@ -221,7 +213,8 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
             if not os.path.isfile(path):
                 raise FileNotFoundError(f'SSL file {path!r} does not exist')
         ssl_kwargs = dict(ssl_keyfile=keyfile, ssl_certfile=certfile)
-    chat_template_config = _chat_template_config(chat_template_config)
+    from lmdeploy.cli.common import chat_template_config as read_chat_template
+    chat_template_config = read_chat_template(chat_template_config)
     # the port first: one in use fails now, not after the model has loaded
     sock = bind_socket(server_name, server_port)
     try:
@@ -261,7 +254,7 @@ def serve(model_path: Optional[str] = None, *, server_name: str = '0.0.0.0', ser
 
         # SIGTERM / SIGINT: /health and new requests answer 503 while the running ones finish (a second signal
         # or drain_timeout ends them, each response still well-formed), then serve() returns 0
-        server = _make_server_class()(config, on_exit=on_exit, on_cut=state.cut_running, on_listening=on_listening)
+        server = make_server_class()(config, on_exit=on_exit, on_cut=state.cut_running, on_listening=on_listening)
         # everything alive now (the app, the tokenizer, imported modules) lives as long as the server: keep it
         # out of the collector's full passes, which otherwise stall every stream for a few hundred ms now and
         # then under load (H100, 35 req/s: TTFT p99 355 ms, all of it from such stalls)
@@ -293,41 +286,10 @@ def _proxy_link(proxy_url, api_key, node_url, server_name, server_port, scheme, 
 
 # ----------------------------------------------------------------- __main__
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m lmdeploy.serve.openai.api_server MODEL [flags]`` (the common
-    flags; ``lmdeploy serve api_server`` has them all)."""
-    import argparse
-
-    from lmdeploy.devices.registry import device_choices
-    p = argparse.ArgumentParser(prog='python -m lmdeploy.serve.openai.api_server')
-    p.add_argument('model_path', nargs='?', default=None)
-    p.add_argument('--server-name', default='0.0.0.0')
-    p.add_argument('--server-port', type=int, default=23333)
-    p.add_argument('--device', default='auto', choices=device_choices())
-    p.add_argument('--session-len', type=int, default=None)
-    p.add_argument('--max-batch-size', type=int, default=None)
-    p.add_argument('--cache-max-entry-count', type=float, default=0.8)
-    p.add_argument('--num-gpu-blocks', type=int, default=0)
-    p.add_argument('--api-keys', nargs='+', default=None)
-    p.add_argument('--model-name', default=None)
-    p.add_argument('--chat-template', default=None)
-    p.add_argument('--log-level', default='WARNING')
-    p.add_argument('--max-log-len', type=int, default=None)
-    p.add_argument('--drain-timeout', type=float, default=DEFAULT_DRAIN_TIMEOUT)
-    p.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument('--tool-call-parser', default=None)
-    p.add_argument('--proxy-url', default=None)
-    p.add_argument('--proxy-api-key', default=None)
-    p.add_argument('--node-url', default=None)
-    args = p.parse_args(argv)
-    config = PytorchEngineConfig(device_type=args.device, session_len=args.session_len,
-                                 max_batch_size=args.max_batch_size,
-                                 cache_max_entry_count=args.cache_max_entry_count,
-                                 num_gpu_blocks=args.num_gpu_blocks, engine_process=args.engine_process)
-    return serve(args.model_path, server_name=args.server_name, server_port=args.server_port, backend_config=config,
-                 chat_template_config=args.chat_template, model_name=args.model_name, api_keys=args.api_keys,
-                 log_level=args.log_level, max_log_len=args.max_log_len, drain_timeout=args.drain_timeout,
-                 tool_call_parser=args.tool_call_parser, proxy_url=args.proxy_url,
-                 proxy_api_key=args.proxy_api_key, node_url=args.node_url)
+    """``python -m lmdeploy.serve.openai.api_server MODEL [flags]``: ``lmdeploy serve api_server``'s flags
+    (its parser and builders, :mod:`lmdeploy.cli.serve`) plus ``--num-gpu-blocks`` and ``--drain-timeout``."""
+    from lmdeploy.cli.serve import module_parser, run_api_server
+    return run_api_server(module_parser(DEFAULT_DRAIN_TIMEOUT).parse_args(argv))
 
 
 if __name__ == '__main__':

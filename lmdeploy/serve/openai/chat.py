@@ -11,6 +11,10 @@ under a grammar that only lets it write calls, so it always parses. The deprecat
 ``response_format`` the text a reply gives the user): a forced call (tool_choice "required" or a named
 function) is under the tools' grammar alone, as it has no text; with tool_choice "auto" the reply is
 either calls or text in the response_format (one grammar allows both, :func:`_calls_or_format`).
+
+:func:`chat_completions` is the handler (:func:`add_routes` registers it): it checks the request
+(:func:`_generation_config` settles tools, grammar and limits), starts its jobs on the :class:`~.runner.Runner`,
+then answers at once (:func:`_response`) or streams (:class:`_ChatStream`).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 
 from lmdeploy.engine.grammar import GrammarSpec, spec_from_response_format
 from lmdeploy.frontend.tool_calls import CallDelta, ToolCallParser, assemble
@@ -30,11 +34,11 @@ from . import functions as legacy
 from . import protocol as P
 from .errors import APIError, error_body
 from .guard import request_owner
-from .jobs import _SSE_HEADERS, _accumulate, _Job, _Result, _sse, _TextChunks
-from .params import (_chat_logprobs, _check_model, _check_unsupported, _choices, _compile_grammar, _encode,
-                     _gen_config, _grammars, _max_new_tokens, _messages, _usage)
-from .runner import Runner
-from .sessions import _Lease
+from .jobs import SSE_HEADERS, Job, Result, TextChunks, accumulate, sse
+from .params import (chat_logprobs, check_model, check_unsupported, choice_configs, compile_grammar, encode,
+                     gen_config, max_new_tokens, prompt_messages, require_grammars, usage_info)
+from .runner import Runner, request_runner
+from .sessions import Lease
 from .state import ServerState
 
 
@@ -59,7 +63,7 @@ async def _compile_parameters(state: ServerState, tools: ToolRequest, param: str
     """Each callable function's parameters schema, compiled: one that cannot be used is a 400 naming it."""
     for f in tools.functions():
         schema = json.dumps(f.get('parameters') or {'type': 'object'})
-        await _compile_grammar(state, GrammarSpec('json_schema', schema), param,
+        await compile_grammar(state, GrammarSpec('json_schema', schema), param,
                                f'{param}: the parameters of function {f["name"]!r} are not a usable JSON schema')
 
 
@@ -68,7 +72,7 @@ async def _force_calls(state: ServerState, tools: ToolRequest, fmt, gen, param: 
     it governs a reply's text, and a forced reply has none (its calls' arguments follow their schemas)."""
     choice = '"required"' if tools.choice == 'required' else 'naming a function'
     what = 'function_call naming a function' if param == 'functions' else f'tool_choice {choice}'
-    await _grammars(state, f'{what} (a grammar makes the reply calls)', _CHOICE_PARAM[param])
+    await require_grammars(state, f'{what} (a grammar makes the reply calls)', _CHOICE_PARAM[param])
     await _compile_parameters(state, tools, param)
     return dataclasses.replace(gen, response_format=tools.response_format(fmt))
 
@@ -88,7 +92,7 @@ async def _calls_or_format(state: ServerState, tools: ToolRequest, fmt, gen, par
     """tool_choice "auto" with a response_format: the generation config whose grammar lets the reply be
     calls of the tools (as a forced reply's grammar writes them) or text in the response_format."""
     spec = spec_from_response_format(gen.response_format)
-    await _compile_grammar(state, spec)  # the format alone first: its own error, if it has one
+    await compile_grammar(state, spec)  # the format alone first: its own error, if it has one
     await _compile_parameters(state, tools, param)
     calls = fmt.structural_tag(tools.functions(), parallel=tools.parallel)['format']
     both = {'type': 'structural_tag', 'format': {'type': 'or', 'elements': [calls, _format_element(spec)]}}
@@ -130,114 +134,145 @@ def _delta_tool_call(e: CallDelta) -> P.DeltaToolCall:
     return P.DeltaToolCall(index=e.index, function=P.DeltaFunctionCall(arguments=e.arguments))
 
 
-def add_routes(app: FastAPI, runner: Runner, auth, err):
+def add_routes(app: FastAPI, auth, err):
+    """Register ``POST /v1/chat/completions`` (the handler gets the app's Runner from :func:`request_runner`)."""
+    app.post('/v1/chat/completions', response_model=P.ChatCompletionResponse, dependencies=auth,
+             responses={**err, 200: {'content': {'text/event-stream': {}}}})(chat_completions)
+
+
+async def chat_completions(req: P.ChatCompletionRequest, request: Request,
+                           runner: Runner = Depends(request_runner)):
     state = runner.state
+    check_model(state, req.model)
+    check_unsupported(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, 'top_logprobs needs logprobs=true', 'invalid_value', 'top_logprobs')
+    old = legacy.is_legacy(req)
+    tools = _tool_request(req, old)
+    fmt = state.tool_format() if tools.active else None
+    messages = prompt_messages(legacy.messages(req.messages))
+    ids = encode(state, messages, tools=tools.tools if fmt else None, tool_format=fmt)
+    gen = await _generation_config(state, req, tools, fmt, old, len(ids))
+    rid = f'chatcmpl-{uuid.uuid4().hex}'
+    runner.log_request(rid, 'chat', messages, ids, gen)
+    n = req.n or 1
+    lease = Lease(state, req.session_id, request_owner(state, request), exclusive=True)
+    internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(n - 1)]
+    run, firsts = await runner.start(request, 'chat', lease, [  # choices 1.. take choice 0's prompt blocks
+        Job(i, ids, g, sid, stream=bool(req.stream), after=0 if i else None)
+        for i, (g, sid) in enumerate(zip(choice_configs(gen, n), internal))])
+    created = int(time.time())
+    tt = runner.token_text()
+    if not req.stream:
+        results = await runner.collect(request, run, firsts, lease)
+        return _response(state, req, rid, created, results, fmt, old, tt)
+    stream = _ChatStream(state, req, rid, created, fmt, old, n, tt)
+    return runner.stream(stream.events(run, firsts), run, lease, media_type='text/event-stream',
+                         headers=SSE_HEADERS)
 
-    @app.post('/v1/chat/completions', response_model=P.ChatCompletionResponse, dependencies=auth,
-              responses={**err, 200: {'content': {'text/event-stream': {}}}})
-    async def chat_completions(req: P.ChatCompletionRequest, request: Request):
-        _check_model(state, req.model)
-        _check_unsupported(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, 'top_logprobs needs logprobs=true', 'invalid_value', 'top_logprobs')
-        old = legacy.is_legacy(req)
-        tools = _tool_request(req, old)
+
+async def _generation_config(state: ServerState, req: P.ChatCompletionRequest, tools: ToolRequest, fmt, old: bool,
+                             num_prompt: int):
+    """The request's generation config: its limits and sampling, then the grammar its tools and
+    response_format put the reply under (each compiled now: an unusable one is a 400)."""
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_new = max_new_tokens(state, num_prompt, max_tokens)
+    top_n = req.top_logprobs or 0
+    gen = gen_config(state, req, max_new, top_n if req.logprobs else None)
+    if fmt is not None:
         param = 'functions' if old else 'tools'
-        fmt = state.tool_format() if tools.active else None
-        messages = _messages(legacy.messages(req.messages))
-        ids = _encode(state, messages, tools=tools.tools if fmt else None, tool_format=fmt)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_new = _max_new_tokens(state, len(ids), max_tokens)
-        top_n = req.top_logprobs or 0
-        gen = _gen_config(state, req, max_new, top_n if req.logprobs else None)
-        if fmt is not None:
-            if tools.forced:
-                # the format, unused on this turn, is still checked: a request is valid or not whatever its tools
-                await _compile_grammar(state, spec_from_response_format(gen.response_format))
-                gen = await _force_calls(state, tools, fmt, gen, param)
-            elif gen.response_format is not None:
-                gen = await _calls_or_format(state, tools, fmt, gen, param)
-            if fmt.keeps_special_tokens:  # the call markers are special tokens
-                gen = dataclasses.replace(gen, skip_special_tokens=False)
-        await _compile_grammar(state, spec_from_response_format(gen.response_format))
-        rid = f'chatcmpl-{uuid.uuid4().hex}'
-        runner.log_request(rid, 'chat', messages, ids, gen)
-        n = req.n or 1
-        lease = _Lease(state, req.session_id, request_owner(state, request), exclusive=True)
-        internal = [lease.internal_id] + [state.gateway.next_session_id() for _ in range(n - 1)]
-        run, firsts = await runner.start(request, 'chat', lease, [  # choices 1.. take choice 0's prompt blocks
-            _Job(i, ids, g, sid, stream=bool(req.stream), after=0 if i else None)
-            for i, (g, sid) in enumerate(zip(_choices(gen, n), internal))])
-        created = int(time.time())
-        tt = runner.token_text()
+        if tools.forced:
+            # the format, unused on this turn, is still checked: a request is valid or not whatever its tools
+            await compile_grammar(state, spec_from_response_format(gen.response_format))
+            gen = await _force_calls(state, tools, fmt, gen, param)
+        elif gen.response_format is not None:
+            gen = await _calls_or_format(state, tools, fmt, gen, param)
+        if fmt.keeps_special_tokens:  # the call markers are special tokens
+            gen = dataclasses.replace(gen, skip_special_tokens=False)
+    await compile_grammar(state, spec_from_response_format(gen.response_format))
+    return gen
 
-        def usage(results):  # the prompt once, every choice's tokens
-            return _usage(max(r.input_tokens for r in results), sum(r.generated for r in results))
 
-        if not req.stream:
-            results = await runner.collect(request, run, firsts, lease)
-            choices = []
-            for i, r in enumerate(results):
-                message = _message(r.text, fmt, old)
-                calls = len(message.tool_calls or []) + (message.function_call is not None)
-                choices.append(P.ChatCompletionChoice(
-                    index=i, message=message, finish_reason=_finish_reason(r.finish_reason, calls, old),
-                    logprobs=_chat_logprobs(tt, r.token_ids, r.logprobs, top_n) if req.logprobs else None))
-            return P.ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
-                                            usage=usage(results))
+def _usage(results) -> P.UsageInfo:
+    """The prompt once, every choice's tokens."""
+    return usage_info(max(r.input_tokens for r in results), sum(r.generated for r in results))
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta: P.DeltaMessage, finish_reason=None, logprobs=None, index=0):
-            return P.ChatCompletionStreamResponse(
-                id=rid, created=created, model=state.model_name,
-                choices=[P.ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
-                                                      logprobs=logprobs)])
+def _response(state: ServerState, req: P.ChatCompletionRequest, rid: str, created: int, results: List[Result], fmt,
+              old: bool, tt) -> P.ChatCompletionResponse:
+    """The whole reply of a request that does not stream."""
+    top_n = req.top_logprobs or 0
+    choices = []
+    for i, r in enumerate(results):
+        message = _message(r.text, fmt, old)
+        calls = len(message.tool_calls or []) + (message.function_call is not None)
+        choices.append(P.ChatCompletionChoice(
+            index=i, message=message, finish_reason=_finish_reason(r.finish_reason, calls, old),
+            logprobs=chat_logprobs(tt, r.token_ids, r.logprobs, top_n) if req.logprobs else None))
+    return P.ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
+                                    usage=_usage(results))
 
-        text_chunk = _TextChunks(chunk(P.DeltaMessage(content='')), include_usage)
-        parsers: List[Optional[ToolCallParser]] = [ToolCallParser(fmt) if fmt else None for _ in range(n)]
 
-        def tool_chunks(i: int, out):
-            """A choice's output through its parser: text and call deltas, then the finish reason."""
-            events = parsers[i].feed(out.text)
-            if out.finish_reason is not None:
-                events += parsers[i].finish()
-            for e in events:
-                if isinstance(e, str):
-                    yield text_chunk(e, None, i)
-                elif old:
-                    if e.index == 0:  # the legacy API has one call: the rest are dropped
-                        yield _sse(chunk(_delta_function_call(e), index=i), include_usage)
-                else:
-                    yield _sse(chunk(P.DeltaMessage(tool_calls=[_delta_tool_call(e)]), index=i), include_usage)
-            if out.finish_reason is not None:
-                yield _sse(chunk(P.DeltaMessage(), _finish_reason(out.finish_reason, parsers[i].calls, old),
+class _ChatStream:
+    """A streamed reply's server-sent events: each choice's role, then its text (or, with tools, its text and
+    call deltas) with logprobs, its finish reason, the usage if asked for, and ``[DONE]``."""
+
+    def __init__(self, state: ServerState, req: P.ChatCompletionRequest, rid: str, created: int, fmt, old: bool,
+                 n: int, tt):
+        self.model, self.rid, self.created = state.model_name, rid, created
+        self.fmt, self.old, self.n, self.tt = fmt, old, n, tt
+        self.logprobs, self.top_n = req.logprobs, req.top_logprobs or 0
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.text_chunk = TextChunks(self.chunk(P.DeltaMessage(content='')), self.include_usage)
+        self.parsers: List[Optional[ToolCallParser]] = [ToolCallParser(fmt) if fmt else None for _ in range(n)]
+
+    def chunk(self, delta: P.DeltaMessage, finish_reason=None, logprobs=None, index=0):
+        return P.ChatCompletionStreamResponse(
+            id=self.rid, created=self.created, model=self.model,
+            choices=[P.ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                                  logprobs=logprobs)])
+
+    def tool_chunks(self, i: int, out):
+        """A choice's output through its parser: text and call deltas, then the finish reason."""
+        parser, include_usage = self.parsers[i], self.include_usage
+        events = parser.feed(out.text)
+        if out.finish_reason is not None:
+            events += parser.finish()
+        for e in events:
+            if isinstance(e, str):
+                yield self.text_chunk(e, None, i)
+            elif self.old:
+                if e.index == 0:  # the legacy API has one call: the rest are dropped
+                    yield sse(self.chunk(_delta_function_call(e), index=i), include_usage)
+            else:
+                yield sse(self.chunk(P.DeltaMessage(tool_calls=[_delta_tool_call(e)]), index=i), include_usage)
+        if out.finish_reason is not None:
+            yield sse(self.chunk(P.DeltaMessage(), _finish_reason(out.finish_reason, parser.calls, self.old),
                                  index=i), include_usage)
 
-        async def events():
-            for i in range(n):
-                yield _sse(chunk(P.DeltaMessage(role='assistant', content=''), index=i), include_usage)
-            results = [_Result() for _ in range(n)]
-            async for i, out in run.iterate(firsts):
-                _accumulate(results[i], out)
-                if out.finish_reason == 'error':
-                    yield _sse(error_body(500, f'generation failed: {out.error}', 'internal_error'))
-                    break
-                logprobs = (_chat_logprobs(tt, out.token_ids, out.logprobs, top_n)
-                            if req.logprobs and out.token_ids else None)
-                if parsers[i] is not None:
-                    if logprobs is not None:  # the tokens' logprobs, ahead of what they make
-                        yield _sse(chunk(P.DeltaMessage(), None, logprobs, i), include_usage)
-                    for line in tool_chunks(i, out):
-                        yield line
-                elif logprobs is not None:
-                    yield _sse(chunk(P.DeltaMessage(content=out.text), out.finish_reason, logprobs, i),
-                               include_usage)
-                elif out.text or out.finish_reason is not None:
-                    yield text_chunk(out.text, out.finish_reason, i)
-            if include_usage:
-                yield _sse(P.ChatCompletionStreamResponse(id=rid, created=created, model=state.model_name,
-                                                          choices=[], usage=usage(results)))
-            yield 'data: [DONE]\n\n'
-
-        return runner.stream(events(), run, lease, media_type='text/event-stream', headers=_SSE_HEADERS)
+    async def events(self, run, firsts):
+        include_usage = self.include_usage
+        for i in range(self.n):
+            yield sse(self.chunk(P.DeltaMessage(role='assistant', content=''), index=i), include_usage)
+        results = [Result() for _ in range(self.n)]
+        async for i, out in run.iterate(firsts):
+            accumulate(results[i], out)
+            if out.finish_reason == 'error':
+                yield sse(error_body(500, f'generation failed: {out.error}', 'internal_error'))
+                break
+            logprobs = (chat_logprobs(self.tt, out.token_ids, out.logprobs, self.top_n)
+                        if self.logprobs and out.token_ids else None)
+            if self.parsers[i] is not None:
+                if logprobs is not None:  # the tokens' logprobs, ahead of what they make
+                    yield sse(self.chunk(P.DeltaMessage(), None, logprobs, i), include_usage)
+                for line in self.tool_chunks(i, out):
+                    yield line
+            elif logprobs is not None:
+                yield sse(self.chunk(P.DeltaMessage(content=out.text), out.finish_reason, logprobs, i),
+                          include_usage)
+            elif out.text or out.finish_reason is not None:
+                yield self.text_chunk(out.text, out.finish_reason, i)
+        if include_usage:
+            yield sse(P.ChatCompletionStreamResponse(id=self.rid, created=self.created, model=self.model,
+                                                     choices=[], usage=_usage(results)))
+        yield 'data: [DONE]\n\n'

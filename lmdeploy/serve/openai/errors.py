@@ -96,7 +96,7 @@ def error_response(status: int, message: str, code: Optional[str] = None, param:
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
-async def _send_json(send, status: int, body: Dict[str, Any], headers: Sequence[Tuple[bytes, bytes]] = ()):
+async def send_json(send, status: int, body: Dict[str, Any], headers: Sequence[Tuple[bytes, bytes]] = ()):
     data = json.dumps(body).encode()
     await send({'type': 'http.response.start', 'status': status,
                 'headers': [(b'content-type', b'application/json'), (b'content-length', str(len(data)).encode()),
@@ -104,7 +104,7 @@ async def _send_json(send, status: int, body: Dict[str, Any], headers: Sequence[
     await send({'type': 'http.response.body', 'body': data})
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     pass
 
 
@@ -141,8 +141,8 @@ def install_error_handlers(app: FastAPI):
             msg = str(exc.detail)
         return error_response(exc.status_code, msg, code, headers=getattr(exc, 'headers', None))
 
-    @app.exception_handler(_ClientGone)
-    async def _client_gone(request: Request, exc: _ClientGone):
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone):
         return Response(status_code=_CLIENT_GONE)  # nobody reads it; logged and counted
 
     @app.exception_handler(Exception)

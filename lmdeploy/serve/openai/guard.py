@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from .errors import _send_json, error_body
+from .errors import error_body, send_json
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -28,7 +28,7 @@ def request_owner(state: ServerState, request) -> Optional[bytes]:
     return state.key_digest(_bearer_key(auth.decode('latin-1')))
 
 
-class _GuardMiddleware:
+class GuardMiddleware:
     """Pure ASGI (streams and disconnects pass through untouched): API keys,
     readiness, the body size limit, and error counting."""
 
@@ -55,19 +55,19 @@ class _GuardMiddleware:
             key = _bearer_key(auth)
             if key is None or not self.state.key_ok(key):
                 msg = 'missing API key' if not auth else 'invalid API key'
-                return await _send_json(counting_send, 401, error_body(
+                return await send_json(counting_send, 401, error_body(
                     401, f'{msg}: send "Authorization: Bearer YOUR_KEY"', 'invalid_api_key'),
                     [(b'www-authenticate', b'Bearer')])
         if protected:
             why = self.state.not_ready()
             if why is not None:
-                return await _send_json(counting_send, 503, error_body(503, why[0], why[1]),
+                return await send_json(counting_send, 503, error_body(503, why[0], why[1]),
                                         [(b'retry-after', b'5')] if why[1] == 'engine_not_ready' else [])
         limit = self.max_body_bytes
         too_big = error_body(413, f'the request body is larger than {limit} bytes', 'request_too_large')
         length = headers.get(b'content-length')
         if length is not None and length.isdigit() and int(length) > limit:
-            return await _send_json(counting_send, 413, too_big, [(b'connection', b'close')])
+            return await send_json(counting_send, 413, too_big, [(b'connection', b'close')])
         if method not in ('POST', 'PUT', 'PATCH'):
             return await self.app(scope, receive, counting_send)
         body = bytearray()
@@ -77,7 +77,7 @@ class _GuardMiddleware:
                 return
             body += message.get('body', b'')
             if len(body) > limit:
-                return await _send_json(counting_send, 413, too_big, [(b'connection', b'close')])
+                return await send_json(counting_send, 413, too_big, [(b'connection', b'close')])
             if not message.get('more_body', False):
                 break
         content_type = headers.get(b'content-type', b'')

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from lmdeploy.messages import GenerationConfig
 
 from . import protocol as P
-from .errors import APIError, _ClientGone
+from .errors import APIError, ClientGone
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -30,8 +30,8 @@ async def _wait_disconnect(receive):
             return
 
 
-async def _race(request: Request, coro):
-    """Await ``coro``; if the client disconnects first, cancel it and raise _ClientGone."""
+async def race(request: Request, coro):
+    """Await ``coro``; if the client disconnects first, cancel it and raise ClientGone."""
     task = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
@@ -42,11 +42,11 @@ async def _race(request: Request, coro):
         watcher.cancel()
     if task.done() and not task.cancelled():
         return task.result()
-    raise _ClientGone()
+    raise ClientGone()
 
 
 @dataclass
-class _Job:
+class Job:
     index: int
     input_ids: List[int]
     gen: GenerationConfig
@@ -58,7 +58,7 @@ class _Job:
 
 
 @dataclass
-class _Result:
+class Result:
     text: str = ''
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[Dict[int, float]] = field(default_factory=list)
@@ -74,13 +74,13 @@ def _failed_early(out) -> bool:
     return bool(out.error) and out.generate_token_len == 0 and out.finish_reason is not None
 
 
-class _Run:
+class Run:
     """One request's generations (one per prompt), merged into one stream of
     (index, GenOut). Outputs are pulled from the engine as they come, whatever
     the client's reading speed. :meth:`close` (synchronous, idempotent)
     cancels what still runs, which frees its KV blocks."""
 
-    def __init__(self, state: ServerState, endpoint: str, jobs: List[_Job]):
+    def __init__(self, state: ServerState, endpoint: str, jobs: List[Job]):
         self.state = state
         gateway = state.gateway
         self.jobs = jobs
@@ -105,7 +105,7 @@ class _Run:
         if state.cut_reason is not None:  # started as the drain was cut short
             self.cut(state.cut_reason)
 
-    async def _pump(self, job: _Job, gen):
+    async def _pump(self, job: Job, gen):
         try:
             if job.after is not None:  # n > 1: the prompt's blocks are keyed once the first has a token
                 await self._prefilled[job.after].wait()
@@ -198,7 +198,7 @@ class _Run:
             timer.finish('abort')
 
 
-def _accumulate(r: _Result, out):
+def accumulate(r: Result, out):
     r.text += out.text
     r.token_ids.extend(out.token_ids)
     if out.logprobs:
@@ -213,7 +213,7 @@ def _accumulate(r: _Result, out):
         r.error = out.error
 
 
-def _raise_early_failure(items, state: ServerState):
+def raise_early_failure(items, state: ServerState):
     for _, out in items:
         if _failed_early(out):
             if out.finish_reason == 'abort' and (state.draining or 'shutting down' in (out.error or '')):
@@ -226,7 +226,7 @@ def _raise_early_failure(items, state: ServerState):
             raise APIError(500, f'generation failed: {out.error}', 'internal_error')
 
 
-class _StreamResponse(StreamingResponse):
+class StreamResponse(StreamingResponse):
     """A StreamingResponse that always runs ``on_close`` (sync), however it ends:
     finished, client gone, or cancelled."""
 
@@ -241,7 +241,7 @@ class _StreamResponse(StreamingResponse):
             self._on_close()
 
 
-_SSE_HEADERS = {'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'}
+SSE_HEADERS = {'Cache-Control': 'no-cache', 'X-Accel-Buffering': 'no'}
 
 
 def _chunk_body(model, with_usage: bool) -> Dict[str, Any]:
@@ -264,15 +264,15 @@ def _drop_none(obj):
     return obj
 
 
-def _sse(obj, with_usage: bool = True) -> str:
-    if isinstance(obj, P._Model):
+def sse(obj, with_usage: bool = True) -> str:
+    if isinstance(obj, P.APIModel):
         obj = _chunk_body(obj, with_usage)
     return f'data: {json.dumps(obj, ensure_ascii=False)}\n\n'
 
 
-class _TextChunks:
+class TextChunks:
     """SSE chunks that carry only text (and maybe a finish reason), as
-    ``_sse`` writes them: the response model is dumped once and each chunk
+    ``sse`` writes them: the response model is dumped once and each chunk
     copies that dump with its text in place (a pydantic model per token cost
     16-19 us on a 2-core CPU, this 6-9: streams at a GPU's pace are thousands
     of chunks a second). ``template``'s first choice gives the choice's shape:

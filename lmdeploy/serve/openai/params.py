@@ -19,7 +19,7 @@ COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's defau
 
 
 # ---------------------------------------------------------------- validation
-def _check_model(state: ServerState, model: str):
+def check_model(state: ServerState, model: str):
     if model != state.model_name:
         raise APIError(404, f'the model {model!r} does not exist; this server serves {state.model_name!r} '
                        '(see GET /v1/models)', 'model_not_found', 'model')
@@ -45,7 +45,7 @@ def _stop_words(stop) -> Optional[List[str]]:
     return words or None
 
 
-def _check_unsupported(req):
+def check_unsupported(req):
     if (req.n or 1) > 1 and req.session_id not in (None, -1):
         raise APIError(400, 'session_id needs n=1 (a session holds one conversation)', 'invalid_value', 'n')
 
@@ -66,7 +66,7 @@ def _logit_bias(state: ServerState, bias: Optional[Dict[str, float]]) -> Optiona
     return out
 
 
-def _gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional[int]) -> GenerationConfig:
+def gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional[int]) -> GenerationConfig:
     """The request's settings; where it is silent about sampling, the model's own defaults
     (:mod:`lmdeploy.frontend.sampling_defaults`: greedy when its generation_config.json gives none)."""
     defaults = state.gateway.sampling_defaults
@@ -105,7 +105,7 @@ def _gen_config(state: ServerState, req, max_new_tokens: int, logprobs: Optional
 
 def _response_format(fmt) -> Optional[Dict[str, Any]]:
     """The request's response_format as a dict (None for plain text); a malformed one is a 400. Whether its
-    grammar compiles is :func:`_compile_grammar`'s to say."""
+    grammar compiles is :func:`compile_grammar`'s to say."""
     if fmt is None:
         return None
     from lmdeploy.engine.grammar import spec_from_response_format
@@ -117,7 +117,7 @@ def _response_format(fmt) -> Optional[Dict[str, Any]]:
     return fmt if spec is not None else None
 
 
-async def _grammars(state: ServerState, feature: str, param: str):
+async def require_grammars(state: ServerState, feature: str, param: str):
     """The grammar compiler; without xgrammar, a 400 that says which part of the request needs it."""
     try:
         return await asyncio.to_thread(state.gateway.grammars)
@@ -126,13 +126,13 @@ async def _grammars(state: ServerState, feature: str, param: str):
                        "'lmdeploy[structured]')", 'unsupported_parameter', param) from None
 
 
-async def _compile_grammar(state: ServerState, spec, param: str = 'response_format', what: str = ''):
+async def compile_grammar(state: ServerState, spec, param: str = 'response_format', what: str = ''):
     """Compile a grammar spec on a worker thread (a large schema takes milliseconds to seconds, which the
     event loop, streaming everyone's tokens, must not wait for); one that cannot be used is a 400 naming the
     reason. The compiled grammar stays in xgrammar's cache for the engine's turn."""
     if spec is None:
         return
-    grammars = await _grammars(state, 'response_format (structured output)', param)
+    grammars = await require_grammars(state, 'response_format (structured output)', param)
     try:
         await asyncio.to_thread(grammars.compile, spec)
     except ValueError as e:
@@ -142,7 +142,7 @@ async def _compile_grammar(state: ServerState, spec, param: str = 'response_form
         raise APIError(400, message, 'invalid_value', param) from None
 
 
-def _max_new_tokens(state: ServerState, num_prompt: int, max_tokens: Optional[int], history: int = 0,
+def max_new_tokens(state: ServerState, num_prompt: int, max_tokens: Optional[int], history: int = 0,
                     check: bool = True) -> int:
     session_len = state.gateway.session_len
     if num_prompt == 0:
@@ -161,14 +161,14 @@ def _max_new_tokens(state: ServerState, num_prompt: int, max_tokens: Optional[in
     return max_tokens
 
 
-def _check_ids(state: ServerState, ids: List[int], param: str) -> List[int]:
+def check_ids(state: ServerState, ids: List[int], param: str) -> List[int]:
     vocab = state.gateway.engine.model_config.vocab_size
     if any(i < 0 or i >= vocab for i in ids):
         raise APIError(400, f'{param}: token ids must be in [0, {vocab})', 'invalid_value', param)
     return list(ids)
 
 
-def _encode(state: ServerState, prompt, do_preprocess: bool = True, sequence_start: bool = True, tools=None,
+def encode(state: ServerState, prompt, do_preprocess: bool = True, sequence_start: bool = True, tools=None,
             tool_format=None) -> List[int]:
     try:
         return state.gateway.encode_prompt(prompt, do_preprocess=do_preprocess, sequence_start=sequence_start,
@@ -179,7 +179,7 @@ def _encode(state: ServerState, prompt, do_preprocess: bool = True, sequence_sta
         raise APIError(400, f'cannot render the prompt: {type(e).__name__}: {e}', 'invalid_value') from None
 
 
-def _messages(messages) -> Union[str, List[Dict[str, Any]]]:
+def prompt_messages(messages) -> Union[str, List[Dict[str, Any]]]:
     """Request messages as the chat template takes them: role and content, an assistant's ``tool_calls``
     and a tool result's ``tool_call_id`` / ``name``."""
     if isinstance(messages, str):
@@ -198,7 +198,7 @@ def _messages(messages) -> Union[str, List[Dict[str, Any]]]:
 
 
 # ------------------------------------------------------------------- logprobs
-class _TokenText:
+class TokenText:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -213,18 +213,18 @@ class _TokenText:
         return s
 
 
-def _chat_logprobs(tt: _TokenText, token_ids: List[int], logprobs, top_n: int) -> P.ChatChoiceLogprobs:
+def chat_logprobs(tt: TokenText, token_ids: List[int], logprobs, top_n: int) -> P.ChatChoiceLogprobs:
     content = []
     for tid, lp in zip(token_ids, logprobs or []):
         tok = tt(tid)
         tops = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
-        content.append(P.ChatLogprob(token=tok, logprob=_finite(lp.get(tid, 0.0)), bytes=list(tok.encode()),
-                                     top_logprobs=[P.TopLogprob(token=tt(i), logprob=_finite(v),
+        content.append(P.ChatLogprob(token=tok, logprob=finite(lp.get(tid, 0.0)), bytes=list(tok.encode()),
+                                     top_logprobs=[P.TopLogprob(token=tt(i), logprob=finite(v),
                                                                 bytes=list(tt(i).encode())) for i, v in tops]))
     return P.ChatChoiceLogprobs(content=content)
 
 
-def _completion_logprobs(tt: _TokenText, token_ids: List[int], logprobs, top_n: int,
+def completion_logprobs(tt: TokenText, token_ids: List[int], logprobs, top_n: int,
                          offset: int = 0) -> P.CompletionLogprobs:
     out = P.CompletionLogprobs()
     for tid, lp in zip(token_ids, logprobs or []):
@@ -234,23 +234,23 @@ def _completion_logprobs(tt: _TokenText, token_ids: List[int], logprobs, top_n: 
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
         else:
-            out.token_logprobs.append(_finite(lp.get(tid, 0.0)))
-            out.top_logprobs.append({tt(i): _finite(v)
+            out.token_logprobs.append(finite(lp.get(tid, 0.0)))
+            out.top_logprobs.append({tt(i): finite(v)
                                      for i, v in sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]})
         out.text_offset.append(offset)
         offset += len(tok)
     return out
 
 
-def _finite(x: float) -> float:
+def finite(x: float) -> float:
     return max(float(x), -1e30)  # -inf is not JSON
 
 
-def _usage(prompt: int, completion: int) -> P.UsageInfo:
+def usage_info(prompt: int, completion: int) -> P.UsageInfo:
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _choices(gen: GenerationConfig, n: int) -> List[GenerationConfig]:
+def choice_configs(gen: GenerationConfig, n: int) -> List[GenerationConfig]:
     """One GenerationConfig per choice: choice i draws with seed + i (reproducible when seeded)."""
     if n == 1 or gen.random_seed is None:
         return [gen] * n

@@ -43,12 +43,12 @@ def _hint(**by_type: Dict[str, Any]):
     return apply
 
 
-class _Model(BaseModel):
+class APIModel(BaseModel):
     # NaN / inf are not valid numbers for any field (Python's json accepts them)
     model_config = ConfigDict(allow_inf_nan=False, protected_namespaces=())
 
 
-class _Request(_Model):
+class _Request(APIModel):
     """A request body (or part of one): JSON types as the schema says them, no coercion."""
     model_config = ConfigDict(allow_inf_nan=False, protected_namespaces=(), strict=True)
 
@@ -169,20 +169,20 @@ def _rules(*names: str) -> ConfigDict:
 
 
 # ---------------------------------------------------------------------- errors
-class ErrorInfo(_Model):
+class ErrorInfo(APIModel):
     message: str
     type: str
     param: Optional[str] = None
     code: Optional[str] = None
 
 
-class ErrorResponse(_Model):
+class ErrorResponse(APIModel):
     """Every error: ``{"error": {"message", "type", "param", "code"}}``."""
     error: ErrorInfo
 
 
 # ---------------------------------------------------------------------- models
-class ModelCard(_Model):
+class ModelCard(APIModel):
     id: str
     object: Literal['model'] = 'model'
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -192,7 +192,7 @@ class ModelCard(_Model):
     max_model_len: Optional[int] = None
 
 
-class ModelList(_Model):
+class ModelList(APIModel):
     object: Literal['list'] = 'list'
     data: List[ModelCard] = Field(default_factory=list)
 
@@ -454,41 +454,41 @@ class GenerateRequest(_Request):
 
 
 # ------------------------------------------------------------------ responses
-class UsageInfo(_Model):
+class UsageInfo(APIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
 
 
-class TopLogprob(_Model):
+class TopLogprob(APIModel):
     token: str
     logprob: float
     bytes: Optional[List[int]] = None
 
 
-class ChatLogprob(_Model):
+class ChatLogprob(APIModel):
     token: str
     logprob: float
     bytes: Optional[List[int]] = None
     top_logprobs: List[TopLogprob] = Field(default_factory=list)
 
 
-class ChatChoiceLogprobs(_Model):
+class ChatChoiceLogprobs(APIModel):
     content: Optional[List[ChatLogprob]] = None
 
 
-class FunctionCall(_Model):
+class FunctionCall(APIModel):
     name: str
     arguments: str = Field(description='the JSON text of the arguments, as the model wrote it')
 
 
-class ToolCall(_Model):
+class ToolCall(APIModel):
     id: str
     type: Literal['function'] = 'function'
     function: FunctionCall
 
 
-class ChatResponseMessage(_Model):
+class ChatResponseMessage(APIModel):
     role: str = 'assistant'
     content: Optional[str] = None
     tool_calls: Optional[List[ToolCall]] = None
@@ -496,14 +496,14 @@ class ChatResponseMessage(_Model):
                                                   'deprecated functions (then no tool_calls)')
 
 
-class ChatCompletionChoice(_Model):
+class ChatCompletionChoice(APIModel):
     index: int = 0
     message: ChatResponseMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionResponse(_Model):
+class ChatCompletionResponse(APIModel):
     id: str
     object: Literal['chat.completion'] = 'chat.completion'
     created: int
@@ -512,12 +512,12 @@ class ChatCompletionResponse(_Model):
     usage: UsageInfo
 
 
-class DeltaFunctionCall(_Model):
+class DeltaFunctionCall(APIModel):
     name: Optional[str] = None
     arguments: Optional[str] = None
 
 
-class DeltaToolCall(_Model):
+class DeltaToolCall(APIModel):
     """A piece of a streamed call: its first carries id, type and name; the rest, pieces of arguments."""
     index: int
     id: Optional[str] = None
@@ -525,7 +525,7 @@ class DeltaToolCall(_Model):
     function: Optional[DeltaFunctionCall] = None
 
 
-class DeltaMessage(_Model):
+class DeltaMessage(APIModel):
     role: Optional[str] = None
     content: Optional[str] = None
     tool_calls: Optional[List[DeltaToolCall]] = None
@@ -533,14 +533,14 @@ class DeltaMessage(_Model):
                                                        "call's name first, then pieces of its arguments")
 
 
-class ChatCompletionStreamChoice(_Model):
+class ChatCompletionStreamChoice(APIModel):
     index: int = 0
     delta: DeltaMessage
     logprobs: Optional[ChatChoiceLogprobs] = None
     finish_reason: Optional[str] = None
 
 
-class ChatCompletionStreamResponse(_Model):
+class ChatCompletionStreamResponse(APIModel):
     id: str
     object: Literal['chat.completion.chunk'] = 'chat.completion.chunk'
     created: int
@@ -549,21 +549,21 @@ class ChatCompletionStreamResponse(_Model):
     usage: Optional[UsageInfo] = None
 
 
-class CompletionLogprobs(_Model):
+class CompletionLogprobs(APIModel):
     tokens: List[str] = Field(default_factory=list)
     token_logprobs: List[Optional[float]] = Field(default_factory=list)
     top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
     text_offset: List[int] = Field(default_factory=list)
 
 
-class CompletionChoice(_Model):
+class CompletionChoice(APIModel):
     index: int = 0
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
 
 
-class CompletionResponse(_Model):
+class CompletionResponse(APIModel):
     id: str
     object: Literal['text_completion'] = 'text_completion'
     created: int
@@ -572,7 +572,7 @@ class CompletionResponse(_Model):
     usage: Optional[UsageInfo] = None
 
 
-class GenerateResponse(_Model):
+class GenerateResponse(APIModel):
     """One /generate result, or one increment of it when streaming (newline-delimited JSON)."""
     text: str
     tokens: int = Field(description='tokens generated so far in this turn')
@@ -586,5 +586,5 @@ class GenerateResponse(_Model):
     logprobs: Optional[List[Dict[str, float]]] = None
 
 
-class HealthResponse(_Model):
+class HealthResponse(APIModel):
     status: str

@@ -30,7 +30,7 @@ class _Session:
     busy: bool = False
 
 
-class _Sessions:
+class Sessions:
     """The live sessions: an entry exists while a request runs, and between the turns of an interactive
     session. Found by token, or by (owner, client id) where the owner has an identity (an API key): without
     keys a client's own id is guessable, so it alone never reaches a session."""
@@ -93,7 +93,7 @@ def _begin_session(state: ServerState, owner: Optional[bytes], client_id: Option
         return _Session(gateway.next_session_id(), busy=True)  # unnamed: nobody can reach it
     sess = state.sessions.find(owner, client_id, token)
     if sess is None and token is not None:
-        raise _not_found()
+        raise session_not_found()
     if sess is not None and (sess.busy or exclusive):
         what = 'busy with another request' if sess.busy else 'an interactive session (continue it with /generate)'
         raise APIError(400, f'session {sess.client_id} is {what}', 'session_busy', 'session_id')
@@ -104,7 +104,7 @@ def _begin_session(state: ServerState, owner: Optional[bytes], client_id: Option
     return sess
 
 
-def _not_found() -> APIError:
+def session_not_found() -> APIError:
     # the same words whether the session ended or is another client's: they must not tell the two apart
     return APIError(404, 'no such session: it has ended, or the session_token is not one this server gave you',
                     'session_not_found', 'session_token')
@@ -121,13 +121,13 @@ def _end_lease(state: ServerState, sess: _Session, keep: bool, failed: bool):
     state.sessions.remove(sess)
 
 
-def _end_session(state: ServerState, sess: _Session):
+def end_session(state: ServerState, sess: _Session):
     """A client's end of its session: forget it and free its cache (the engine aborts a running turn)."""
     state.sessions.remove(sess)
     state.gateway.end_session(sess.internal_id)
 
 
-class _Lease:
+class Lease:
     """One request's hold on an engine session (``_begin_session``), ended
     exactly once: an interactive session is kept for its next turn only if
     the request did not fail."""

@@ -6,7 +6,7 @@ import hmac
 from typing import Optional, Sequence, Tuple
 
 from .metrics import ServerMetrics
-from .sessions import _Sessions
+from .sessions import Sessions
 
 
 class ServerState:
@@ -23,7 +23,7 @@ class ServerState:
         self.draining = False
         self.runs: set = set()  # the requests generating now (jobs._Run)
         self.cut_reason: Optional[str] = None  # set when the drain ends what still runs
-        self.sessions = _Sessions()
+        self.sessions = Sessions()
         self.metrics = ServerMetrics(lambda: self.gateway.engine if self.gateway is not None else None)
         if gateway is not None:
             self.set_gateway(gateway)

@@ -56,7 +56,7 @@ class _QuietCancel(logging.Filter):
         return True
 
 
-def _make_server_class():
+def make_server_class():
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -175,7 +175,7 @@ class BackgroundServer:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan='off',
                                 timeout_graceful_shutdown=drain_timeout, **config_kwargs)
         state = getattr(app.state, 'lmdeploy', None)
-        self.server = _make_server_class()(config, on_exit=(lambda: setattr(state, 'draining', True))
+        self.server = make_server_class()(config, on_exit=(lambda: setattr(state, 'draining', True))
                                            if state is not None else None,
                                            on_cut=state.cut_running if state is not None else None)
         self.host = host

@@ -261,8 +261,8 @@ def serve(server_name: str = '0.0.0.0', server_port: int = 8000, *, strategy: st
     if not api_keys:
         logger.warning('no --api-keys: anyone who reaches the proxy may use it, and nodes may only be added or '
                        'removed from this machine')
-    from lmdeploy.serve.openai.uvicorn_server import _make_server_class
+    from lmdeploy.serve.openai.uvicorn_server import make_server_class
     config = uvicorn.Config(app, host=server_name, port=server_port, log_level=uv_level, timeout_graceful_shutdown=30)
-    server = _make_server_class()(config)  # SIGTERM / SIGINT: finish the running streams, then return 0
+    server = make_server_class()(config)  # SIGTERM / SIGINT: finish the running streams, then return 0
     server.run()
     return 0 if server.started else 1
