@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import random
 import statistics
@@ -80,7 +81,8 @@ def main():
         from lmdeploy.engine.piecewise import PiecewiseRunner
         t0 = time.perf_counter()
         with torch.inference_mode():
-            pieces = PiecewiseRunner(eng.device, eng.model, runner.kv_caches, 2048, runner.torch_device)
+            pieces = PiecewiseRunner(eng.runtime, eng.model, runner.kv_caches,
+                                     dataclasses.replace(eng.plan, max_mixed_tokens=2048))
             pieces.capture_all()
         print(f'pieces recorded in {time.perf_counter() - t0:.1f} s')
     print(f'{"step":>12s} {"mode":>7s} {"host ms":>8s} {"step ms":>8s}')

@@ -163,8 +163,10 @@ def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_le
     import torch
 
     from lmdeploy.devices import get_device
-    from lmdeploy.devices.cache import KVCache
+    from lmdeploy.devices.cache import KVCache, standard_spec
+    from lmdeploy.devices.runtime import GRAPHS_STEPS
     from lmdeploy.engine.graph_runner import GraphRunner
+    from lmdeploy.engine.plan import RankPlan
     from lmdeploy.engine.model_runner import ModelRunner
     from lmdeploy.engine.models import get_model_class
     from lmdeploy.engine.nn.build import building
@@ -200,18 +202,23 @@ def measure(steps: List[Step], cfg, num_blocks: int, block_size: int, session_le
         n = ids.shape[0]
         return layer(x[:n], res[:n], cos[:n], sin[:n], ctx)[0]
 
+    runtime = device.runtime
     graphs = None
-    if device.supports_graphs:  # decode steps replay graphs, padded as the engine pads them
-        graphs = GraphRunner(device, one_layer, caches, max_batch_size, -(-session_len // block_size), session_len, dev)
+    if runtime.plan.graphs == GRAPHS_STEPS:  # decode steps replay graphs, padded as the engine pads them
+        spec = standard_spec(cfg.num_kv_heads, cfg.head_dim, block_size, dtype)  # the caches' layout
+        plan = RankPlan(spec, num_blocks, session_len, max_batch_size, max_batch_size, max_mixed_tokens=0,
+                        dtype=dtype, graphs=GRAPHS_STEPS, records_mixed_steps=False, profile_memory=False,
+                        memory_is_host_ram=False)
+        graphs = GraphRunner(runtime, one_layer, caches, plan)
 
     def timed(fn) -> float:
         fn()
-        start = device.timestamp()
+        start = runtime.timestamp()
         for _ in range(reps):
             fn()
-        end = device.timestamp()
-        device.synchronize()
-        return device.seconds_between(start, end) / reps
+        end = runtime.timestamp()
+        runtime.synchronize()
+        return runtime.seconds_between(start, end) / reps
 
     def step_part(ids, positions, ctx, sampled):
         """Once a step: embedding, rotary angles, final norm, logits of the sampled rows, greedy pick."""

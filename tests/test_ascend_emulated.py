@@ -36,8 +36,8 @@ def test_without_torch_npu_ascend_is_unavailable_and_auto_skips_it():
     assert 'torch_npu' not in sys.modules and not hasattr(torch, 'npu')
     assert not devices.is_available('ascend')
     assert devices.resolve_device_type('auto') != 'ascend'
-    assert devices.load_class('ascend').collective_backend == 'hccl'
-    assert devices.load_class('cpu').collective_backend == 'gloo'
+    assert devices.load_class('ascend').runtime_class.collective_backend == 'hccl'
+    assert devices.load_class('cpu').runtime_class.collective_backend == 'gloo'
 
 
 def test_auto_picks_ascend_only_where_an_npu_is_usable(npu, monkeypatch):

@@ -191,19 +191,19 @@ def test_calls_outside_the_rows_run_on_triton():
 
 
 def test_check_env_says_which_kernel_each_op_runs(monkeypatch):
-    """check_env's table of kernels on a GPU (its probe is faked here: this machine has none)."""
+    """check_env's table of kernels on a GPU (the cuda runtime's describe()) (its probe is faked here: this machine has none)."""
     from types import SimpleNamespace
 
     import torch
 
-    from lmdeploy.cli import check_env
     from lmdeploy.devices.cuda import compiled
+    from lmdeploy.devices.cuda.runtime import kernel_rows
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda *a: (9, 0))
     monkeypatch.setattr(compiled, 'module', lambda: SimpleNamespace(__file__='/x/_C.so'))
     monkeypatch.setenv('LMDEPLOY_CUDA_KERNELS', 'auto')
     monkeypatch.delenv('LMDEPLOY_CUDA_COMPILED_MIN_ROWS', raising=False)
-    rows = dict(check_env.collect_cuda_kernels())
+    rows = dict(kernel_rows())
     assert rows['compiled module'] == 'present (/x/_C.so)'
     assert rows['paged_decode_attention[int8]'] == rows['paged_decode_attention[int4]'] == 'compiled (sm90)'
     assert rows['rotary_fill_kv[int4]'] == 'compiled up to 256 rows a call, triton above (sm90)'

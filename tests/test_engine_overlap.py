@@ -175,7 +175,7 @@ def test_step_statistics_take_device_time_from_marks(engine, prompts):
             return None
         return spans.setdefault(start, random.uniform(0.01, 0.02) * (end - start))
 
-    engine.device.timestamp, engine.device.seconds_between = timestamp, seconds_between
+    engine.runtime.timestamp, engine.runtime.seconds_between = timestamp, seconds_between
     try:
         submit(engine, prompts[0], SamplingParams(max_new_tokens=NEW)).wait()
         first = engine.stats().extra
@@ -196,4 +196,4 @@ def test_step_statistics_take_device_time_from_marks(engine, prompts):
         assert caught_up['prefill_device_seconds'] + caught_up['decode_device_seconds'] == pytest.approx(
             sum(spans.values()))
     finally:
-        del engine.device.timestamp, engine.device.seconds_between
+        del engine.runtime.timestamp, engine.runtime.seconds_between

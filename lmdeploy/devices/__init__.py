@@ -1,4 +1,5 @@
-"""Devices: one implementation of :class:`DeviceOps` per device kind.
+"""Devices: one implementation of :class:`DeviceOps` (kernels) and of :class:`DeviceRuntime` (services)
+per device kind; the ops name their runtime, and a device is registered as its ops class.
 
 Which devices exist comes from :mod:`.registry` (built-in ones and entry
 points). Device modules are imported lazily, by name, only here. The
@@ -48,6 +49,18 @@ def unavailable_reason(device_type: str) -> Optional[str]:
     return cls.unavailable_reason()
 
 
+def priority(cls) -> int:
+    """A device's ``auto_priority``: its runtime's (a one-class device may set it on its ops class)."""
+    own = getattr(cls, 'auto_priority', None)
+    return own if own is not None else getattr(getattr(cls, 'runtime_class', None), 'auto_priority', 0)
+
+
+def get_runtime(device_type: str = 'auto'):
+    """The runtime (services: memory, timing, graphs, process groups, the engine's plan) of a device kind:
+    its ops object's (:func:`get_device`)."""
+    return get_device(device_type).runtime
+
+
 def resolve_device_type(device_type: str = 'auto') -> str:
     """'auto' picks the available device of highest ``auto_priority`` (cuda, then ascend, then cpu among the
     built-in ones; a registered device declares its own)."""
@@ -59,7 +72,7 @@ def resolve_device_type(device_type: str = 'auto') -> str:
             cls = load_class(name)
         except (NotImplementedError, ImportError):
             continue
-        ranked.append((-getattr(cls, 'auto_priority', 0), i, name, cls))
+        ranked.append((-priority(cls), i, name, cls))
     for _, _, name, cls in sorted(ranked, key=lambda r: r[:2]):
         try:
             if cls.is_available():
@@ -81,12 +94,15 @@ def get_device(device_type: str = 'auto'):
     return _instances[device_type]
 
 
-def __getattr__(name):  # DeviceOps without importing torch at package import
+def __getattr__(name):  # DeviceOps / DeviceRuntime without importing torch at package import
     if name == 'DeviceOps':
         from .interface import DeviceOps
         return DeviceOps
+    if name == 'DeviceRuntime':
+        from .runtime import DeviceRuntime
+        return DeviceRuntime
     raise AttributeError(name)
 
 
-__all__ = ['DeviceOps', 'get_device', 'resolve_device_type', 'is_available', 'unavailable_reason', 'load_class',
+__all__ = ['DeviceOps', 'DeviceRuntime', 'get_device', 'get_runtime', 'resolve_device_type', 'is_available', 'unavailable_reason', 'load_class',
            'device_names', 'device_choices', 'registered', 'refresh', 'ENTRY_POINT_GROUP']

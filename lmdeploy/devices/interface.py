@@ -1,6 +1,7 @@
 """The one list of ops the engine and the models use.
 
-A device implements :class:`DeviceOps`. The reference (devices/reference.py,
+A device implements :class:`DeviceOps` (its kernels) and names its :class:`~.runtime.DeviceRuntime` (its
+services). The reference (devices/reference.py,
 the ``cpu`` device) is the executable specification: its plain-torch code
 defines what every op means, and other devices are tested against it.
 
@@ -19,96 +20,64 @@ and KV head).
 """
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .cache import KVCache, KVCacheSpec, standard_spec
+from .runtime import DeviceRuntime
 
 
 class DeviceOps:
-    """Ops and services of one device kind. Subclasses override every op."""
+    """The ops (kernels) of one device kind. Subclasses override every op. The device's services (memory,
+    synchronisation, timing, graph capture, process groups, availability, the engine's plan) are its
+    runtime's (devices/runtime.py): ``runtime_class`` names it, ``self.runtime`` is this object's."""
 
     name: str = 'abstract'  # its device_type (the registry's key)
-    torch_device_type: str = 'cpu'  # torch's name for the device its tensors live on
-    auto_priority: int = 0  # device_type='auto' picks the available device that ranks highest
+    runtime_class: type = DeviceRuntime  # the runtime this device's ops run on (devices/runtime.py)
 
-    # ---------------------------------------------------------------- services
+    @property
+    def runtime(self) -> DeviceRuntime:
+        """This device's runtime, made on first use (it takes over the services a one-class device defines
+        on its ops class: devices/runtime.py)."""
+        runtime = self.__dict__.get('_runtime')
+        if runtime is None:
+            runtime = self._runtime = self.runtime_class(self)
+        return runtime
+
+    # the few services the ops' own callers (the layers, the conformance suite) reach through the ops: the
+    # runtime's, forwarded
     @classmethod
     def is_available(cls) -> bool:
-        """True if this process can run on the device."""
-        raise NotImplementedError
+        """True if this process can run on the device (its runtime class says)."""
+        return cls.runtime_class.is_available()
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
-        """None where :meth:`is_available`; else why not, in words a user can act on (what is missing,
-        what to install). A device says more by overriding it."""
-        return None if cls.is_available() else f'{cls.__name__}.is_available() is False here'
+        """None where :meth:`is_available`; else why not (the runtime's words)."""
+        if cls.is_available():
+            return None
+        return cls.runtime_class.unavailable_reason() or f'{cls.__name__}.is_available() is False here'
 
     def torch_device(self) -> torch.device:
-        return torch.device(self.torch_device_type)
-
-    def memory_available(self) -> int:
-        """Bytes free for the KV cache right now."""
-        raise NotImplementedError
+        """Where this device's tensors live (its runtime's)."""
+        return self.runtime.torch_device()
 
     def synchronize(self) -> None:
-        """Wait until queued work on the device is done."""
+        """Wait until queued work on the device is done (its runtime's)."""
+        self.runtime.synchronize()
 
-    def to_host_async(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Start copying ``t`` to host memory behind the work queued so far;
-        returns a function that waits for the copy and gives the host tensor.
-        Lets the host prepare the next step while this one still runs."""
-        host = t.cpu()
-        return lambda: host
-
-    def timestamp(self) -> Any:
-        """A mark in the device's queue, reached once the work queued before
-        it is done (to time steps on the device, not on the host, which runs
-        ahead of it). Ops of this default run as they are called, so the host
-        clock serves."""
-        return time.perf_counter()
-
-    def seconds_between(self, start: Any, end: Any) -> Optional[float]:
-        """Device seconds from mark ``start`` to mark ``end``, or None while
-        the device has not reached ``end`` (never waits)."""
-        return end - start
-
+    # ------------------------------------------------------------- dtypes
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
-        """dtype used for dtype='auto' given the checkpoint's dtype."""
+        """dtype used for dtype='auto' given the checkpoint's dtype (one the ops compute in)."""
         return config_dtype
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether the ops compute in ``dtype``."""
         return dtype in (torch.float16, torch.bfloat16)
 
-    # graph capture: replaying a recorded step saves the per-kernel launch cost
-    supports_graphs: bool = False
-
-    def capture_graph(self, fn: Callable[[], Any], pool: Any = None) -> Tuple[Callable[[], None], Any, Any]:
-        """Warm up, then record ``fn()`` (which only touches tensors that stay
-        alive). Returns (replay, outputs, pool): each ``replay()`` re-runs the
-        recorded work and rewrites ``outputs`` in place; graphs recorded with
-        the same ``pool`` share their memory (pass None for the first)."""
-        raise NotImplementedError(f'device {self.name!r} has no graph capture')
-
-    # whether steps with prompt rows are recorded too (graph_runner.py), not only decode steps
-    records_mixed_steps: bool = True
-
-    # recording a step as a chain of graphs, with live work between them (steps with prompt rows)
-    supports_graph_pieces: bool = False
-
-    def capture_pieces(self, fn: Callable[[Callable[[], None]], Any],
-                       pool: Any = None) -> Tuple[List[Callable[[], None]], Any, Any]:
-        """Warm up, then record ``fn(cut)`` as consecutive graphs: each call of
-        ``cut()`` ends the graph being recorded and starts the next (the
-        caller runs its own work between their replays). Returns (replays in
-        order, fn's outputs, pool), as :meth:`capture_graph` does."""
-        raise NotImplementedError(f'device {self.name!r} cannot record graphs in pieces')
-
-    default_max_batch_size: int = 256
-
-    # KV cache quantizations this device's cache and attention ops implement (devices/cache.py)
+    # ---------------------------------------------------------- cache layout
+    # the layout the attention and fill kernels read: KV cache quantizations they implement (devices/cache.py)
     quant_policies: Tuple[int, ...] = (0, )
 
     def kv_cache_spec(self, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
@@ -127,17 +96,9 @@ class DeviceOps:
         other tensors overrides it."""
         return cache.k.flatten(0, 1)[:num_tokens].float().mean(0)
 
-    # ------------------------------------------------------ tensor parallelism
-    # One process per rank, each on its own device; they talk through a torch.distributed process group
-    # (the default group, one member per rank) of this backend: 'gloo' here and on the cpu, 'nccl' on cuda.
-    collective_backend: str = 'gloo'
-    # the Ray resource one rank reserves (e.g. 'GPU'); None: only a CPU
-    ray_resource: Optional[str] = None
-
-    def set_device_index(self, index: int) -> None:
-        """Make this machine's device ``index`` the one :meth:`torch_device` names (before anything is
-        allocated). Devices with one device per machine ignore it."""
-
+    # ------------------------------------------------- collectives in a step
+    # under tensor parallelism the layers call these inside the model's forward (recorded with it); the
+    # process group they run in is the runtime's (collective_backend)
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
         import torch.distributed as dist
@@ -150,19 +111,6 @@ class DeviceOps:
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, x.contiguous())
         return torch.stack(parts)
-
-    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank ``src``'s ``x`` into every rank's ``x`` (same shape and dtype everywhere), in place."""
-        import torch.distributed as dist
-        dist.broadcast(x, src)
-        return x
-
-    # the device's memory is the host's RAM (the cpu): the KV cache is capped by cpu_kv_cache_cap_gb
-    memory_is_host_ram: bool = False
-
-    # whether the KV budget must be measured after a profiling forward pass
-    # (devices whose allocator keeps activation memory reserved)
-    profile_memory: bool = False
 
     # ---------------------------------------------------------------- layers
     # (kind, weight format) -> this device's own implementation class (devices/layers.py); the others come

@@ -89,6 +89,7 @@ class Engine:
         self.model_path = model_path
         self._grammars = None  # structured output: made on the first request with a grammar
         self.device = get_device(config.device_type)
+        self.runtime = self.device.runtime  # its services: step marks, copies to the host
         self.model_config: ModelConfig = model_config or load_model_config(model_path)
         self.block_size = config.block_size
         self.quant_policy = config.quant_policy
@@ -100,8 +101,9 @@ class Engine:
             if self.workers is not None:
                 self.workers.close()
             raise
-        self.model, self.dtype, self.kv_spec, self.num_blocks = rank.model, rank.dtype, rank.kv_spec, rank.num_blocks
-        self.session_len, self.max_batch_size = rank.session_len, rank.max_batch_size
+        self.plan = plan = rank.plan  # what was agreed at start-up, read here once
+        self.model, self.dtype, self.kv_spec, self.num_blocks = rank.model, plan.dtype, plan.kv_spec, plan.num_blocks
+        self.session_len, self.max_batch_size = plan.session_len, plan.max_batch_size
         logger.info('KV cache: %d blocks of %d tokens = %d tokens (quant_policy %d, %.1f MiB per block over %d layers)',
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.quant_policy,
                     rank.bytes_per_block / (1 << 20), self.model_config.num_layers)
@@ -113,7 +115,7 @@ class Engine:
         # the runner: this process's own, or one that has the other ranks run each step along with it
         self.runner = rank.runner if self.workers is None else self.workers.driver(rank.runner)
         self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
-                                   self._finish_too_long, mix_prefill_decode=not self.runner.uses_graphs,
+                                   self._finish_too_long, mix_prefill_decode=plan.mix_prefill_decode,
                                    prefill_interval=config.prefill_interval,
                                    mixed_step_limit=self.runner.recorded_step_limit())
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -145,7 +147,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name='lmdeploy-engine', daemon=True)
         self._thread.start()
         close_at_exit(self)  # a program that never calls close() still stops the loop and the workers
-        if config.warmup if config.warmup is not None else self.runner.uses_graphs:
+        if config.warmup if config.warmup is not None else plan.replays_steps:
             from .warmup import warm_up
             try:
                 warm_up(self)
@@ -290,7 +292,7 @@ class Engine:
     def _run_step(self, batch: ScheduledBatch):
         stats = self._step_stats['decode' if batch.is_decode else 'prefill']
         start = time.perf_counter()
-        mark = self.device.timestamp()
+        mark = self.runtime.timestamp()
         prev = self._inflight
         try:
             with torch.inference_mode():
@@ -307,14 +309,14 @@ class Engine:
         stats[1] += len(batch.seqs)
         stats[2] += sum(batch.num_new_tokens)
         stats[3] += time.perf_counter() - start
-        self._step_marks.append((stats, mark, self.device.timestamp()))
+        self._step_marks.append((stats, mark, self.runtime.timestamp()))
         self._time_steps()
 
     def _time_steps(self):
         """Add the device time of the steps the device has finished."""
         while self._step_marks:
             stats, start, end = self._step_marks[0]
-            seconds = self.device.seconds_between(start, end)
+            seconds = self.runtime.seconds_between(start, end)
             if seconds is None:
                 break
             stats[4] += seconds
@@ -491,7 +493,7 @@ class Engine:
         for i, seq in enumerate(seqs):
             seq.token_ids.append(-1 - i)
             seq.num_generated += 1
-        sampled = _Sampled(seqs, tokens, self.device.to_host_async(drawn))
+        sampled = _Sampled(seqs, tokens, self.runtime.to_host_async(drawn))
         if settle_now:
             self._resolve(sampled, logits, last_hidden, extras, token_logprobs(logits, tokens, seqs))
         else:

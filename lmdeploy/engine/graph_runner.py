@@ -22,9 +22,10 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from lmdeploy.devices.interface import DeviceOps
+from lmdeploy.devices.runtime import DeviceRuntime
 
 from .nn import StepContext
+from .plan import RankPlan
 
 
 def capture_sizes(max_batch_size: int) -> List[int]:
@@ -50,16 +51,19 @@ def mixed_prompt_slots(num_tokens: int) -> int:
 
 class GraphRunner:
 
-    def __init__(self, device: DeviceOps, forward: Callable, kv_caches, max_batch_size: int, max_blocks: int,
-                 max_kv_len: int, torch_device: torch.device, max_mixed_tokens: int = 0):
-        """max_mixed_tokens: record mixed steps up to this many tokens (0: none)."""
-        self.device = device
+    def __init__(self, runtime: DeviceRuntime, forward: Callable, kv_caches, plan: RankPlan):
+        """Records decode steps up to ``plan.max_batch_size`` sequences and, where ``plan.records_mixed_steps``,
+        steps with prompt rows up to ``plan.max_mixed_tokens`` tokens (0: none)."""
+        self.runtime = runtime  # what records and replays (capture_graph)
         self.forward = forward
         self.kv_caches = kv_caches
-        self.sizes = capture_sizes(max_batch_size)
-        self.max_batch_size = max_batch_size
+        self.sizes = capture_sizes(plan.max_batch_size)
+        self.max_batch_size = plan.max_batch_size
+        max_mixed_tokens = plan.max_mixed_tokens if plan.records_mixed_steps else 0
         self.mixed_sizes = token_buckets(max_mixed_tokens) if max_mixed_tokens > 0 else []
-        self.max_kv_len = max_kv_len
+        self.max_kv_len = plan.session_len
+        max_blocks = plan.max_blocks
+        torch_device = runtime.torch_device()
         tokens = max([self.sizes[-1]] + self.mixed_sizes)
         seqs = self.sizes[-1] + (mixed_prompt_slots(self.mixed_sizes[-1]) if self.mixed_sizes else 0)
 
@@ -121,7 +125,7 @@ class GraphRunner:
                 _, d, p = self._mixed_shape(n)
                 self.q_lens[d:d + p].zero_()
                 self.kv_lens[:d + p].zero_()
-            replay, out, self.pool = self.device.capture_graph(
+            replay, out, self.pool = self.runtime.capture_graph(
                 lambda: self.forward(self.input_ids[:n], self.positions[:n], ctx), self.pool)
             self.graphs[key] = (replay, out)
         return self.graphs[key]

@@ -8,12 +8,13 @@ import torch
 
 from lmdeploy.devices.cache import KEY_MEAN_TOKENS, KVCache, KVCacheSpec
 from lmdeploy.devices.interface import DeviceOps
+from lmdeploy.devices.runtime import GRAPHS_PIECES, GRAPHS_STEPS
 
 from .graph_runner import GraphRunner
 from .model_config import ModelConfig
 from .nn import StepContext
-from .nn.parallel import head_shard, tensor_parallel
 from .piecewise import PiecewiseRunner
+from .plan import RankPlan
 from .scheduler import ScheduledBatch
 from .transfer import int64_tensor, tensor_on, to_device
 
@@ -30,46 +31,35 @@ class StepMeta(NamedTuple):
     max_kv_len: int
 
 
-def kv_cache_spec(device: DeviceOps, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
-                  quant_policy: int = 0) -> KVCacheSpec:
-    """One layer's cache of this rank's KV heads as the device lays it out (every layer's is alike)."""
-    tp = tensor_parallel()
-    _, kv_heads = head_shard(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.size)
-    return device.kv_cache_spec(len(kv_heads), cfg.head_dim, block_size, dtype, quant_policy)
-
-
 class ModelRunner:
 
-    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype,
-                 num_blocks: int, block_size: int, max_batch_size: int, eager: bool, session_len: int,
-                 max_mixed_tokens: int = 0, quant_policy: int = 0):
-        """max_mixed_tokens: steps with prompt rows of up to this many tokens are recorded too (0: none)."""
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, plan: RankPlan):
+        """``plan``: what this rank agreed at start-up (its cache, limits, graph mode: plan.py)."""
         self.model = model
         self.cfg = cfg
         self.device = device
-        self.torch_device = device.torch_device()
-        self.block_size = block_size
-        spec = kv_cache_spec(device, cfg, block_size, dtype, quant_policy)
+        self.runtime = device.runtime
+        self.plan = plan
+        self.torch_device = self.runtime.torch_device()
+        self.block_size = plan.block_size
+        spec = plan.kv_spec
         # measured before the cache takes its memory (a prompt's activations and a small cache of its own)
-        means = mean_keys(model, cfg, device, dtype, block_size,
-                          min(KEY_MEAN_TOKENS, session_len)) if spec.centres_keys else None
-        self.kv_caches: List[KVCache] = [spec.allocate(num_blocks, self.torch_device) for _ in range(cfg.num_layers)]
+        means = mean_keys(model, cfg, device, plan.key_mean_spec,
+                          min(KEY_MEAN_TOKENS, plan.session_len)) if spec.centres_keys else None
+        self.kv_caches: List[KVCache] = [spec.allocate(plan.num_blocks, self.torch_device)
+                                         for _ in range(cfg.num_layers)]
         for cache, mean in zip(self.kv_caches, means or ()):  # before anything is written or recorded
             cache.set_key_mean(mean)
-        # recorded steps where the device can record them: whole decode and mixed steps (graph_runner.py), or
-        # mixed steps in pieces with attention live between them (piecewise.py) on devices that record only
-        # those
+        # recorded steps where the plan says: whole decode and mixed steps (graph_runner.py), or mixed steps in
+        # pieces with attention live between them (piecewise.py) on devices that record only those
         self.graphs: Optional[GraphRunner] = None
         self.pieces: Optional[PiecewiseRunner] = None
-        self.uses_graphs = device.supports_graphs and not eager
         with torch.inference_mode():
-            if self.uses_graphs:
-                self.graphs = GraphRunner(device, self._eager_forward, self.kv_caches, max_batch_size,
-                                          -(-session_len // block_size), session_len, self.torch_device,
-                                          max_mixed_tokens if device.records_mixed_steps else 0)
+            if plan.graphs == GRAPHS_STEPS:
+                self.graphs = GraphRunner(self.runtime, self._eager_forward, self.kv_caches, plan)
                 self.graphs.capture_all()
-            elif device.supports_graph_pieces and not eager and max_mixed_tokens > 0:
-                self.pieces = PiecewiseRunner(device, model, self.kv_caches, max_mixed_tokens, self.torch_device)
+            elif plan.graphs == GRAPHS_PIECES and plan.max_mixed_tokens > 0:
+                self.pieces = PiecewiseRunner(self.runtime, model, self.kv_caches, plan)
                 self.pieces.capture_all()
 
     def recorded_step_limit(self) -> Optional[Tuple[int, int]]:
@@ -205,21 +195,19 @@ class ModelRunner:
 
 
 @torch.inference_mode()
-def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype,
-                        num_tokens: int, block_size: int, max_batch_size: int, quant_policy: int = 0):
-    """Run the largest step the engine will run (one prefill of
-    ``num_tokens`` plus logits for a full batch) so that the allocator has
-    reserved its activation memory before the KV cache takes the rest."""
-    dev = device.torch_device()
-    spec = kv_cache_spec(device, cfg, block_size, dtype, quant_policy)
-    caches = [spec.allocate(-(-num_tokens // block_size), dev) for _ in range(cfg.num_layers)]
+def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, plan: RankPlan):
+    """Run the largest step the engine will run (one prefill of ``plan.max_step_tokens`` plus logits for a
+    full batch) so that the allocator has reserved its activation memory before the KV cache takes the rest."""
+    num_tokens, spec, runtime = plan.max_step_tokens, plan.kv_spec, device.runtime
+    dev = runtime.torch_device()
+    caches = [spec.allocate(-(-num_tokens // spec.block_size), dev) for _ in range(cfg.num_layers)]
     for cache in caches if spec.centres_keys else ():  # the fill kernels the engine will run compile here
         cache.set_key_mean(torch.zeros(spec.num_kv_heads, spec.head_dim))
     hidden = _run_one_prompt(model, torch.arange(num_tokens, device=dev) % cfg.vocab_size, caches)
-    logits = model.compute_logits(hidden[-1:].expand(max_batch_size, -1))
+    logits = model.compute_logits(hidden[-1:].expand(plan.max_batch_size, -1))
     device.argmax(logits)  # greedy picks read the model-dtype logits: compiled now, not at the first request
     logits.float()
-    device.synchronize()
+    runtime.synchronize()
     del caches, hidden
 
 
@@ -237,17 +225,15 @@ def _run_one_prompt(model: torch.nn.Module, ids: torch.Tensor, caches: List[KVCa
 
 
 @torch.inference_mode()
-def mean_keys(model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, dtype: torch.dtype, block_size: int,
+def mean_keys(model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, spec: KVCacheSpec,
               num_tokens: int) -> List[torch.Tensor]:
     """Each layer's mean key [Hkv, D] (after RoPE, float32) over ``num_tokens`` random tokens (the same on
-    every rank, whatever the machine: a seeded generator), read back from an unquantized cache: what an int4
-    cache takes off K (devices/cache.py). Random tokens rather than any text: the mean is the part of K that
-    every token shares, and it came out as good as the evaluation text's own (SmolLM2-135M, int4:
-    benchmark/RESULTS.md)."""
+    every rank, whatever the machine: a seeded generator), read back from an unquantized cache of ``spec``
+    (the plan's key_mean_spec): what an int4 cache takes off K (devices/cache.py). Random tokens rather than
+    any text: the mean is the part of K that every token shares, and it came out as good as the evaluation
+    text's own (SmolLM2-135M, int4: benchmark/RESULTS.md)."""
     dev = device.torch_device()
     ids = torch.randint(0, cfg.vocab_size, (num_tokens, ), generator=torch.Generator().manual_seed(0)).to(dev)
-    spec = kv_cache_spec(device, cfg, block_size, dtype, 0)
-    caches = [spec.allocate(-(-num_tokens // block_size), dev) for _ in range(cfg.num_layers)]
+    caches = [spec.allocate(-(-num_tokens // spec.block_size), dev) for _ in range(cfg.num_layers)]
     _run_one_prompt(model, ids, caches)
     return [device.mean_key(cache, num_tokens) for cache in caches]
-

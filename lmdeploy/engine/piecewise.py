@@ -26,10 +26,11 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from lmdeploy.devices.interface import DeviceOps
+from lmdeploy.devices.runtime import DeviceRuntime
 
 from .graph_runner import token_buckets
 from .nn import StepContext
+from .plan import RankPlan
 
 
 class _Recording:
@@ -46,11 +47,13 @@ class _Recording:
 
 class PiecewiseRunner:
 
-    def __init__(self, device: DeviceOps, model: torch.nn.Module, kv_caches, max_tokens: int,
-                 torch_device: torch.device):
-        self.device = device
+    def __init__(self, runtime: DeviceRuntime, model: torch.nn.Module, kv_caches, plan: RankPlan):
+        """Records steps of up to ``plan.max_mixed_tokens`` tokens."""
+        self.runtime = runtime  # what records the pieces (capture_pieces)
         self.model = model
         self.kv_caches = kv_caches
+        torch_device = runtime.torch_device()
+        max_tokens = plan.max_mixed_tokens
         self.sizes = token_buckets(max_tokens)
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=torch_device)
@@ -100,7 +103,7 @@ class PiecewiseRunner:
             rec.cut = cut
             return self.model(self.input_ids[:n], self.positions[:n], ctx)
 
-        rec.replays, rec.out, self.pool = self.device.capture_pieces(forward, self.pool)
+        rec.replays, rec.out, self.pool = self.runtime.capture_pieces(forward, self.pool)
         assert len(rec.replays) == len(rec.layers) + 1
         self.recordings[n] = rec
         self._recording = None

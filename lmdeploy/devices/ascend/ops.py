@@ -34,65 +34,15 @@ _INT8_SHIFT = 128
 
 class AscendOps(ReferenceSampling, DeviceOps):
     name = 'ascend'
-    torch_device_type = 'npu'  # torch_npu's name; the instance reads runtime.DEVICE_TYPE
-    auto_priority = 20  # after cuda, before cpu
-    collective_backend = 'hccl'
-    ray_resource = 'NPU'  # Ray's name for Ascend NPUs (it sets ASCEND_RT_VISIBLE_DEVICES for an actor)
+    runtime_class = runtime.AscendRuntime  # NPU memory, events, graphs of decode steps, HCCL (runtime.py)
     quant_policies = (0, 8)
-    supports_graphs = True
-    # steps with prompt rows stay eager: the fused attention reads sequence lengths as host lists, which a
-    # recorded step would have to update per prompt; decode steps update theirs (capture_graph)
-    records_mixed_steps = False
-    profile_memory = True
 
     def __init__(self):
-        self.torch_device_type = runtime.DEVICE_TYPE
         self._npu_ops = runtime.torch_npu()
         self._mask = None
         self._host_lens = (None, None)  # (tensor, its values as a host list): one read a step
-        self._recording: Optional[List[torch.Tensor]] = None  # kv lengths seen by attention during a capture
-
-    @classmethod
-    def is_available(cls) -> bool:
-        return runtime.usable()
-
-    @classmethod
-    def unavailable_reason(cls) -> Optional[str]:
-        return runtime.unusable_reason()
-
-    # -------------------------------------------------------------- services
-    def torch_device(self) -> torch.device:
-        return runtime.torch_device()
-
-    def set_device_index(self, index: int) -> None:
-        runtime.npu().set_device(index)
-
-    def memory_available(self) -> int:
-        free, _ = runtime.npu().mem_get_info()
-        return int(free)
-
-    def synchronize(self) -> None:
-        runtime.npu().synchronize()
-
-    def to_host_async(self, t):
-        """A copy queued behind the step (non-blocking, so the host goes on to schedule the next step) and an
-        NPU event recorded after it; the returned function waits for the event."""
-        host = t.to('cpu', non_blocking=True, copy=True)
-        done = runtime.npu().Event()
-        done.record()
-
-        def wait():
-            done.synchronize()
-            return host
-        return wait
-
-    def timestamp(self):
-        mark = runtime.npu().Event(enable_timing=True)
-        mark.record()
-        return mark
-
-    def seconds_between(self, start, end):
-        return start.elapsed_time(end) / 1e3 if end.query() else None
+        # kv lengths seen by attention while the runtime records a graph (runtime.AscendRuntime.capture_graph)
+        self._recording: Optional[List[torch.Tensor]] = None
 
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
         # the fused attention ops take FLOAT16 / BFLOAT16 queries; the 910B runs bf16
@@ -102,29 +52,6 @@ class AscendOps(ReferenceSampling, DeviceOps):
         # float32 is accepted for exact comparisons under the emulation; the fused attention's documentation
         # lists FLOAT16 / BFLOAT16 (and INT8) queries only, so on hardware run bf16 or fp16
         return dtype in (torch.float16, torch.bfloat16, torch.float32)
-
-    def capture_graph(self, fn, pool=None):
-        """Record ``fn`` with torch.npu.graph. The fused attention takes its sequence lengths as host lists,
-        baked into a recording; torch_npu's ``auto_dispatch_capture`` lets ``NPUGraph.update`` replace them
-        before each replay, so every replay first reads the step's context lengths (the graph runner's
-        static buffer the attention was recorded with) to the host."""
-        npu = runtime.npu()
-        fn()  # warm-up (allocator, op caches) outside the recording
-        self.synchronize()
-        graph = npu.NPUGraph()
-        self._recording = []
-        try:
-            with npu.graph(graph, pool=pool, auto_dispatch_capture=True):
-                out = fn()
-        finally:
-            recorded, self._recording = self._recording, None
-
-        def replay():
-            if recorded:
-                update = {'actual_seq_lengths_kv': recorded[0].clamp(min=1).tolist()}
-                graph.update(cpu_update_input=[update] * len(recorded))
-            graph.replay()
-        return replay, out, graph.pool()
 
     def kv_cache_spec(self, num_kv_heads, head_dim, block_size, dtype, quant_policy=0) -> KVCacheSpec:
         """quant_policy 0: the standard layout. 8: int8 K / V ``[S, Hkv, D]`` per block and, apart, float32

@@ -1,3 +1,4 @@
 from .ops import CpuOps
+from .runtime import CpuRuntime
 
-__all__ = ['CpuOps']
+__all__ = ['CpuOps', 'CpuRuntime']

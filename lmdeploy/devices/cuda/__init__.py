@@ -1,3 +1,4 @@
 from .ops import CudaOps
+from .runtime import CudaRuntime
 
-__all__ = ['CudaOps']
+__all__ = ['CudaOps', 'CudaRuntime']

@@ -1,11 +1,10 @@
 """NVIDIA GPUs: Triton kernels for the memory-bound ops, compiled CUDA
 kernels (csrc/cuda) where they are built and faster (compiled.py), cuBLAS
 (through torch) for the GEMMs, torch-on-GPU for sampling (no host round trip
-per request), CUDA graphs for decode steps."""
+per request). Its services (memory, events, CUDA graphs, NCCL) are runtime.py's."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 import torch
@@ -13,18 +12,13 @@ import torch.nn.functional as F
 
 from ..interface import DeviceOps
 from ..reference import ReferenceSampling
+from .runtime import CudaRuntime
 
 
 class CudaOps(ReferenceSampling, DeviceOps):
     name = 'cuda'
-    torch_device_type = 'cuda'
-    auto_priority = 30
+    runtime_class = CudaRuntime  # memory, events, graphs, NCCL (runtime.py)
     quant_policies = (0, 4, 8)  # KV int8 / int4: quantized in the fill kernels, dequantized in attention
-    supports_graphs = True
-    supports_graph_pieces = True
-    profile_memory = True
-    collective_backend = 'nccl'
-    ray_resource = 'GPU'
 
     def __init__(self, num_sms: Optional[int] = None):
         """``num_sms``: the GPU's multiprocessor count (default: asked of the current GPU; tests that run the
@@ -47,98 +41,10 @@ class CudaOps(ReferenceSampling, DeviceOps):
         spec = super().kv_cache_spec(num_kv_heads, head_dim, block_size, dtype, quant_policy)
         return dataclasses.replace(spec, head_major=True) if quant_policy else spec
 
-    def set_device_index(self, index: int) -> None:
-        torch.cuda.set_device(index)
-
-    @classmethod
-    def is_available(cls) -> bool:
-        return cls.unavailable_reason() is None
-
-    @classmethod
-    def unavailable_reason(cls) -> Optional[str]:
-        if not torch.cuda.is_available():
-            if torch.version.cuda is None and getattr(torch.version, 'hip', None) is None:
-                return f'this torch ({torch.__version__}) is not a CUDA build'
-            hidden = os.environ.get('CUDA_VISIBLE_DEVICES')
-            return ('torch sees no CUDA GPU (no NVIDIA driver or GPU here' +
-                    (f', or CUDA_VISIBLE_DEVICES={hidden!r} hides them)' if hidden is not None else ')'))
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return 'triton is not installed (pip install triton)'
-        return None
-
-    def torch_device(self) -> torch.device:
-        return torch.device('cuda', torch.cuda.current_device())
-
-    def memory_available(self) -> int:
-        free, _ = torch.cuda.mem_get_info()
-        return int(free)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def to_host_async(self, t):
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-
-        def wait():
-            done.synchronize()  # releases the GIL while the device works
-            return host
-        return wait
-
-    def timestamp(self):
-        mark = torch.cuda.Event(enable_timing=True)
-        mark.record()
-        return mark
-
-    def seconds_between(self, start, end):
-        return start.elapsed_time(end) / 1e3 if end.query() else None
-
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
         if config_dtype == torch.float32 or (config_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported()):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return config_dtype
-
-    def capture_graph(self, fn, pool=None):
-        current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):  # warm-up: compiles kernels, settles the allocator
-            fn()
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
-        return graph.replay, out, graph.pool()
-
-    def capture_pieces(self, fn, pool=None):
-        current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):  # warm-up, as capture_graph
-            fn(lambda: None)
-        current.wait_stream(side)
-        torch.cuda.synchronize()
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        graphs = []
-
-        def begin():
-            graphs.append(torch.cuda.CUDAGraph())
-            graphs[-1].capture_begin(pool=pool)
-
-        def cut():
-            graphs[-1].capture_end()
-            begin()
-
-        with torch.cuda.stream(side):
-            begin()
-            out = fn(cut)
-            graphs[-1].capture_end()
-        current.wait_stream(side)
-        return [g.replay for g in graphs], out, pool
 
     # -------------------------------------------------------------- dense ops
     def embedding(self, ids, weight):

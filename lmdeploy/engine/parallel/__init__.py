@@ -80,15 +80,15 @@ def start_workers(model_path: str, config: PytorchEngineConfig, model_config: Mo
             launcher.reserve(world)
         index = launcher.rank0_device_index()
         if index is not None:
-            device.set_device_index(index)
+            device.runtime.set_device_index(index)
         port = free_port()
         for rank in range(1, world):
             launcher.start(WorkerSpec(model_path, config, model_config, rank, world, launcher.host, port, None,
                                       logging.getLogger('lmdeploy').getEffectiveLevel()))
-        host_group(device.collective_backend, launcher.host, port, world, launcher.gone, _START_TIMEOUT_S)
+        host_group(device.runtime.collective_backend, launcher.host, port, world, launcher.gone, _START_TIMEOUT_S)
         set_tensor_parallel(0, world)
     except BaseException:
         workers.close()
         raise
-    logger.info('tensor parallelism: %d ranks (%s, %s)', world, backend, device.collective_backend)
+    logger.info('tensor parallelism: %d ranks (%s, %s)', world, backend, device.runtime.collective_backend)
     return workers

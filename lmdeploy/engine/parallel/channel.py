@@ -18,9 +18,10 @@ _HEADER = 12
 
 class Channel:
 
-    def __init__(self, device):
-        self.device = device
-        self.torch_device = device.torch_device()
+    def __init__(self, runtime):
+        """``runtime``: the device's runtime (its broadcast, in the process group of the ranks)."""
+        self.runtime = runtime
+        self.torch_device = runtime.torch_device()
 
     def send(self, cmd: int, args: Sequence[int] = (), payload: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rank 0: broadcast a command (``payload``: an int64 tensor on the device). Returns the header on the
@@ -29,16 +30,16 @@ class Channel:
         header = [cmd, n, *args]
         if len(header) > _HEADER:
             raise ValueError(f'command header too long: {header}')
-        sent = self.device.broadcast(to_device(int64_tensor(header + [0] * (_HEADER - len(header))), self.torch_device))
+        sent = self.runtime.broadcast(to_device(int64_tensor(header + [0] * (_HEADER - len(header))), self.torch_device))
         if n:
-            self.device.broadcast(payload)
+            self.runtime.broadcast(payload)
         return sent
 
     def receive(self) -> Tuple[int, list, Optional[torch.Tensor]]:
         """Other ranks: wait for the next command; returns (cmd, args, payload)."""
-        header = self.device.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=self.torch_device)).tolist()
+        header = self.runtime.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=self.torch_device)).tolist()
         cmd, n, args = header[0], header[1], header[2:]
         payload = None
         if n:
-            payload = self.device.broadcast(torch.empty(n, dtype=torch.int64, device=self.torch_device))
+            payload = self.runtime.broadcast(torch.empty(n, dtype=torch.int64, device=self.torch_device))
         return cmd, args, payload

@@ -24,8 +24,8 @@ class ParallelRunner:
     def __init__(self, runner: ModelRunner, workers):
         self.runner = runner
         self.workers = workers
-        self.channel = channel.Channel(runner.device)
-        self.uses_graphs = runner.uses_graphs
+        self.channel = channel.Channel(runner.runtime)
+        self.plan = runner.plan
         self.kv_caches = runner.kv_caches
         self.recorded_step_limit = runner.recorded_step_limit
 

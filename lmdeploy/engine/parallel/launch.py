@@ -87,7 +87,7 @@ class RayLauncher:
             # RAY_ADDRESS (or a cluster started with `ray start` on this machine) is joined; else a local one starts
             ray.init(address=os.environ.get('RAY_ADDRESS'), ignore_reinit_error=True)
         self.host = ray.util.get_node_ip_address()
-        self.resource = device.ray_resource
+        self.resource = device.runtime.ray_resource
         self.actors, self.refs = [], []
         self.pg = None
         self._placeholder = None

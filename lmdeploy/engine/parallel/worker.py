@@ -48,12 +48,12 @@ def serve(spec: WorkerSpec):
 
     device = get_device(spec.config.device_type)
     if spec.device_index is not None:
-        device.set_device_index(spec.device_index)
-    join_group(device.collective_backend, spec.host, spec.port, spec.rank, spec.world)
+        device.runtime.set_device_index(spec.device_index)
+    join_group(device.runtime.collective_backend, spec.host, spec.port, spec.rank, spec.world)
     try:
         set_tensor_parallel(spec.rank, spec.world)
         runner = build_rank(spec.model_path, spec.config, spec.model_config, device).runner
-        _loop(runner, channel.Channel(device))
+        _loop(runner, channel.Channel(device.runtime))
         runner.drop_recordings()
     finally:
         run_bounded(leave_group, _LEAVE_TIMEOUT_S, 'leaving the tensor-parallel group')
