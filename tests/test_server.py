@@ -235,8 +235,9 @@ ERROR_CASES = [
     (CHAT, dict(model=MODEL, messages=LONG_PROMPT), 400, 'context_length_exceeded'),
     (COMP, dict(model=MODEL, prompt=LONG_PROMPT, max_tokens=4), 400, 'context_length_exceeded'),
     (COMP, dict(model=MODEL, prompt='hi', max_tokens=SESSION_LEN), 400, 'context_length_exceeded'),
-    (CHAT, dict(model=MODEL, messages='hi', presence_penalty=0.5), 400, 'unsupported_parameter'),
-    (CHAT, dict(model=MODEL, messages='hi', frequency_penalty=-0.5), 400, 'unsupported_parameter'),
+    (CHAT, dict(model=MODEL, messages='hi', presence_penalty=2.5), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', frequency_penalty=-2.5), 400, 'invalid_value'),
+    (CHAT, dict(model=MODEL, messages='hi', logit_bias={'1': 150}), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages='hi', top_logprobs=2), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages='hi', logprobs=True, top_logprobs=50), 400, 'invalid_value'),
     (CHAT, dict(model=MODEL, messages='hi', stop=['']), 400, 'invalid_value'),
@@ -269,7 +270,8 @@ ERROR_CASES = [
     (COMP, dict(model=MODEL, prompt=[]), 400, 'invalid_value'),
     (COMP, dict(model=MODEL, prompt=''), 400, 'invalid_value'),
     (COMP, dict(model=MODEL, prompt=[1, 2, 10 ** 9]), 400, 'invalid_value'),
-    (COMP, dict(model=MODEL, prompt='hi', echo=True), 400, 'unsupported_parameter'),
+    (COMP, dict(model=MODEL, prompt='hi', suffix='there'), 400, 'unsupported_parameter'),
+    (COMP, dict(model=MODEL, prompt='hi', best_of=2), 400, 'unsupported_parameter'),
     (COMP, dict(model=MODEL, prompt='hi', logprobs=100), 400, 'invalid_value'),
     ('/generate', dict(prompt=LONG_PROMPT), 400, 'context_length_exceeded'),
     ('/generate', dict(prompt='hi', top_k=-1), 400, 'invalid_value'),
@@ -750,12 +752,12 @@ def test_engine_faults_are_5xx(http, srv, monkeypatch):
     import lmdeploy.engine.engine as engine_mod
     sample, mark = engine_mod.sample_tokens, 4242
 
-    def nan_for_marked(logits, seqs, grammars=None):
+    def nan_for_marked(logits, seqs, ops, grammars=None):
         rows = [i for i, s in enumerate(seqs) if s.params.seed == mark]
         if rows:
             logits = logits.clone()
             logits[rows] = float('nan')
-        return sample(logits, seqs, grammars)
+        return sample(logits, seqs, ops, grammars)
 
     monkeypatch.setattr(engine_mod, 'sample_tokens', nan_for_marked)
     bodies = [dict(temperature=1.0)]

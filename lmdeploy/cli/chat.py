@@ -127,8 +127,7 @@ def run_chat(args, stdout=None) -> int:
     pipe = pipeline(model_path, backend_config=backend_config, chat_template_config=chat_template_config,
                     log_level=args.log_level)
     try:
-        device = getattr(pipe.engine, 'device', None)
-        device_name = getattr(device, 'name', args.device)
+        device_name = pipe.engine.device_name  # (EngineLike: in-process and engine-process alike)
         session_len = getattr(pipe.gateway, 'session_len', None)
 
         def cancel(session_id):
