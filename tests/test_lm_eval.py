@@ -6,8 +6,8 @@ score the same.
 * ``lmdeploy_mc`` (multiple choice): lm_eval sends context + choice as token ids to ``/v1/completions``
   with ``echo: true, logprobs: 1, max_tokens: 1`` and sums the prompt's token logprobs after the context
   (all but the last entry, taken for the generated token): the accuracies are equal and every choice's
-  loglikelihood is within 1e-3 of transformers' (its is-greedy flag the same), but for the choices after
-  which the model ends its turn (STOP_TOKEN_DROPPED below).
+  loglikelihood is within 1e-3 of transformers' (its is-greedy flag the same), the choices after which
+  the model ends its turn included (the stop token's entry comes last: see the comment below).
 * ``lmdeploy_gen`` (greedy short answers, exact match): ``/v1/chat/completions`` with the model's chat
   template against transformers' greedy ``generate`` on the same template: the same answers, the same score.
 """
@@ -30,15 +30,10 @@ TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'lm_eva
 # explicitly greedy, whatever the task or the model's generation_config.json say
 GREEDY = {'do_sample': False, 'temperature': 0}
 LL_TOLERANCE = 1e-3
-# Found by this test: a completion that ends on a stop token (the model's EOS / end of turn) reports no entry
-# for that token (lmdeploy/engine/engine.py: "a stop token is not reported (no id, no logprobs)"), so with
-# echo, logprobs and max_tokens 1 the reply holds the prompt's tokens alone (usage.completion_tokens 0), and
-# lm_eval's local-completions, which drops the last entry as the generated token, loses the continuation's
-# last token: 3 of lmdeploy_mc's 128 choices score wrong (two of them 0.0). vLLM reports the stop token.
-# test_echo_completion_ending_on_stop_token expects the fix (strict xfail until then); once it passes, drop
-# its marker and the allowance for this case in test_multiple_choice_loglikelihoods_match_hf.
-STOP_TOKEN_DROPPED = ('a completion ending on a stop token reports no logprobs entry for it, so lm_eval '
-                      "drops the continuation's last token (see STOP_TOKEN_DROPPED's comment)")
+# A completion that ends on a stop token (the model's end of turn) reports that token's logprobs entry after
+# the generated ones (as vLLM does; its text is not in the choice's text): lm_eval's local-completions sends
+# max_tokens 1 and drops the last entry as the generated token, so without it the continuation's last token
+# would be lost (this test found that: 3 of lmdeploy_mc's 128 choices scored wrong before the fix).
 
 
 @pytest.fixture(scope='module')
@@ -126,42 +121,29 @@ def test_multiple_choice_accuracy_matches_hf(srv, mc_runs):
     assert_clean(srv)
 
 
-def test_multiple_choice_loglikelihoods_match_hf(mc_runs, hf_lm):
+def test_multiple_choice_loglikelihoods_match_hf(mc_runs):
     """Every choice's loglikelihood within LL_TOLERANCE of hf's, its is-greedy flag and the item's acc /
-    acc_norm the same; but for STOP_TOKEN_DROPPED, whose every case must be exactly that: the model's
-    greedy token after context + choice is the stop token, and ours is hf's less the choice's last token."""
-    import torch
+    acc_norm the same (choices after which the model ends its turn included: see the comment above)."""
     ours, ref = mc_runs
-    tok, model = hf_lm.tokenizer, hf_lm.model
-    wrong, dropped, worst = [], [], 0.0
+    wrong, worst = [], 0.0
     for a, b in zip(ours['samples'], ref['samples']):
-        item_dropped = False
-        for (ll_a, greedy_a), (ll_b, greedy_b), (ctx, cont) in zip(
+        for (ll_a, greedy_a), (ll_b, greedy_b), (_, cont) in zip(
                 (r[0] for r in a['resps']), (r[0] for r in b['resps']), a['arguments']):
-            if abs(ll_a - ll_b) <= LL_TOLERANCE and greedy_a == greedy_b:
-                worst = max(worst, abs(ll_a - ll_b))
-                continue
-            ids = tok(ctx + cont, add_special_tokens=False).input_ids
-            with torch.no_grad():
-                logprobs = model(torch.tensor([ids])).logits[0, -2:].float().log_softmax(-1)
-            last, following = logprobs[0, ids[-1]].item(), int(logprobs[1].argmax())
-            if following == tok.eos_token_id and abs(ll_a - (ll_b - last)) <= LL_TOLERANCE:
-                dropped.append((a['doc']['question'], cont, ll_a, ll_b))
-                item_dropped = True
-            else:
+            worst = max(worst, abs(ll_a - ll_b))
+            if abs(ll_a - ll_b) > LL_TOLERANCE or greedy_a != greedy_b:
                 wrong.append((a['doc']['question'], cont, ll_a, ll_b, greedy_a, greedy_b))
-        if not item_dropped and (a['acc'], a['acc_norm']) != (b['acc'], b['acc_norm']):
+        if (a['acc'], a['acc_norm']) != (b['acc'], b['acc_norm']):
             wrong.append((a['doc']['question'], 'acc / acc_norm', a['acc'], b['acc'], a['acc_norm'], b['acc_norm']))
-    print(f'lmdeploy_mc: largest loglikelihood difference {worst:.1e}; {len(dropped)} of 128 choices lost their last token to STOP_TOKEN_DROPPED: {dropped}')
+    print(f'lmdeploy_mc: largest loglikelihood difference from hf {worst:.1e}')
     assert not wrong, '\n'.join(map(str, wrong))
 
 
-@pytest.mark.xfail(strict=True, reason=STOP_TOKEN_DROPPED)
 def test_echo_completion_ending_on_stop_token(srv, smollm2_path):
     """lm_eval's contract (vLLM's and OpenAI's too): with max_tokens 1 the logprobs hold the prompt's tokens
     and one more, whatever token came, a stop token too. SmolLM2's greedy token after this prompt is
     <|im_end|>, its end of turn: lm_eval reads token_logprobs[ctxlen:-1], so a reply without that last
-    entry loses the continuation's last token (" Earth" would score 0)."""
+    entry would lose the continuation's last token (" Earth" would score 0). Its text stays out of the
+    choice's text."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     ids = tok('Question: Which planet do we live on?\nAnswer: Earth', add_special_tokens=False).input_ids
@@ -173,7 +155,8 @@ def test_echo_completion_ending_on_stop_token(srv, smollm2_path):
     assert choice['finish_reason'] == 'stop'  # the model ends its turn here (what the test is about)
     lp = choice['logprobs']
     assert len(lp['tokens']) == len(lp['token_logprobs']) == len(ids) + 1, lp['tokens'][-3:]
-    assert isinstance(lp['token_logprobs'][-1], float)
+    assert isinstance(lp['token_logprobs'][-1], float) and lp['tokens'][-1] == tok.eos_token
+    assert choice['text'] == tok.decode(ids)  # (the stop token's text is not the choice's)
     assert_clean(srv)
 
 

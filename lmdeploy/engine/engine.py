@@ -541,6 +541,8 @@ class Engine:
                                                                    and seq.num_generated > 1):
                     out.last_hidden_state = last_hidden[i:i + 1].float().cpu()
             if stopped:
+                if logprobs is not None and logprobs[i] is not None:
+                    out.stop_token = (token, logprobs[i])
                 self._finish(seq, 'stop', output=out)
                 continue
             out.new_token_ids = [token]

@@ -49,7 +49,7 @@ _STOP_TIMEOUT = 30.0  # seconds the child gets to finish a stop before it is kil
 def _pack(out: EngineOutput):
     """An output as the wire carries it: a tuple when it holds nothing but ids."""
     if (out.logprobs is None and out.logits is None and out.last_hidden_state is None
-            and out.prompt_loss is None and out.prompt_logprobs is None):
+            and out.prompt_loss is None and out.prompt_logprobs is None and out.stop_token is None):
         return (out.new_token_ids, out.finished, out.finish_reason, out.num_prompt_tokens, out.error, out.refused)
     return out
 

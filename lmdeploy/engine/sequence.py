@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .grammar import GrammarSpec
 
@@ -79,6 +79,9 @@ class EngineOutput:
     prompt_loss: Optional[float] = None  # mean cross-entropy over the prompt
     # per prompt token, in order: {token: logprob} with the alternatives (None for the first token)
     prompt_logprobs: Optional[List[Optional[dict]]] = None
+    # the stop token that ended the request and its logprobs entry, where logprobs were asked for: it is
+    # not one of the reported tokens, but a client that scores text (echo) reads its logprob
+    stop_token: Optional[Tuple[int, dict]] = None
     error: Optional[str] = None
     # turned away for something in the request (too long, empty, a busy session): the caller's to fix; an
     # error without it is the engine's own failure
@@ -102,6 +105,7 @@ class EngineOutput:
         self.finished, self.finish_reason, self.error = later.finished, later.finish_reason, later.error
         self.refused = later.refused
         self.num_prompt_tokens, self.prompt_loss = later.num_prompt_tokens, later.prompt_loss
+        self.stop_token = later.stop_token or self.stop_token
         return self
 
 

@@ -13,7 +13,7 @@ import random
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Union
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
 
 from lmdeploy.engine.engine import Engine, EngineRequest
 from lmdeploy.engine.grammar import Grammars, spec_from_response_format
@@ -46,6 +46,8 @@ class GenOut:
     refused: bool = False  # the request was turned away for something in it (else an error is the engine's)
     # each prompt token's {token: logprob} (GenerationConfig.prompt_logprobs; None for the first token)
     prompt_logprobs: Optional[List[Optional[Dict[int, float]]]] = None
+    # the stop token that ended it and its logprobs entry (with logprobs; not among token_ids)
+    stop_token: Optional[Tuple[int, Dict[int, float]]] = None
 
     def can_absorb(self, later: 'GenOut') -> bool:
         """Whether ``later`` can be folded into this increment: this one is not the last, and neither carries
@@ -67,6 +69,7 @@ class GenOut:
         self.finish_reason, self.error = later.finish_reason, later.error or self.error
         if later.prompt_loss is not None:
             self.prompt_loss = later.prompt_loss
+        self.stop_token = later.stop_token or self.stop_token
         return self
 
 
@@ -91,7 +94,8 @@ def take_pending(first: EngineOutput, queue: asyncio.Queue) -> EngineOutput:
         return [lp for o in outs for lp in (getattr(o, name) or [])]
     return EngineOutput([t for o in outs for t in o.new_token_ids], last.finished, last.finish_reason,
                         last.num_prompt_tokens or first.num_prompt_tokens, logprobs=joined('logprobs'),
-                        prompt_loss=last.prompt_loss, error=last.error, prompt_logprobs=joined('prompt_logprobs'))
+                        prompt_loss=last.prompt_loss, error=last.error, prompt_logprobs=joined('prompt_logprobs'),
+                        stop_token=last.stop_token)
 
 
 def check_text(text: str, what: str):
@@ -388,7 +392,8 @@ class Gateway:
                 yield GenOut(delta, out.num_prompt_tokens or len(ids), num_generated, finish_reason=reason,
                              token_ids=out.new_token_ids, logprobs=out.logprobs, logits=out.logits,
                              last_hidden_state=out.last_hidden_state, prompt_loss=out.prompt_loss,
-                             error=out.error, refused=out.refused, prompt_logprobs=out.prompt_logprobs)
+                             error=out.error, refused=out.refused, prompt_logprobs=out.prompt_logprobs,
+                             stop_token=out.stop_token if reason == 'stop' and end is None else None)
                 if out.finished:
                     finished = True
                     return

@@ -113,7 +113,12 @@ class _Echo:
             return self.texts[i], None
         return self.texts[i], completion_logprobs(self.tt, self.ids[i], r.prompt_logprobs, self.top_n)
 
-    def logprobs(self, token_ids, logprobs, offset: int):
+    def logprobs(self, token_ids, logprobs, offset: int, stop_token=None):
+        """The generated tokens' entries, and the stop token's that ended the choice (as vLLM reports it:
+        its text is not in the choice's text, but a client scoring a text reads its logprob, e.g.
+        lm-evaluation-harness's last entry of a one-token completion)."""
+        if stop_token is not None:
+            token_ids, logprobs = list(token_ids) + [stop_token[0]], list(logprobs or []) + [stop_token[1]]
         return completion_logprobs(self.tt, token_ids, logprobs, self.top_n, offset)
 
 
@@ -130,7 +135,7 @@ def _response(state: ServerState, req: P.CompletionRequest, rid: str, created: i
         head, head_logprobs = echo(i, r)
         logprobs = None
         if echo.top_n is not None:
-            logprobs = echo.logprobs(r.token_ids, r.logprobs, len(head))
+            logprobs = echo.logprobs(r.token_ids, r.logprobs, len(head), r.stop_token)
             if head_logprobs is not None:
                 logprobs = _joined(head_logprobs, logprobs)
         choices.append(P.CompletionChoice(index=i, text=head + r.text, finish_reason=r.finish_reason,
@@ -173,8 +178,8 @@ class _CompletionStream:
                 yield sse(self.response([P.CompletionChoice(index=i, text=head, logprobs=head_logprobs)]),
                           include_usage)
             logprobs = None
-            if top_n is not None and out.token_ids:
-                logprobs = echo.logprobs(out.token_ids, out.logprobs, offsets[i])
+            if top_n is not None and (out.token_ids or out.stop_token):
+                logprobs = echo.logprobs(out.token_ids, out.logprobs, offsets[i], out.stop_token)
                 offsets[i] += sum(len(t) for t in logprobs.tokens)
             if logprobs is not None:
                 yield sse(self.response([P.CompletionChoice(index=i, text=out.text, logprobs=logprobs,

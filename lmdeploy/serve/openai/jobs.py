@@ -63,6 +63,7 @@ class Result:
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[Dict[int, float]] = field(default_factory=list)
     prompt_logprobs: List[Optional[Dict[int, float]]] = field(default_factory=list)
+    stop_token: Optional[Tuple[int, Dict[int, float]]] = None  # (id, logprobs entry): see GenOut
     input_tokens: int = 0
     generated: int = 0
     finish_reason: Optional[str] = None
@@ -205,6 +206,7 @@ def accumulate(r: Result, out):
         r.logprobs.extend(out.logprobs)
     if out.prompt_logprobs:
         r.prompt_logprobs.extend(out.prompt_logprobs)
+    r.stop_token = out.stop_token or r.stop_token
     r.input_tokens = out.input_token_len or r.input_tokens
     r.generated = out.generate_token_len
     if out.finish_reason is not None:
