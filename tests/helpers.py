@@ -485,3 +485,44 @@ def to_internlm3(src: str, out: str) -> str:
                   qkv_bias=qkv_bias, bias=bias, head_dim=cfg.get('head_dim'), attn_implementation='eager',
                   **_rope_fields(cfg, 'rope_type'))
     return _write_converted(src, out, config, dict(state))
+
+
+# ---------------------------------------------------------------------------
+# Phi-3 (transformers' Phi3Config: fused qkv_proj / gate_up_proj, LongRoPE)
+# ---------------------------------------------------------------------------
+
+
+def tiny_phi3_kwargs(longrope: bool = False, original: int = 32, seed: int = 0) -> dict:
+    """Phi3Config kwargs of a tiny model (no sliding window); with ``longrope`` max_position_embeddings
+    4 x ``original`` and short / long factors drawn uniformly from [1, 4]."""
+    import random
+    kwargs = dict(_COMMON, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None,
+                  max_position_embeddings=4 * original if longrope else 512)
+    if longrope:
+        rng = random.Random(seed)
+        half = _COMMON['head_dim'] // 2
+        kwargs['original_max_position_embeddings'] = original
+        kwargs['rope_scaling'] = dict(rope_type='longrope', original_max_position_embeddings=original,
+                                      short_factor=[rng.uniform(1, 4) for _ in range(half)],
+                                      long_factor=[rng.uniform(1, 4) for _ in range(half)])
+    return kwargs
+
+
+def hf_greedy_fresh(model_dir, prompt_ids_list, max_new_tokens: int) -> list[list[int]]:
+    """hf_greedy on a model loaded afresh (not ``_load_hf``'s cached one, not reset by
+    ``_reset_dynamic_rope``, which sets ``attention_scaling`` to dynamic NTK's 1.0: LongRoPE keeps its
+    own). LongRoPE's rotary state is rewritten by every forward, so one model serves all prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(model_dir), dtype=torch.float32).eval()
+    outs = []
+    for ids in prompt_ids_list:
+        input_ids = torch.tensor([[int(t) for t in ids]], dtype=torch.long)
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                 num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+        new = out[0, len(ids):].tolist()
+        assert len(new) == max_new_tokens, (len(new), max_new_tokens)
+        outs.append(new)
+    return outs

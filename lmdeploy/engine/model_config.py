@@ -6,6 +6,7 @@ top level) and transformers 5's ``rope_parameters``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -17,7 +18,7 @@ DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16, 'float32': torch
 
 @dataclass
 class RopeConfig:
-    """Rotary embedding parameters; ``type`` is one of default/linear/dynamic/llama3."""
+    """Rotary embedding parameters; ``type`` is one of default/linear/dynamic/llama3/longrope."""
     type: str = 'default'
     theta: float = 10000.0
     factor: float = 1.0
@@ -25,6 +26,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: Optional[int] = None
+    # longrope (Phi-3): inv_freq divided per frequency by short_factor while the sequence is within
+    # original_max_position_embeddings, by long_factor past it; cos/sin multiplied by attention_factor
+    short_factor: Optional[List[float]] = None
+    long_factor: Optional[List[float]] = None
+    attention_factor: float = 1.0
 
 
 @dataclass
@@ -51,7 +57,7 @@ class ModelConfig:
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
 
 
-SUPPORTED_ROPE = ('default', 'linear', 'dynamic', 'llama3')
+SUPPORTED_ROPE = ('default', 'linear', 'dynamic', 'llama3', 'longrope')
 
 
 _MISSING = object()
@@ -135,18 +141,58 @@ def _rope_from(fields: ConfigFields) -> RopeConfig:
         key = f'{key}.{layer_type}'
     rope = ConfigFields(params, fields.path, prefix=f'{key}.')
     rope_type = params.get('rope_type', params.get('type', 'default')) or 'default'
+    if rope_type == 'su' or (rope_type == 'yarn' and 'long_factor' in params and 'short_factor' in params):
+        rope_type = 'longrope'  # Phi-3's older names for it (transformers' Phi3Config renames them so)
+    partial = params.get('partial_rotary_factor', cfg.get('partial_rotary_factor'))
+    if partial is not None and partial != 1:
+        where = f'{key}.partial_rotary_factor' if 'partial_rotary_factor' in params else 'partial_rotary_factor'
+        raise ValueError(f'{fields.path}: field {where!r} is {partial!r}: rotary embedding on only part of '
+                         'head_dim is not supported (the attention ops rotate the whole head)')
     if rope_type not in SUPPORTED_ROPE:
         raise ValueError(f'{fields.path}: rope type {rope_type!r} ({key}) is not supported; supported: '
                          f'{list(SUPPORTED_ROPE)}')
     original = rope.integer('original_max_position_embeddings', None)
     if rope_type == 'llama3' and original is None:
         original = rope.integer('original_max_position_embeddings', what="a positive integer, for rope type 'llama3'")
+    longrope = {}
+    if rope_type == 'longrope':
+        longrope = _longrope_from(fields, rope, original)
+        original = longrope.pop('original')
     return RopeConfig(type=rope_type,
                       theta=rope.number('rope_theta', fields.number('rope_theta', 10000.0)),
                       factor=rope.number('factor', 1.0),
                       low_freq_factor=rope.number('low_freq_factor', 1.0),
                       high_freq_factor=rope.number('high_freq_factor', 4.0),
-                      original_max_position_embeddings=original)
+                      original_max_position_embeddings=original,
+                      **longrope)
+
+
+def _factor_list(rope: ConfigFields, key: str) -> List[float]:
+    value = rope._get(key, _MISSING, "a list of positive numbers, for rope type 'longrope'")
+    if (not isinstance(value, list) or not value
+            or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in value)):
+        raise rope.error(key, f"must be a list of positive numbers, for rope type 'longrope', got {value!r}")
+    return [float(v) for v in value]
+
+
+def _longrope_from(fields: ConfigFields, rope: ConfigFields, original: Optional[int]) -> Dict[str, Any]:
+    """LongRoPE's fields as transformers reads them (modeling_rope_utils._compute_longrope_parameters):
+    original_max_position_embeddings from the rope parameters or the top level (Phi-3 keeps it there);
+    the attention factor as given, else from ``factor`` (max_position_embeddings / original when absent):
+    sqrt(1 + ln(factor) / ln(original)), 1 for a factor <= 1."""
+    if original is None:
+        original = fields.integer('original_max_position_embeddings',
+                                  what="a positive integer, for rope type 'longrope'")
+    short, long = _factor_list(rope, 'short_factor'), _factor_list(rope, 'long_factor')
+    if len(short) != len(long):
+        raise rope.error('long_factor', f'has {len(long)} entries, short_factor {len(short)}')
+    attention = rope.number('attention_factor', None)
+    if attention is None:
+        factor = rope.number('factor', None)
+        if factor is None:
+            factor = fields.integer('max_position_embeddings', 4096) / original
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return dict(original=original, short_factor=short, long_factor=long, attention_factor=attention)
 
 
 def _read_json(path: str) -> Dict[str, Any]:

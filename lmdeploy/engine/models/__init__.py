@@ -5,6 +5,7 @@ from ..model_config import ModelConfig
 from .internlm2 import InternLM2ForCausalLM
 from .internlm3 import InternLM3ForCausalLM
 from .llama import LlamaForCausalLM
+from .phi3 import Phi3ForCausalLM
 from .qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 ARCHITECTURES = {
@@ -15,6 +16,7 @@ ARCHITECTURES = {
     'Qwen3ForCausalLM': Qwen3ForCausalLM,
     'InternLM2ForCausalLM': InternLM2ForCausalLM,
     'InternLM3ForCausalLM': InternLM3ForCausalLM,
+    'Phi3ForCausalLM': Phi3ForCausalLM,
 }
 MODEL_TYPES = {
     'llama': LlamaForCausalLM,
@@ -24,6 +26,7 @@ MODEL_TYPES = {
     'qwen3': Qwen3ForCausalLM,
     'internlm2': InternLM2ForCausalLM,
     'internlm3': InternLM3ForCausalLM,
+    'phi3': Phi3ForCausalLM,
 }
 
 

@@ -33,6 +33,15 @@ def llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def longrope_inv_freq(dim: int, theta: float, factors) -> torch.Tensor:
+    """LongRoPE: each frequency divided by its factor, rounded as transformers computes it
+    (1 / (factor * theta**(2i/d)) in float32)."""
+    if len(factors) != dim // 2:
+        raise ValueError(f'longrope factors: {len(factors)} given, head_dim {dim} needs {dim // 2}')
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device='cpu').float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device='cpu') * theta**exponent)
+
+
 class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int):
@@ -45,6 +54,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / rope.factor
         elif rope.type == 'llama3':
             inv_freq = llama3_inv_freq(inv_freq, rope)
+        elif rope.type == 'longrope':
+            inv_freq = longrope_inv_freq(head_dim, rope.theta, rope.short_factor)
+            self.long_inv_freq = longrope_inv_freq(head_dim, rope.theta, rope.long_factor)
         self.inv_freq = inv_freq  # not a buffer: survives materialising the model
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
@@ -61,12 +73,27 @@ class RotaryEmbedding(nn.Module):
         exponent = torch.arange(0, d, 2, dtype=torch.int64, device=seq.device).float() / d
         return 1.0 / (base.float()[:, None]**exponent[None, :])
 
+    def _longrope_inv_freq(self, rope_lens: torch.Tensor) -> torch.Tensor:
+        """LongRoPE: the long factors for a token whose sequence is longer than the original trained length,
+        the short ones otherwise. transformers picks by max(position_ids) + 1 of each forward: the prompt's
+        length for its prefill, position + 1 for a decoded token: the ``rope_lens`` the engine passes (the
+        sequence's length). Returns [T, D/2]."""
+        short = self._inv_freq_on(rope_lens.device)
+        if self.long_inv_freq.device != short.device:
+            self.long_inv_freq = self.long_inv_freq.to(short.device)
+        is_long = (rope_lens > self.rope.original_max_position_embeddings)[:, None]
+        return torch.where(is_long, self.long_inv_freq[None, :], short[None, :])
+
     def cos_sin(self, positions: torch.Tensor, rope_lens: torch.Tensor):
         """positions [T]; rope_lens [T] (the length its sequence is rotated
-        for, used by dynamic NTK). Returns cos, sin [T, D] float32."""
+        for, used by dynamic NTK and LongRoPE). Returns cos, sin [T, D] float32."""
         if self.rope.type == 'dynamic':
             freqs = positions.float()[:, None] * self._dynamic_inv_freq(rope_lens)
+        elif self.rope.type == 'longrope':
+            freqs = positions.float()[:, None] * self._longrope_inv_freq(rope_lens)
         else:
             freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.rope.attention_factor != 1.0:  # LongRoPE's: scales q.k by its square
+            return emb.cos() * self.rope.attention_factor, emb.sin() * self.rope.attention_factor
         return emb.cos(), emb.sin()
