@@ -526,3 +526,39 @@ def hf_greedy_fresh(model_dir, prompt_ids_list, max_new_tokens: int) -> list[lis
         assert len(new) == max_new_tokens, (len(new), max_new_tokens)
         outs.append(new)
     return outs
+
+
+# ---------------------------------------------------------------------------
+# Gemma (v1): RMSNorm weights stored around 0, embeddings scaled by sqrt(hidden)
+# ---------------------------------------------------------------------------
+
+
+def build_tiny_gemma(out: str, tokenizer_dir: str, num_kv_heads: int = 1, seed: int = 2468) -> str:
+    """A tiny random GemmaForCausalLM (hidden 64, 2 layers, 4 heads of 32, tied head, gelu_pytorch_tanh).
+    Randomized as the tied Llama is, with each norm weight stored as its multiplier less 1 (Gemma's
+    RMSNorm multiplies by 1 + w): the layers' stored w are ~ N(0, 0.1^2), so the (1 + w) matters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    kwargs = dict(_COMMON, num_key_value_heads=num_kv_heads, head_dim=32, rope_theta=10000.0,
+                  tie_word_embeddings=True, hidden_act='gelu_pytorch_tanh')
+    cfg = _make_config('GemmaConfig', kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize(model, seed)
+    scale = cfg.hidden_size**0.5
+    with torch.no_grad():
+        # the embedding enters scaled by sqrt(hidden): stored that much smaller, the residual stream starts as
+        # the tied Llama's does, and the final norm that much larger keeps the logits' scale (a larger
+        # embedding makes the model repeat its last token)
+        model.model.embed_tokens.weight.div_(scale)
+        model.model.norm.weight.mul_(scale)
+        for name, p in model.named_parameters():
+            if 'norm' in name:
+                p.sub_(1.0)
+    model.generation_config.bos_token_id = 1
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 2
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out)
+    _copy_tokenizer(tokenizer_dir, out)
+    return out

@@ -127,6 +127,16 @@ def test_silu_and_mul(dtype):
     assert rel_err(activation.silu_and_mul(x), REF.silu_and_mul(x.cpu().float())) < tol(dtype) * 2
 
 
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_gelu_tanh_and_mul(dtype):
+    t, i = (129, 16384) if FULL else (3, 200)
+    x = torch.randn(t, 2 * i, dtype=dtype, device=DEV) * 3
+    x[0, :6] = torch.tensor([-30.0, -9.0, 0.0, 9.0, 30.0, 1e-3])  # tanh saturating both ways, and near 0
+    out = activation.gelu_tanh_and_mul(x)
+    assert out.shape == (t, i) and out.dtype == dtype
+    assert rel_err(out, REF.gelu_tanh_and_mul(x.cpu().float())) < tol(dtype) * 2
+
+
 def make_paged(lengths, hkv, d, block_size, dtype, extra_blocks=3):
     """K/V for each sequence scattered over shuffled blocks of a cache
     poisoned with NaN; returns caches, tables and the dense K/V."""

@@ -90,6 +90,14 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         gate, up = x[:, :48], x[:, 48:]
         return _compare('silu_and_mul', out, gate / (1 + torch.exp(-gate)) * up, dtype)
 
+    def gelu_tanh_and_mul():
+        # its own generator: the inputs of the checks after it stay what they were
+        x = q64(torch.randn(7, 2 * 48, generator=torch.Generator().manual_seed(4321), dtype=torch.float64) * 2)
+        out = ops.gelu_tanh_and_mul(on_dev(x))
+        gate, up = x[:, :48], x[:, 48:]
+        gelu = 0.5 * gate * (1 + torch.tanh((2 / torch.pi)**0.5 * (gate + 0.044715 * gate**3)))
+        return _compare('gelu_tanh_and_mul', out, gelu * up, dtype)
+
     def _rotary_setup(T=6, H=4, Hkv=2, D=16):
         """q, k, cos, sin of positions 0..T-1, and the reference rotation."""
         q, k = q64(randn(T, H, D)), q64(randn(T, Hkv, D))
@@ -282,8 +290,9 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         want = (p / -torch.log(u)).argmax(-1).tolist()
         return got == want, f'tokens {got}' + ('' if got == want else f' != expected {want}')
 
-    found = [('rms_norm', rms_norm), ('silu_and_mul', silu_and_mul), ('apply_rotary', apply_rotary),
-             ('rotary_fill_kv', rotary_fill_kv), ('argmax', argmax), ('paged_decode_attention', paged_decode_attention),
+    found = [('rms_norm', rms_norm), ('silu_and_mul', silu_and_mul), ('gelu_tanh_and_mul', gelu_tanh_and_mul),
+             ('apply_rotary', apply_rotary), ('rotary_fill_kv', rotary_fill_kv), ('argmax', argmax),
+             ('paged_decode_attention', paged_decode_attention),
              ('paged_prefill_attention', paged_prefill_attention), ('apply_token_bitmask', apply_token_bitmask),
              ('apply_repetition_penalty', apply_repetition_penalty),
              ('apply_frequency_presence_penalty', apply_frequency_presence_penalty), ('sample', sample)]

@@ -169,6 +169,13 @@ class DeviceOps:
         column then needs its gate and up rows in one program)."""
         return self.silu_and_mul(self.linear(x, weight, bias))
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] = cat(gate, up) -> gelu_tanh(gate) * up [T, I], in x's dtype, where
+        gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) is torch's
+        ``F.gelu(g, approximate='tanh')`` (transformers' ``gelu_pytorch_tanh``: Gemma's MLP),
+        rounded to x's dtype before the product as ``F.gelu(gate, approximate='tanh') * up`` is."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
         """Write k/v [T, Hkv, D] into the cache at flat slots [T] (in place),

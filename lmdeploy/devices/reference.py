@@ -50,6 +50,10 @@ class ReferenceOps(DeviceOps):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate='tanh') * up
+
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache: KVCache, slot_mapping):
         keep = slot_mapping >= 0

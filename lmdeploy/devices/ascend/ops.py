@@ -95,6 +95,12 @@ class AscendOps(ReferenceSampling, DeviceOps):
     def silu_and_mul(self, x):
         return self._npu_ops.npu_swiglu(x, dim=-1)
 
+    def gelu_tanh_and_mul(self, x):
+        # composed from torch ops on the NPU tensors (the reference's definition): torch_npu's own gelu
+        # (npu_gelu with approximate='tanh') is not in the emulation the tests run, so it stays untried here
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate='tanh') * up
+
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache, slot_mapping):
         """npu_scatter_nd_update_ into the cache viewed as one row per slot. Padding rows (slot < 0) are

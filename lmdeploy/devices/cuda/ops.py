@@ -69,6 +69,9 @@ class CudaOps(ReferenceSampling, DeviceOps):
     def silu_and_mul(self, x):
         return self._k_act.silu_and_mul(x)
 
+    def gelu_tanh_and_mul(self, x):
+        return self._k_act.gelu_tanh_and_mul(x)
+
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache, slot_mapping):
         self._k_kv.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale_zero, cache.v_scale_zero,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..model_config import ModelConfig
+from .gemma import GemmaForCausalLM
 from .internlm2 import InternLM2ForCausalLM
 from .internlm3 import InternLM3ForCausalLM
 from .llama import LlamaForCausalLM
@@ -17,6 +18,7 @@ ARCHITECTURES = {
     'InternLM2ForCausalLM': InternLM2ForCausalLM,
     'InternLM3ForCausalLM': InternLM3ForCausalLM,
     'Phi3ForCausalLM': Phi3ForCausalLM,
+    'GemmaForCausalLM': GemmaForCausalLM,
 }
 MODEL_TYPES = {
     'llama': LlamaForCausalLM,
@@ -27,6 +29,7 @@ MODEL_TYPES = {
     'internlm2': InternLM2ForCausalLM,
     'internlm3': InternLM3ForCausalLM,
     'phi3': Phi3ForCausalLM,
+    'gemma': GemmaForCausalLM,
 }
 
 
