@@ -492,17 +492,21 @@ def to_internlm3(src: str, out: str) -> str:
 # ---------------------------------------------------------------------------
 
 
-def tiny_phi3_kwargs(longrope: bool = False, original: int = 32, seed: int = 0) -> dict:
+def tiny_phi3_kwargs(longrope: bool = False, original: int = 32, seed: int = 0, partial: float = 1.0) -> dict:
     """Phi3Config kwargs of a tiny model (no sliding window); with ``longrope`` max_position_embeddings
-    4 x ``original`` and short / long factors drawn uniformly from [1, 4]."""
+    4 x ``original`` and short / long factors drawn uniformly from [1, 4]; ``partial``: its
+    partial_rotary_factor (rotary on that part of head_dim, as Phi-4-mini)."""
     import random
     kwargs = dict(_COMMON, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None,
                   max_position_embeddings=4 * original if longrope else 512)
+    if partial != 1.0:
+        kwargs['partial_rotary_factor'] = partial
     if longrope:
         rng = random.Random(seed)
-        half = _COMMON['head_dim'] // 2
+        half = int(_COMMON['head_dim'] * partial) // 2
         kwargs['original_max_position_embeddings'] = original
         kwargs['rope_scaling'] = dict(rope_type='longrope', original_max_position_embeddings=original,
+                                      partial_rotary_factor=partial,
                                       short_factor=[rng.uniform(1, 4) for _ in range(half)],
                                       long_factor=[rng.uniform(1, 4) for _ in range(half)])
     return kwargs

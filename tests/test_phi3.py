@@ -54,7 +54,8 @@ def phi3(smollm2_path, tmp_path_factory):
 
     def get(name):
         if name not in made:
-            kwargs = tiny_phi3_kwargs(longrope=name == 'longrope', original=ORIGINAL, seed=5)
+            kwargs = tiny_phi3_kwargs(longrope=name != 'plain', original=ORIGINAL, seed=5,
+                                      partial=0.5 if name == 'partial_longrope' else 1.0)
             path = build_tiny_custom(str(root / name), smollm2_path, 'Phi3Config', kwargs, seed=2468)
             made[name] = path, hf_greedy_fresh(path, _prompts() + _prompts(lengths=(CROSSING, )), NEW_TOKENS)
         return made[name]
@@ -71,18 +72,23 @@ def _engine_tokens(path, prompts, tp=1):
         engine.close()
 
 
-@pytest.mark.parametrize('name', ['plain', 'longrope'])
+@pytest.mark.parametrize('name', ['plain', 'longrope', 'partial_longrope'])
 def test_phi3_decodes_as_transformers(name, phi3):
+    """partial_longrope: rotary on half of each head (Phi-4-mini's partial_rotary_factor, 0.75 there)."""
     path, want = phi3(name)
     cfg = load_model_config(path)
     assert get_model_class(cfg) is Phi3ForCausalLM
-    assert cfg.rope.type == ('longrope' if name == 'longrope' else 'default')
+    assert cfg.rope.type == ('default' if name == 'plain' else 'longrope')
+    assert cfg.rope.partial_rotary_factor == (0.5 if name == 'partial_longrope' else 1.0)
+    from helpers import _load_hf
+    assert _load_hf(os.path.abspath(path)).model.rotary_emb.inv_freq.numel() == 8 * cfg.rope.partial_rotary_factor
     assert _engine_tokens(path, _prompts()) == want[:len(PROMPT_LENGTHS)]
 
 
 def test_phi3_tp2_equals_transformers(phi3):
-    """Two ranks on gloo, each reading only its heads' rows of qkv_proj and its rows of gate_up_proj."""
-    path, want = phi3('longrope')
+    """Two ranks on gloo, each reading only its heads' rows of qkv_proj (reordered for partial rotary) and its
+    rows of gate_up_proj."""
+    path, want = phi3('partial_longrope')
     assert _engine_tokens(path, _prompts(), tp=2) == want[:len(PROMPT_LENGTHS)]
 
 
@@ -129,8 +135,8 @@ def test_legacy_su_rope_scaling_reads_as_longrope(tmp_path):
 @pytest.mark.parametrize('fields,match', [
     (dict(type='longrope', short_factor=[1.0] * 8), "'rope_scaling.long_factor' is missing"),
     (dict(type='longrope', short_factor=[1.0] * 8, long_factor=[0] * 8), 'long_factor.*positive numbers'),
-    (dict(type='longrope', short_factor=[1.0] * 8, long_factor=[1.0] * 8, partial_rotary_factor=0.75),
-     "'rope_scaling.partial_rotary_factor' is 0.75"),
+    (dict(type='longrope', short_factor=[1.0] * 8, long_factor=[1.0] * 8, partial_rotary_factor=1.5),
+     "'rope_scaling.partial_rotary_factor' must be a number in"),
 ])
 def test_bad_longrope_configs_are_refused(tmp_path, fields, match):
     with pytest.raises(ValueError, match=match):
@@ -152,3 +158,14 @@ def test_split_rows_reads_only_the_rows_asked_for():
     assert torch.equal(parts['v'].take(), fused[7:])
     with pytest.raises(ValueError, match=r'qkv_proj.weight: 10 rows, expected q 4 \+ k 4 \+ v 4 = 12'):
         split_rows(CheckpointTensor(fused), {'q': 4, 'k': 4, 'v': 4}, 'qkv_proj.weight')
+
+
+def test_partial_rotary_is_refused_where_q_and_k_are_not_laid_out_for_it(tmp_path):
+    from lmdeploy.engine.nn.rotary import RotaryEmbedding, partial_rotary_order
+    path = _legacy_config(tmp_path, type='longrope', short_factor=[1.0] * 6, long_factor=[1.0] * 6,
+                          partial_rotary_factor=0.75)
+    rope = load_model_config(path).rope
+    with pytest.raises(ValueError, match='partial_rotary_factor 0.75 .rotary on 12 of head_dim 16. is not supported'):
+        RotaryEmbedding(16, rope, 128)
+    assert RotaryEmbedding(16, rope, 128, partial_layout=True).rotary_dim == 12
+    assert partial_rotary_order(8, 4) == [0, 1, 4, 5, 2, 3, 6, 7]

@@ -31,6 +31,9 @@ class RopeConfig:
     short_factor: Optional[List[float]] = None
     long_factor: Optional[List[float]] = None
     attention_factor: float = 1.0
+    # rotary on the first int(head_dim * partial_rotary_factor) dims of a head (Phi-4-mini); models that
+    # lay out q/k for it ask RotaryEmbedding for it, others refuse it
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass
@@ -143,11 +146,13 @@ def _rope_from(fields: ConfigFields) -> RopeConfig:
     rope_type = params.get('rope_type', params.get('type', 'default')) or 'default'
     if rope_type == 'su' or (rope_type == 'yarn' and 'long_factor' in params and 'short_factor' in params):
         rope_type = 'longrope'  # Phi-3's older names for it (transformers' Phi3Config renames them so)
-    partial = params.get('partial_rotary_factor', cfg.get('partial_rotary_factor'))
-    if partial is not None and partial != 1:
+    if params.get('partial_rotary_factor') is not None:
+        partial = rope.number('partial_rotary_factor', what='a number in (0, 1]')
+    else:
+        partial = fields.number('partial_rotary_factor', 1.0, what='a number in (0, 1]')
+    if partial > 1:
         where = f'{key}.partial_rotary_factor' if 'partial_rotary_factor' in params else 'partial_rotary_factor'
-        raise ValueError(f'{fields.path}: field {where!r} is {partial!r}: rotary embedding on only part of '
-                         'head_dim is not supported (the attention ops rotate the whole head)')
+        raise ValueError(f'{fields.path}: field {where!r} must be a number in (0, 1], got {partial!r}')
     if rope_type not in SUPPORTED_ROPE:
         raise ValueError(f'{fields.path}: rope type {rope_type!r} ({key}) is not supported; supported: '
                          f'{list(SUPPORTED_ROPE)}')
@@ -164,6 +169,7 @@ def _rope_from(fields: ConfigFields) -> RopeConfig:
                       low_freq_factor=rope.number('low_freq_factor', 1.0),
                       high_freq_factor=rope.number('high_freq_factor', 4.0),
                       original_max_position_embeddings=original,
+                      partial_rotary_factor=partial,
                       **longrope)
 
 

@@ -8,16 +8,24 @@ Each is unpacked on load into views of its rows (internlm2.GroupedRows with one 
 tensor-parallel rank reads only its own rows of the fused tensor. The MLP is up * silu(gate) (transformers'
 Phi3MLP), Llama's. Long-context checkpoints use LongRoPE (``rope_scaling.type`` 'longrope', older 'su'),
 read by model_config.py and applied by nn/rotary.py. ``sliding_window`` is handled as for every model
-(model_config.py caps the session length at it). ``partial_rotary_factor`` < 1 (Phi-4-mini) is refused
-by model_config.py.
+(model_config.py caps the session length at it).
+
+``partial_rotary_factor`` < 1 (Phi-4-mini: rotary on the first 3/4 of each head, pairs i, i + r/2): the ops
+rotate whole heads (pairs j, j + head_dim/2), so the rows of each q and k head are reordered on load
+(nn/rotary.partial_rotary_order) to put the rotated pairs there and the other dims where the rotary
+embedding gives cos 1, sin 0. q and k reordered alike leave every q.k, so the attention, unchanged.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, Tuple
+import dataclasses
+
+from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
+from ..model_config import ModelConfig
 from ..nn.loading import CheckpointTensor
+from ..nn.rotary import RotaryEmbedding, partial_rotary_order, rotary_partial_dim
 from .internlm2 import GroupedRows
 from .llama import LlamaForCausalLM
 
@@ -35,7 +43,35 @@ def split_rows(packed: CheckpointTensor, sizes: Dict[str, int], name: str) -> Di
     return views
 
 
+class HeadPermuted:
+    """A q or k part whose rows are reordered within each head: row j of a head is its row ``order[j]``.
+    Reads only the heads asked for."""
+
+    def __init__(self, part, head_dim: int, order):
+        self.part, self.head_dim, self.order = part, head_dim, torch.tensor(order)
+
+    @property
+    def shape(self):
+        return self.part.shape
+
+    def take(self, rows: Optional[range] = None, cols: Optional[range] = None) -> torch.Tensor:
+        d = self.head_dim
+        if rows is not None and (rows.start % d or rows.stop % d):
+            raise ValueError(f'rows {rows} are not whole heads of {d} rows')
+        t = self.part.take(rows, cols)
+        return t.reshape(t.shape[0] // d, d, *t.shape[1:])[:, self.order].reshape(t.shape)
+
+
 class Phi3ForCausalLM(LlamaForCausalLM):
+
+    def __init__(self, cfg: ModelConfig):
+        # Llama's rotary embedding (replaced below) refuses partial rotary; this model lays q and k out for it
+        plain = dataclasses.replace(cfg.rope, type='default', partial_rotary_factor=1.0)
+        super().__init__(dataclasses.replace(cfg, rope=plain))
+        self.config = cfg
+        self.rotary_dim = rotary_partial_dim(cfg.head_dim, cfg.rope)
+        self.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings,
+                                                partial_layout=True)
 
     def checkpoint_names(self, weights: Iterable[Tuple[str, CheckpointTensor]]) -> Iterator[Tuple[str, object]]:
         """Phi-3's tensors as Llama's: qkv_proj into q_proj, k_proj, v_proj; gate_up_proj into gate_proj,
@@ -51,6 +87,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 if marker in name:
                     prefix, param = name.split(marker)
                     for part, rows in split_rows(src, sizes, name).items():
+                        if part in ('q', 'k') and self.rotary_dim != cfg.head_dim:
+                            rows = HeadPermuted(rows, cfg.head_dim, partial_rotary_order(cfg.head_dim,
+                                                                                        self.rotary_dim))
                         yield f'{prefix}{owner}{part}_proj.{param}', rows
                     break
             else:

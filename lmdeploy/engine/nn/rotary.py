@@ -42,21 +42,48 @@ def longrope_inv_freq(dim: int, theta: float, factors) -> torch.Tensor:
     return 1.0 / (torch.tensor(factors, dtype=torch.float32, device='cpu') * theta**exponent)
 
 
-class RotaryEmbedding(nn.Module):
+def partial_rotary_order(head_dim: int, rotary_dim: int):
+    """Where each dim of a head goes so that rotary on its first ``rotary_dim`` dims (pairs i, i + rotary_dim / 2)
+    becomes the ops' whole-head rotate_half (pairs j, j + head_dim / 2), the other dims passed through with
+    cos 1, sin 0: new dim j holds old dim order[j]. q and k both permuted so leave q.k unchanged."""
+    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return (list(range(0, r)) + list(range(rotary_dim, rotary_dim + p)) + list(range(r, rotary_dim)) +
+            list(range(rotary_dim + p, head_dim)))
 
-    def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int):
+
+def rotary_partial_dim(head_dim: int, rope: RopeConfig) -> int:
+    """Rotated dims of a head: int(head_dim * partial_rotary_factor), as transformers takes them."""
+    dim = int(head_dim * rope.partial_rotary_factor)
+    if dim <= 0 or dim % 2:
+        raise ValueError(f'partial_rotary_factor {rope.partial_rotary_factor} of head_dim {head_dim} gives '
+                         f'{dim} rotary dims; an even number > 0 is needed')
+    return dim
+
+
+class RotaryEmbedding(nn.Module):
+    """``partial_layout``: the model lays q and k out as partial_rotary_order says (config's
+    partial_rotary_factor < 1); without it such a config is refused."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int, partial_layout: bool = False):
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
         self.max_pos = max_position_embeddings
-        inv_freq = base_inv_freq(head_dim, rope.theta)
+        self.rotary_dim = rotary_partial_dim(head_dim, rope)
+        if self.rotary_dim != head_dim and not partial_layout:
+            raise ValueError(f'partial_rotary_factor {rope.partial_rotary_factor} (rotary on {self.rotary_dim} of '
+                             f'head_dim {head_dim}) is not supported for this model')
+        dim = self.rotary_dim
+        if dim != head_dim and rope.type not in ('default', 'longrope'):
+            raise ValueError(f'partial_rotary_factor with rope type {rope.type!r} is not supported')
+        inv_freq = base_inv_freq(dim, rope.theta)
         if rope.type == 'linear':
             inv_freq = inv_freq / rope.factor
         elif rope.type == 'llama3':
             inv_freq = llama3_inv_freq(inv_freq, rope)
         elif rope.type == 'longrope':
-            inv_freq = longrope_inv_freq(head_dim, rope.theta, rope.short_factor)
-            self.long_inv_freq = longrope_inv_freq(head_dim, rope.theta, rope.long_factor)
+            inv_freq = longrope_inv_freq(dim, rope.theta, rope.short_factor)
+            self.long_inv_freq = longrope_inv_freq(dim, rope.theta, rope.long_factor)
         self.inv_freq = inv_freq  # not a buffer: survives materialising the model
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
@@ -93,6 +120,13 @@ class RotaryEmbedding(nn.Module):
             freqs = positions.float()[:, None] * self._longrope_inv_freq(rope_lens)
         else:
             freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
+        if self.rotary_dim != self.head_dim:  # partial_rotary_order's layout: pass-through dims cos 1, sin 0
+            af = self.rope.attention_factor
+            pad = (self.head_dim - self.rotary_dim) // 2
+            cos, sin = freqs.cos() * af, freqs.sin() * af
+            cos = torch.cat((cos, torch.ones_like(cos[:, :1]).expand(-1, pad)), dim=-1)
+            sin = torch.cat((sin, torch.zeros_like(sin[:, :1]).expand(-1, pad)), dim=-1)
+            return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.rope.attention_factor != 1.0:  # LongRoPE's: scales q.k by its square
             return emb.cos() * self.rope.attention_factor, emb.sin() * self.rope.attention_factor
