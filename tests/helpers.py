@@ -566,3 +566,11 @@ def build_tiny_gemma(out: str, tokenizer_dir: str, num_kv_heads: int = 1, seed: 
     model.save_pretrained(out)
     _copy_tokenizer(tokenizer_dir, out)
     return out
+
+
+def sigint_as_in_a_terminal():
+    """preexec_fn for a child that a test interrupts with SIGINT: a shell starts background jobs (a CI
+    runner's, or `.ci/run &`) with SIGINT ignored, which children inherit, and Python then never raises
+    KeyboardInterrupt; a terminal's user has it at its default."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

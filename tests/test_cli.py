@@ -9,6 +9,7 @@ import sys
 import types
 
 import pytest
+from helpers import sigint_as_in_a_terminal
 
 from lmdeploy import cli
 from lmdeploy.cli.chat import build_gen_config
@@ -207,7 +208,8 @@ def _spawn_chat(model, *argv):
     pexpect = pytest.importorskip('pexpect')
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
     child = pexpect.spawn(sys.executable, ['-m', 'lmdeploy', 'chat', model, '--device', 'cpu', *argv],
-                          cwd=REPO, env=env, encoding='utf-8', timeout=90, dimensions=(50, 200))
+                          cwd=REPO, env=env, encoding='utf-8', timeout=90, dimensions=(50, 200),
+                          preexec_fn=sigint_as_in_a_terminal)
     child.expect('>>> ')
     return pexpect, child
 

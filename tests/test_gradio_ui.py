@@ -391,7 +391,9 @@ def test_cli_serves_the_page(smollm2_path, browser):
     env['PYTHONPATH'] = repo + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')
     cmd = [sys.executable, '-m', 'lmdeploy', 'serve', 'gradio', '--server-name', '127.0.0.1', '--server-port',
            str(port), '--device', 'cpu', '--session-len', '1024', '--cache-max-entry-count', '0.01']
-    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    from helpers import sigint_as_in_a_terminal
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     output = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()
