@@ -141,7 +141,10 @@ class Tab:
 
     def set_number(self, elem_id: str, value):
         from selenium.webdriver.common.keys import Keys
-        box = self.el(f'#{elem_id} input[type=number]')
+        css = f'#{elem_id} input[type=number]'
+        # (the settings render after the message box: on a busy machine a moment later)
+        _wait(lambda: self.d.find_elements(self.By.CSS_SELECTOR, css), 30, elem_id)
+        box = self.el(css)
         box.clear()
         box.send_keys(str(value), Keys.TAB)
 
