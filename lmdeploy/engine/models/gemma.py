@@ -15,14 +15,11 @@ embedding (tied). Gemma 2 and 3 (logit soft-capping, sliding windows, extra norm
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..model_config import ModelConfig
-from ..nn import LMHead, MergedLinear, RotaryEmbedding, RowParallelLinear, StepContext, VocabEmbedding
 from ..nn.activation import GeluTanhAndMul
 from ..nn.norm import OffsetRMSNorm
-from ..nn.parallel import split_range, tensor_parallel
-from .llama import LlamaAttention, LlamaForCausalLM
+from .llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 # activation names that mean tanh-approximated GeLU in a Gemma config (transformers maps the legacy 'gelu')
 GELU_TANH = ('gelu_pytorch_tanh', 'gelu')
@@ -34,60 +31,26 @@ def check_activation(cfg: ModelConfig):
         raise ValueError(f'Gemma with hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)')
 
 
-class GemmaMLP(nn.Module):
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        tp = tensor_parallel()
-        rows = split_range(cfg.intermediate_size, tp.rank, tp.size)
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {'gate': rows, 'up': rows}, bias=cfg.mlp_bias)
-        self.act = GeluTanhAndMul()
-        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x):
-        return self.down_proj(self.act.of_projection(self.gate_up_proj, x))
+class GemmaMLP(LlamaMLP):
+    act_cls = GeluTanhAndMul
 
 
-class GemmaDecoderLayer(nn.Module):
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GemmaMLP(cfg)
-
-    def forward(self, x, residual, cos, sin, ctx):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    norm_cls, mlp_cls = OffsetRMSNorm, GemmaMLP
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(LlamaModel):
+    layer_cls = GemmaDecoderLayer
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+    def __init__(self, cfg: ModelConfig, attention_cls=LlamaAttention):
+        super().__init__(cfg, attention_cls)
         self.embed_scale = cfg.hidden_size**0.5
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # as transformers: the float32 sqrt(hidden) rounded to the model's dtype, then the product in it (a
         # host number: no device tensor made per step)
-        x = x * float(torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype))
-        cos, sin = self.rotary_emb.cos_sin(positions, ctx.rope_lens)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, ctx)
-        x, _ = self.norm(x, residual)
-        return x
+        return x * float(torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype))
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -95,13 +58,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
     ``tie_word_embeddings: false`` (transformers' GemmaConfig defaults it to true; Gemma checkpoints carry no
     lm_head.weight)."""
 
+    model_cls = GemmaModel
+
     def __init__(self, cfg: ModelConfig):
         check_activation(cfg)
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = GemmaModel(cfg)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
-        self.tie_weights()
+        super().__init__(cfg)
 
     @property
     def tied(self) -> bool:

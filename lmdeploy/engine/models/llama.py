@@ -46,13 +46,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    act_cls = SiluAndMul  # the gate's activation (Gemma: GeLU-tanh)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         tp = tensor_parallel()
         rows = split_range(cfg.intermediate_size, tp.rank, tp.size)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {'gate': rows, 'up': rows}, bias=cfg.mlp_bias)
-        self.act = SiluAndMul()
+        self.act = self.act_cls()
         self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
@@ -60,13 +61,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    norm_cls, mlp_cls = RMSNorm, LlamaMLP
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, attention_cls=LlamaAttention):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = attention_cls(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = self.mlp_cls(cfg)
 
     def forward(self, x, residual, cos, sin, ctx):
         if residual is None:
@@ -79,16 +81,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
 
     def __init__(self, cfg: ModelConfig, attention_cls=LlamaAttention):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, attention_cls) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i, attention_cls) for i in range(cfg.num_layers))
+        self.norm = self.layer_cls.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, ctx.rope_lens)
         residual = None
         for layer in self.layers:
@@ -98,15 +104,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Variants (Qwen) differ only in their attention block."""
+    """Variants differ in their attention block (Qwen) or their layers' norms and MLP (Gemma)."""
     attention_cls = LlamaAttention
+    model_cls = LlamaModel
     stacked_params = [('qkv_proj', 'q_proj', 'q'), ('qkv_proj', 'k_proj', 'k'), ('qkv_proj', 'v_proj', 'v'),
                       ('gate_up_proj', 'gate_proj', 'gate'), ('gate_up_proj', 'up_proj', 'up')]
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.attention_cls)
+        self.model = self.model_cls(cfg, self.attention_cls)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         self.tie_weights()
 

@@ -19,7 +19,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.c
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(dt), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def _gated(kernel, x: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up for x = cat(gate, up) [T, 2I], one program per row and column block."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, two_i = x.shape
@@ -28,9 +29,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block,
-                                                         num_warps=4, PDL=pdl.ON, **pdl.LAUNCH)
+    kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
+                                          PDL=pdl.ON, **pdl.LAUNCH)
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _gated(_silu_and_mul_kernel, x)
 
 
 @triton.jit
@@ -53,14 +58,4 @@ def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK:
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up for x = cat(gate, up) [T, 2I] (DeviceOps.gelu_tanh_and_mul)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows, two_i = x.shape
-    n = two_i // 2
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(n))
-    _gelu_tanh_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block,
-                                                              num_warps=4, PDL=pdl.ON, **pdl.LAUNCH)
-    return out
+    return _gated(_gelu_tanh_and_mul_kernel, x)
