@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .remote_config import standard_fields
+
 DTYPES = {'float16': torch.float16, 'bfloat16': torch.bfloat16, 'float32': torch.float32}
 
 
@@ -237,6 +239,7 @@ def load_model_config(model_path: str) -> ModelConfig:
     if 'text_config' in cfg and 'hidden_size' not in cfg:  # a multimodal config: its language model's fields
         text = ConfigFields(cfg, path).mapping('text_config') or {}
         cfg = {**text, **cfg}
+    cfg = standard_fields(cfg, path)  # remote-code configs' own field names
     fields = ConfigFields(cfg, path)
     archs = cfg.get('architectures') or []
     if isinstance(archs, str):

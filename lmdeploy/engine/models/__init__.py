@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from ..model_config import ModelConfig
+from .baichuan import BaichuanForCausalLM, BaiChuanForCausalLM
 from .gemma import GemmaForCausalLM
+from .glm import ChatGLMForCausalLM, Glm4ForCausalLM, GlmForCausalLM
 from .internlm2 import InternLM2ForCausalLM
 from .internlm3 import InternLM3ForCausalLM
 from .llama import LlamaForCausalLM
@@ -19,6 +21,12 @@ ARCHITECTURES = {
     'InternLM3ForCausalLM': InternLM3ForCausalLM,
     'Phi3ForCausalLM': Phi3ForCausalLM,
     'GemmaForCausalLM': GemmaForCausalLM,
+    'GlmForCausalLM': GlmForCausalLM,
+    'Glm4ForCausalLM': Glm4ForCausalLM,
+    'ChatGLMModel': ChatGLMForCausalLM,
+    'ChatGLMForConditionalGeneration': ChatGLMForCausalLM,
+    'BaichuanForCausalLM': BaichuanForCausalLM,
+    'BaiChuanForCausalLM': BaiChuanForCausalLM,
 }
 MODEL_TYPES = {
     'llama': LlamaForCausalLM,
@@ -30,6 +38,10 @@ MODEL_TYPES = {
     'internlm3': InternLM3ForCausalLM,
     'phi3': Phi3ForCausalLM,
     'gemma': GemmaForCausalLM,
+    'glm': GlmForCausalLM,
+    'glm4': Glm4ForCausalLM,
+    'chatglm': ChatGLMForCausalLM,
+    'baichuan': BaichuanForCausalLM,
 }
 
 

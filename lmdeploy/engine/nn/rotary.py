@@ -51,6 +51,16 @@ def partial_rotary_order(head_dim: int, rotary_dim: int):
             list(range(rotary_dim + p, head_dim)))
 
 
+def interleaved_rotary_order(head_dim: int, rotary_dim: int):
+    """As partial_rotary_order, for rotary on the interleaved pairs (2i, 2i + 1) of the first ``rotary_dim`` dims
+    (GLM's: pair i turns by frequency i): the even dims of that part are gathered in front of the odd ones, which
+    makes the pairs i, i + rotary_dim / 2, then partial_rotary_order moves them where the ops rotate. New dim j
+    holds old dim order[j]; q and k both permuted so leave q.k unchanged."""
+    half = rotary_dim // 2
+    split = [2 * i for i in range(half)] + [2 * i + 1 for i in range(half)] + list(range(rotary_dim, head_dim))
+    return [split[j] for j in partial_rotary_order(head_dim, rotary_dim)]
+
+
 def rotary_partial_dim(head_dim: int, rope: RopeConfig) -> int:
     """Rotated dims of a head: int(head_dim * partial_rotary_factor), as transformers takes them."""
     dim = int(head_dim * rope.partial_rotary_factor)
