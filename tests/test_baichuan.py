@@ -147,3 +147,16 @@ def test_baichuan_13b_alibi_is_refused(tmp_path):
     with pytest.raises(ValueError, match='hidden_size 5120 .*ALiBi'):
         with torch.device('meta'), building(get_device('cpu')):
             get_model_class(model_cfg)(model_cfg)
+
+
+def test_baichuan2_builtin_chat_template():
+    """``--chat-template baichuan2``: Baichuan2's build_chat_input (generation_utils.py) puts the system text first,
+    user_token_id 195 (<reserved_106>) before each user turn and assistant_token_id 196 (<reserved_107>) before
+    each reply, nothing after a reply; generation stops at EOS."""
+    from lmdeploy.frontend.chat_template import ChatTemplateConfig, list_builtin_templates
+    assert 'baichuan2' in list_builtin_templates()
+    t = ChatTemplateConfig(model_name='baichuan2').to_template()
+    messages = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'},
+                {'role': 'assistant', 'content': 'Hello!'}, {'role': 'user', 'content': 'Bye'}]
+    assert t.messages2prompt(messages) == 'Be brief.<reserved_106>Hi<reserved_107>Hello!<reserved_106>Bye<reserved_107>'
+    assert t.stop_words == []

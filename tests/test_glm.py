@@ -254,3 +254,17 @@ def test_glm_partial_rotary_defaults_to_half(tmp_path):
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=100)
     (tmp_path / 'config.json').write_text(json.dumps(cfg))
     assert load_model_config(str(tmp_path)).rope.partial_rotary_factor == 0.5
+
+
+def test_glm4_builtin_chat_template():
+    """``--chat-template glm4`` (LMDeploy's glm4: glm-4-9b-chat's turn markers and stop words; the [gMASK]<sop>
+    prefix is the tokenizer's special tokens)."""
+    from lmdeploy.frontend.chat_template import ChatTemplateConfig, list_builtin_templates
+    assert 'glm4' in list_builtin_templates()
+    t = ChatTemplateConfig(model_name='glm4').to_template()
+    messages = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'},
+                {'role': 'assistant', 'content': 'Hello!'}, {'role': 'user', 'content': 'Bye'}]
+    assert t.messages2prompt(messages) == ('<|system|>\nBe brief.<|user|>\nHi<|assistant|>\nHello!'
+                                           '<|user|>\nBye<|assistant|>\n')
+    assert t.messages2prompt('Bye', sequence_start=False) == '<|user|>\nBye<|assistant|>\n'
+    assert t.stop_words == ['<|user|>', '<|endoftext|>', '<|observation|>']

@@ -440,6 +440,13 @@ BUILTIN_CHAT_TEMPLATES: Dict[str, Dict[str, Any]] = {
     # Mistral has no system turn: the system prompt opens the first [INST].
     'mistral': dict(system='[INST] ', eosys='\n\n', user='[INST] ', eoh=' [/INST]', assistant='', eoa='</s>',
                     stop_words=['</s>']),
+    # GLM-4 (glm-4-9b-chat's turn markers, as LMDeploy's glm4): its tokenizers add the [gMASK]<sop> prefix as
+    # special tokens, which a new sequence is encoded with
+    'glm4': dict(system='<|system|>\n', user='<|user|>\n', assistant='<|assistant|>\n',
+                 stop_words=['<|user|>', '<|endoftext|>', '<|observation|>']),
+    # Baichuan2: generation_config's user_token_id 195 and assistant_token_id 196 are these pieces; a system
+    # prompt goes first as plain text; a reply ends at EOS (build_chat_input in its generation_utils.py)
+    'baichuan2': dict(user='<reserved_106>', assistant='<reserved_107>'),
     'vicuna': dict(meta_instruction='A chat between a curious user and an artificial intelligence assistant. '
                    "The assistant gives helpful, detailed, and polite answers to the user's questions.",
                    eosys=' ', user='USER: ', eoh=' ', assistant='ASSISTANT: ', eoa='</s>', stop_words=['</s>']),
