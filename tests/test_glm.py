@@ -46,14 +46,15 @@ def _prompts(seed=13):
     return [[rng.randrange(20, 49152) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def _glm_kwargs(kv_heads=2, partial=0.5):
-    return dict(_COMMON, num_key_value_heads=kv_heads, rope_theta=10000.0, tie_word_embeddings=False,
+def _glm_kwargs(kv_heads=2, partial=0.5, head_dim=16):
+    return dict(_COMMON, num_key_value_heads=kv_heads, head_dim=head_dim, rope_theta=10000.0, tie_word_embeddings=False,
                 attention_bias=True, partial_rotary_factor=partial, rope_scaling=dict(partial_rotary_factor=partial))
 
 
 SOURCES = {
     'glm': ('GlmConfig', _glm_kwargs()),
     'glm_mha': ('GlmConfig', _glm_kwargs(kv_heads=4)),
+    'glm_wide_heads': ('GlmConfig', _glm_kwargs(head_dim=32)),  # heads * head_dim (128) > hidden (64)
     'glm4': ('Glm4Config', _glm_kwargs()),
     'glm4_full_rotary': ('Glm4Config', _glm_kwargs(partial=1.0)),
 }
@@ -151,15 +152,16 @@ def test_glm_decodes_as_transformers(name, cls, source):
     assert _engine_tokens(path, _prompts()) == want
 
 
-@pytest.mark.parametrize('name', ['glm', 'glm_mha'])
+@pytest.mark.parametrize('name', ['glm', 'glm_mha', 'glm_wide_heads'])
 def test_chatglm_decodes_as_the_glm_it_packs(name, source, tmp_path):
-    """glm: multi_query_attention with 2 groups (q, k, v one after the other); glm_mha: without it (per head)."""
+    """glm: multi_query_attention with 2 groups (q, k, v one after the other); glm_mha: without it (per head);
+    glm_wide_heads: kv_channels 32 over hidden 64 (4 heads)."""
     path, want = source(name)
     converted = glm_to_chatglm(path, str(tmp_path / 'chatglm'))
     cfg = load_model_config(converted)
     assert get_model_class(cfg) is ChatGLMForCausalLM
-    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (2, 4 if name == 'glm_mha' else 2, 16,
-                                                                                  49152)
+    kv_heads, head_dim = (4 if name == 'glm_mha' else 2), (32 if name == 'glm_wide_heads' else 16)
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (2, kv_heads, head_dim, 49152)
     assert _engine_tokens(converted, _prompts()) == want
 
 
