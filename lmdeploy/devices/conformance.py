@@ -195,46 +195,64 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
                 ks = [x @ h for x in ks]
         return ks, vs, cache, tables.to(dev), fill_ok
 
-    def _attend_ref(q, k, v, scale, n_visible):
-        """q [H, D] of one position, k/v [L, Hkv, D]: softmax over the first n_visible keys."""
+    def _attend_ref(q, k, v, scale, n_visible, window=None, softcap=None):
+        """q [H, D] of one position, k/v [L, Hkv, D]: softmax over the first n_visible keys (the last
+        ``window`` of them), scores soft-capped as cap * tanh(s / cap)."""
         H, Hkv = q.shape[0], k.shape[1]
+        first = 0 if window is None else max(0, n_visible - window)
         out = torch.empty_like(q)
         for h in range(H):
-            kh, vh = k[:n_visible, h // (H // Hkv)], v[:n_visible, h // (H // Hkv)]
+            kh, vh = k[first:n_visible, h // (H // Hkv)], v[first:n_visible, h // (H // Hkv)]
             s = (kh @ q[h]) * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
             p = torch.exp(s - s.max())
             out[h] = (p / p.sum()) @ vh
         return out
 
-    def paged_decode_attention(policy=0):
-        kv_lens = [5, 11, 1]
-        H, D = 4, 32
+    def paged_decode_attention(policy=0, D=32, window=None, softcap=None, kv_lens=(5, 11, 1), q_scale=1.0):
+        kv_lens = list(kv_lens)
+        H = 4
         ks, vs, cache, tables, fill_ok = _paged_setup(kv_lens, H=H, D=D, policy=policy)
-        q = q64(randn(len(kv_lens), H, D))
+        q = q64(randn(len(kv_lens), H, D, scale=q_scale))
         scale = 1 / math.sqrt(D)
         lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
-        ref = torch.stack([_attend_ref(q[b], ks[b], vs[b], scale, n) for b, n in enumerate(kv_lens)])
-        longest_first = torch.tensor([1, 0, 2], device=dev)  # a work-order hint: same results
+        ref = torch.stack([_attend_ref(q[b], ks[b], vs[b], scale, n, window, softcap) for b, n in enumerate(kv_lens)])
+        longest_first = torch.tensor(sorted(range(len(kv_lens)), key=lambda b: -kv_lens[b]), device=dev)
+        extra = {} if window is None and softcap is None else dict(sliding_window=window, logit_softcap=softcap)
         return _all_ok(*(_compare('paged_decode_attention', ops.paged_decode_attention(
-            on_dev(q), cache, tables, lens, scale, max(kv_lens), order), ref, dtype)
-                         for order in (None, longest_first)), fill_ok)
+            on_dev(q), cache, tables, lens, scale, max(kv_lens), order, **extra), ref, dtype)
+                         for order in (None, longest_first)), fill_ok)  # a work-order hint: same results
 
-    def paged_prefill_attention(policy=0):
-        kv_lens, q_lens = [9, 4], [3, 4]  # the first continues a cached prefix (chunked prefill)
-        H, D = 4, 32
+    def paged_prefill_attention(policy=0, D=32, window=None, softcap=None, kv_lens=(9, 4), q_lens=(3, 4),
+                                q_scale=1.0):
+        kv_lens, q_lens = list(kv_lens), list(q_lens)  # the first continues a cached prefix (chunked prefill)
+        H = 4
         ks, vs, cache, tables, fill_ok = _paged_setup(kv_lens, H=H, D=D, policy=policy)
-        q = q64(randn(sum(q_lens), H, D))
-        starts = [0, q_lens[0]]
+        q = q64(randn(sum(q_lens), H, D, scale=q_scale))
+        starts = [sum(q_lens[:b]) for b in range(len(q_lens))]
         scale = 1 / math.sqrt(D)
         i32 = dict(dtype=torch.int32, device=dev)
+        extra = {} if window is None and softcap is None else dict(sliding_window=window, logit_softcap=softcap)
         out = ops.paged_prefill_attention(on_dev(q), cache, tables, torch.tensor(starts, **i32),
                                           torch.tensor(q_lens, **i32), torch.tensor(kv_lens, **i32), scale,
-                                          max(q_lens), max(kv_lens))
+                                          max(q_lens), max(kv_lens), **extra)
         ref = torch.empty_like(q)
         for b, (st, ql, kl) in enumerate(zip(starts, q_lens, kv_lens)):
             for i in range(ql):
-                ref[st + i] = _attend_ref(q[st + i], ks[b], vs[b], scale, kl - ql + i + 1)
+                ref[st + i] = _attend_ref(q[st + i], ks[b], vs[b], scale, kl - ql + i + 1, window, softcap)
         return _all_ok(_compare('paged_prefill_attention', out, ref, dtype), fill_ok)
+
+    # sliding window (4 tokens, shorter than most contexts: blocks wholly outside it, chunks that cross it) and
+    # soft-capped scores (q scaled so that the cap bites: scores around +-10 against a cap of 5), at the head
+    # sizes models use
+    windowed = dict(decode=dict(kv_lens=(5, 11, 1, 30)), prefill=dict(kv_lens=(13, 6, 30), q_lens=(5, 6, 2)))
+
+    def attention_variant(op, policy, softcap):
+        fn, shapes = (paged_decode_attention, windowed['decode']) if op == 'decode' else (
+            paged_prefill_attention, windowed['prefill'])
+        cap = dict(softcap=5.0, q_scale=3.0) if softcap else {}
+        return _all_ok(*(fn(policy, D=d, window=4, **cap, **shapes) for d in (64, 128, 256)))
 
     def apply_token_bitmask():
         logits = randn(3, 70, scale=3).float()
@@ -301,6 +319,11 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
     for policy in (8, 4):  # the quantized caches this device implements (devices/cache.py)
         if policy in ops.quant_policies:
             found += [(f'{name}[int{policy}]', lambda fn=fn, p=policy: fn(p)) for name, fn in attention]
+    for policy in (0, 8, 4):  # window alone, window with soft-capping; head_dim 64 / 128 / 256
+        if policy in ops.quant_policies:
+            cache = '' if policy == 0 else f',int{policy}'
+            found += [(f'paged_{op}_attention[{kind}{cache}]', lambda o=op, p=policy, c=capped: attention_variant(
+                o, p, c)) for op in ('decode', 'prefill') for kind, capped in (('window', False), ('softcap', True))]
     from .layers import REFERENCE_IMPLS  # every layer kind in every weight format
     found += [(f'layer:{kind}[{fmt}]', lambda k=kind, f=fmt: check_layer_impl(ops, k, f, dtype))
               for kind, fmt in sorted(REFERENCE_IMPLS)]

@@ -195,7 +195,8 @@ class DeviceOps:
     def paged_prefill_attention(self, q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor,
                                 q_start_loc: torch.Tensor, q_seqlens: torch.Tensor, kv_seqlens: torch.Tensor,
                                 scale: float, max_q_len: int, max_kv_len: int,
-                                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                                logit_softcap: Optional[float] = None) -> torch.Tensor:
         """Causal attention of new tokens over the whole paged context.
 
         q [T, H, D] packs B sequences: sequence b owns rows
@@ -214,13 +215,21 @@ class DeviceOps:
         returned. A sequence with ``q_seqlens[b] == 0`` owns no row (padding
         of a recorded step: ``max_q_len`` and the batch then only bound the
         work).
+
+        ``sliding_window`` (optional, W >= 1): a query at position p sees only
+        context positions j with p - W < j <= p (its last W tokens, itself
+        included: transformers' Mistral / Qwen2 / Gemma2 mask). ``logit_softcap``
+        (optional, c > 0): each score s = scale * q.k becomes c * tanh(s / c)
+        before the mask and the softmax (Gemma2's attn_logit_softcapping).
+        None: neither (full causal attention, raw scores).
         """
         raise NotImplementedError
 
     def paged_decode_attention(self, q: torch.Tensor, cache: KVCache, block_tables: torch.Tensor,
                                kv_seqlens: torch.Tensor, scale: float,
                                max_kv_len: int, order: Optional[torch.Tensor] = None,
-                               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                               logit_softcap: Optional[float] = None) -> torch.Tensor:
         """One new token per sequence: q [B, H, D] attends to all
         ``kv_seqlens[b]`` cached tokens. Same meaning as the prefill op with
         every q_seqlen equal to 1. ``order`` (optional, [B] integers) is a
@@ -228,7 +237,8 @@ class DeviceOps:
         the rows in that order to balance its work; results do not depend
         on it. A row with ``kv_seqlens[b] == 0`` (padding) gets zeros.
         ``out`` ([B, H, D], optional): written in place of a new tensor and
-        returned."""
+        returned. ``sliding_window`` / ``logit_softcap`` as in the prefill op
+        (the query sits at position ``kv_seqlens[b] - 1``)."""
         raise NotImplementedError
 
     # -------------------------------------------------------------- sampling

@@ -87,45 +87,70 @@ class ReferenceOps(DeviceOps):
         return self._read(cache, which, block_table[:n].long()).flatten(0, 1)[:length]
 
     @staticmethod
-    def _attend(q, k, v, scale, allowed, cache: KVCache):
+    def _attend(q, k, v, scale, allowed, cache: KVCache, logit_softcap=None):
         """q [B, H, Q, D], k/v [B, Hkv, L, D], allowed [B, 1, Q, L] bool.
         Math in float32; GQA by sharing each KV head across its query group;
-        q rotated as the cache's K is (devices/cache.py)."""
+        q rotated as the cache's K is (devices/cache.py). Soft-capped scores
+        are written out (SDPA has no cap); the cap is not blind to a shift of
+        every score, so int4's centred keys get their mean back first."""
         qf = q.float()
         if rotates_k(cache.quant_policy, q.shape[-1]):
             qf = qf @ hadamard(q.shape[-1], q.device)
-        return F.scaled_dot_product_attention(qf, k.float(), v.float(), attn_mask=allowed, scale=scale,
-                                              enable_gqa=True).to(q.dtype)
+        if logit_softcap is None:
+            return F.scaled_dot_product_attention(qf, k.float(), v.float(), attn_mask=allowed, scale=scale,
+                                                  enable_gqa=True).to(q.dtype)
+        group = q.shape[1] // k.shape[1]
+        if cache.k_mean is not None:
+            k = k.float() + cache.k_mean[None, :, None, :]
+        kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+        s = (qf @ kf.transpose(-1, -2)) * scale
+        s = torch.tanh(s / logit_softcap) * logit_softcap
+        p = s.masked_fill(~allowed, float('-inf')).softmax(-1)
+        return torch.nan_to_num(p @ vf).to(q.dtype)  # (a row that sees nothing: a padding row)
+
+    @staticmethod
+    def _visible(q_pos, kv_len, sliding_window):
+        """[Q, L] bool: context position j is visible to the query at q_pos (causal, within the window)."""
+        j = torch.arange(kv_len, device=q_pos.device)[None, :]
+        allowed = j <= q_pos[:, None]
+        if sliding_window is not None:
+            allowed &= j > q_pos[:, None] - sliding_window
+        return allowed
 
     def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
-                                max_kv_len, out=None):
+                                max_kv_len, out=None, sliding_window=None, logit_softcap=None):
         out = torch.empty_like(q) if out is None else out
         for b, (start, qlen, kvlen) in enumerate(zip(q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist())):
             if qlen == 0:
                 continue
             k = self._gather_context(cache, 'k', block_tables[b], kvlen).transpose(0, 1)[None]
             v = self._gather_context(cache, 'v', block_tables[b], kvlen).transpose(0, 1)[None]
-            # query row i sits at position kvlen - qlen + i and sees positions <= it
+            # query row i sits at position kvlen - qlen + i and sees positions <= it (within the window)
             q_pos = torch.arange(kvlen - qlen, kvlen, device=q.device)
-            allowed = torch.arange(kvlen, device=q.device)[None, :] <= q_pos[:, None]
-            o = self._attend(q[start:start + qlen].transpose(0, 1)[None], k, v, scale, allowed[None, None], cache)
+            allowed = self._visible(q_pos, kvlen, sliding_window)
+            o = self._attend(q[start:start + qlen].transpose(0, 1)[None], k, v, scale, allowed[None, None], cache,
+                             logit_softcap)
             out[start:start + qlen] = o[0].transpose(0, 1)
         return out
 
-    def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
+    def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None,
+                               sliding_window=None, logit_softcap=None):
         """Batched over sequences: gather every block in the tables, mask the
         tail. All rows at once, so ``order`` changes nothing here."""
         n = (max_kv_len + cache.block_size - 1) // cache.block_size
         tables = block_tables[:, :n].long()
         k = self._read(cache, 'k', tables).flatten(1, 2)  # [B, L, Hkv, D]
         v = self._read(cache, 'v', tables).flatten(1, 2)
-        valid = torch.arange(k.shape[1], device=q.device)[None, :] < kv_seqlens[:, None]  # [B, L]
+        j = torch.arange(k.shape[1], device=q.device)[None, :]
+        valid = j < kv_seqlens[:, None]  # [B, L]
+        # the query sits at kv_seqlens - 1: its window is the last sliding_window tokens
+        seen = valid if sliding_window is None else valid & (j >= kv_seqlens[:, None] - sliding_window)
         # never let unwritten cache memory (possibly NaN) reach the output
         zero = torch.zeros((), dtype=v.dtype, device=v.device)
         k = torch.where(valid[:, :, None, None], k, zero)
         v = torch.where(valid[:, :, None, None], v, zero)
-        o = self._attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, valid[:, None, None, :],
-                         cache)[:, :, 0]
+        o = self._attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, seen[:, None, None, :],
+                         cache, logit_softcap)[:, :, 0]
         o = torch.where((kv_seqlens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
         return o if out is None else out.copy_(o)
 

@@ -33,9 +33,10 @@ from .block_manager import BlockManager
 from .model_config import ModelConfig, load_model_config
 from .parallel import start_workers
 from .rank import build_rank
-from .sampler import NO_TOKEN, prompt_logprobs, reports_more_than_ids, sample_tokens, token_logprobs
+from .sampler import NO_TOKEN, reports_more_than_ids, sample_tokens, score_rows, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import EngineOutput, SamplingParams, SeqStatus, Sequence
+from .transfer import to_device
 
 logger = logging.getLogger('lmdeploy')
 
@@ -438,9 +439,10 @@ class Engine:
             self._sample(done, hidden, extras)
 
     def _prompt_outputs(self, batch: ScheduledBatch, hidden: torch.Tensor, starts: List[int]) -> Dict[int, dict]:
-        """Prompt-wide outputs: get_ppl losses, 'all' logits and hidden states.
+        """Prompt-wide outputs: get_ppl losses, prompt logprobs, 'all' logits and hidden states.
         Chunks of a prompt still being prefilled are streamed right away."""
         extras: Dict[int, dict] = {}
+        scored = []  # (seq, its extra, hidden rows, targets): scored together below
         for seq, n, start in zip(batch.seqs, batch.num_new_tokens, starts):
             p = seq.params
             if not p.needs_all_rows:
@@ -456,26 +458,48 @@ class Engine:
             extra = extras.setdefault(seq.seq_id, {})
             if p.output_last_hidden_state == 'all':
                 extra['hidden'] = chunk.float().cpu()
-            if p.output_logits == 'all' or p.prompt_loss or p.prompt_logprobs is not None:
-                logits = self.runner.logits(chunk, range(offset, offset + len(chunk))).float()
-                if p.output_logits == 'all':
-                    extra['logits'] = logits.cpu()
+            if p.output_logits == 'all':
+                extra['logits'] = self.runner.logits(chunk, range(offset, offset + len(chunk))).float().cpu()
+            if p.prompt_loss or p.prompt_logprobs is not None:
                 # position j's logits predict token j + 1; the last prompt position's, the first generated one
                 targets = seq.token_ids[first + 1:min(last + 1, seq.num_prompt_tokens)]
-                if p.prompt_loss and targets:
-                    t = torch.tensor(targets, device=logits.device)
-                    loss = torch.nn.functional.cross_entropy(logits[:len(targets)], t, reduction='sum')
-                    seq.loss_sum += float(loss)
-                    seq.loss_count += len(targets)
-                if p.prompt_logprobs is not None:
-                    # a turn's first prompt token gets none (nothing precedes a first turn's)
-                    head = [None] if first == seq.turn_start else []
-                    extra['prompt_logprobs'] = head + prompt_logprobs(logits[:len(targets)], targets,
-                                                                      p.prompt_logprobs)
+                if p.prompt_logprobs is not None and first == seq.turn_start:
+                    extra['prompt_logprobs'] = [None]  # a turn's first prompt token gets none
+                scored.append((seq, extra, range(offset, offset + len(targets)), targets))
+        if scored:
+            self._score_prompts(hidden, scored)
+        for seq in batch.seqs:
+            extra = extras.get(seq.seq_id)
             if extra and seq.num_pending > 0:
                 self._emit(seq, EngineOutput([], logits=extra.get('logits'), last_hidden_state=extra.get('hidden'),
                                              prompt_logprobs=extra.get('prompt_logprobs')))
         return extras
+
+    def _score_prompts(self, hidden: torch.Tensor, scored):
+        """get_ppl's losses and prompt logprobs of every prompt chunk in the step, from one pass over their
+        rows (one wait for the host)."""
+        index = [r for _, _, rows, _ in scored for r in rows]
+        if not index:
+            return
+        targets = torch.tensor([t for *_, ts in scored for t in ts], dtype=torch.int64)
+        top = max(seq.params.prompt_logprobs or 0 for seq, *_ in scored)
+        picked = self.runner.rows(hidden, index)
+        chosen, top_ids, top_vals = score_rows(lambda a, b: self.runner.logits(picked[a:b], index[a:b]),
+                                               to_device(targets, picked.device), top)
+        at = 0
+        for seq, extra, rows, ts in scored:
+            p, span = seq.params, range(at, at + len(rows))
+            at += len(rows)
+            if p.prompt_loss:
+                seq.loss_sum -= sum(chosen[i] for i in span)
+                seq.loss_count += len(span)
+            if p.prompt_logprobs is not None:
+                entries = []
+                for i, t in zip(span, ts):
+                    entry = dict(zip(top_ids[i][:p.prompt_logprobs], top_vals[i][:p.prompt_logprobs])) if top else {}
+                    entry[t] = chosen[i]
+                    entries.append(entry)
+                extra['prompt_logprobs'] = extra.get('prompt_logprobs', []) + entries
 
     def _sample(self, done, hidden: torch.Tensor, extras: Dict[int, dict]):
         """Draw the next tokens on the device. Plain requests leave them in
@@ -486,9 +510,7 @@ class Engine:
         last_hidden = self.runner.rows(hidden, rows)
         plain = all(s.params.plain_greedy for s in seqs)
         settle_now = bool(extras) or (not plain and any(reports_more_than_ids(s) for s in seqs))
-        logits = self.runner.logits(last_hidden, rows)
-        if settle_now or not plain:
-            logits = logits.float()  # sampling, penalties and logprobs work in float32; argmax needs not
+        logits = self.runner.logits(last_hidden, rows)  # the model's dtype: the sampler takes what it needs
         tokens, drawn = sample_tokens(logits, seqs, self.device, self._grammars)
         for i, seq in enumerate(seqs):
             seq.token_ids.append(-1 - i)
@@ -536,7 +558,7 @@ class Engine:
             stopped = token in p.stop_token_ids or (seq.matcher is not None and seq.matcher.is_terminated())
             if logits is not None and not stopped:
                 if p.output_logits == 'generation' or (p.output_logits == 'all' and seq.num_generated > 1):
-                    out.logits = logits[i:i + 1].cpu()
+                    out.logits = logits[i:i + 1].float().cpu()
                 if p.output_last_hidden_state == 'generation' or (p.output_last_hidden_state == 'all'
                                                                    and seq.num_generated > 1):
                     out.last_hidden_state = last_hidden[i:i + 1].float().cpu()

@@ -203,6 +203,29 @@ def _longrope_from(fields: ConfigFields, rope: ConfigFields, original: Optional[
     return dict(original=original, short_factor=short, long_factor=long, attention_factor=attention)
 
 
+def layer_window(cfg: ModelConfig, layer_idx: int, rule: Optional[str]) -> Optional[int]:
+    """Decoder layer ``layer_idx``'s sliding window (None: full attention), as the model's transformers class
+    reads config.json (``sliding_window``, none where ``use_sliding_window`` is false). ``rule``: None, the
+    class ignores the window (Llama); ``'all'``, every layer has it (Mistral, Phi-3); ``'layer_types'``, the
+    layers ``layer_types`` marks ``sliding_attention``, or without that list those from ``max_window_layers``
+    (default 28) on (Qwen2, Qwen3)."""
+    window = cfg.sliding_window
+    if rule is None or not window:
+        return None
+    if rule == 'all':
+        return window
+    fields = ConfigFields(cfg.raw, 'config.json')
+    types = cfg.raw.get('layer_types')
+    if types is not None:
+        if (not isinstance(types, list) or len(types) != cfg.num_layers
+                or any(t not in ('sliding_attention', 'full_attention') for t in types)):
+            raise fields.error('layer_types', f"must list 'sliding_attention' or 'full_attention' for each of the "
+                               f'{cfg.num_layers} layers, got {types!r}')
+        return window if types[layer_idx] == 'sliding_attention' else None
+    first = fields.integer('max_window_layers', 28, 'an integer >= 0', minimum=0)
+    return window if layer_idx >= first else None
+
+
 def _read_json(path: str) -> Dict[str, Any]:
     """A JSON object from ``path``; ValueError naming the file and the place where it does not parse."""
     try:

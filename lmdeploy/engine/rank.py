@@ -35,13 +35,7 @@ def pick_dtype(config: PytorchEngineConfig, model_config: ModelConfig, device) -
 
 
 def session_len_of(config: PytorchEngineConfig, model_config: ModelConfig) -> int:
-    session_len = config.session_len or model_config.max_position_embeddings
-    window = model_config.sliding_window
-    if window and window < session_len:
-        logger.warning(f'sliding-window attention is not implemented: session_len capped at the window '
-                       f'({window})')
-        session_len = window
-    return session_len
+    return config.session_len or model_config.max_position_embeddings
 
 
 @dataclass

@@ -9,7 +9,7 @@ are those of the model's own distribution (before any processing).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -67,11 +67,26 @@ def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: List[Sequence]
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, targets: List[int], top: int) -> List[Dict[int, float]]:
-    """Each prompt token's entry from the logits of the position before it (logits [len(targets), V])."""
-    if not targets:
-        return []
-    return logprob_entries(logits, torch.tensor(targets, device=logits.device), [top] * len(targets))
+def score_rows(logits_of: Callable[[int, int], torch.Tensor], targets: torch.Tensor, top: int,
+               rows_per_call: int = 1024) -> Tuple[List[float], List[List[int]], List[List[float]]]:
+    """log p(targets[r]) under row r's logits and (top > 0) the row's ``top`` most likely tokens with their
+    logprobs, as host lists. ``logits_of(a, b)``: the logits of rows a..b-1 ([b - a, V]). Rows go through in
+    slices of ``rows_per_call`` (a long prompt's float32 log-softmax stays small), and the host waits once,
+    for all of them: a step with prompts to score costs one wait, not one per prompt."""
+    chosen, top_ids, top_vals = [], [], []
+    for a in range(0, targets.shape[0], rows_per_call):
+        t = targets[a:a + rows_per_call]
+        logp = logits_of(a, a + t.shape[0]).float().log_softmax(dim=-1)
+        chosen.append(logp.gather(1, t.unsqueeze(1)).squeeze(1))
+        if top > 0:
+            vals, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+            top_vals.append(vals)
+            top_ids.append(ids)
+    if not chosen:
+        return [], [], []
+    if top <= 0:
+        return torch.cat(chosen).tolist(), [], []
+    return torch.cat(chosen).tolist(), torch.cat(top_ids).tolist(), torch.cat(top_vals).tolist()
 
 
 def reports_more_than_ids(seq: Sequence) -> bool:
@@ -99,25 +114,46 @@ NO_TOKEN = -1  # what the host reads for a row that had nothing to draw from
 
 def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], ops: DeviceOps,
                   grammars=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] on the device whose ops are ``ops`` (float32 unless every row is a plain
-    greedy pick) -> (next token per row, what the host reads of them), both
-    still on the device (nothing here waits for the device).
+    """logits [B, V] on the device whose ops are ``ops`` (the model's dtype) -> (next token per row, what the
+    host reads of them), both still on the device (nothing here waits for the device).
 
-    The host's copy has ``NO_TOKEN`` where a processed row (sampled,
-    constrained, penalised, ...) has no finite logit left to draw from (NaN
-    or infinite logits, or a grammar that allows nothing): an engine fault
-    the engine reports as such. The tokens themselves stay valid ids, as the
-    next step may read them before the host does. Plain greedy rows are not
-    checked (their argmax is the hot path)."""
-    if all(s.params.plain_greedy for s in seqs):
-        tokens = ops.argmax(logits)
+    Plain greedy rows (most requests) are an argmax of the raw logits; only
+    the other rows are copied out, in float32, and processed (bias, grammar,
+    penalties, bans, temperature and filters, a seeded draw), so a few such
+    requests in a large batch cost in proportion to their number.
+
+    The host's copy has ``NO_TOKEN`` where a processed row has no finite
+    logit left to draw from (NaN or infinite logits, or a grammar that
+    allows nothing): an engine fault the engine reports as such. The tokens
+    themselves stay valid ids, as the next step may read them before the
+    host does. Plain greedy rows are not checked (their argmax is the hot
+    path)."""
+    tokens = ops.argmax(logits)
+    processed = [i for i, s in enumerate(seqs) if not s.params.plain_greedy]
+    if not processed:
         return tokens, tokens
+    if len(processed) == len(seqs):
+        sub = logits.float()
+        sub = sub.clone() if sub is logits else sub  # edited in place below; the caller's copy gives logprobs
+        rows = None
+    else:
+        rows = tensor_on(processed, logits.device, torch.int64)
+        sub = logits.index_select(0, rows).float()
+    picked, drawable = _process(sub, [seqs[i] for i in processed], ops, grammars)
+    host = torch.where(drawable, picked, torch.full_like(picked, NO_TOKEN))
+    if rows is None:
+        return picked, host
+    tokens[rows] = picked
+    return tokens, tokens.index_put((rows, ), host)
+
+
+def _process(logits: torch.Tensor, seqs: List[Sequence], ops: DeviceOps, grammars) -> Tuple[torch.Tensor,
+                                                                                            torch.Tensor]:
+    """The next token of each row of float32 ``logits`` (a copy the caller lets us edit) after every
+    request's processing, and whether the row had a finite logit to draw from."""
     banned = [_banned_ids(s) for s in seqs]
     constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
     biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
-    if (constrained or biased or any(banned) or any(s.params.logits_processors or s.params.repetition_penalty != 1.0
-                                                    or s.params.penalised for s in seqs)):
-        logits = logits.clone()  # edited in place below; the caller's copy gives the logprobs
     device = logits.device
     if biased:
         rows, cols, vals = [], [], []
@@ -173,4 +209,4 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], ops: DeviceOps,
         seeds = tensor_on([p.seed for p in ps], device, torch.int64)
         offsets = tensor_on([seqs[i].num_generated for i in sampled], device, torch.int64)
         tokens[rows] = ops.sample(sub, seeds, offsets)
-    return tokens, torch.where(drawable, tokens, torch.full_like(tokens, NO_TOKEN))
+    return tokens, drawable

@@ -15,7 +15,7 @@ import torch
 
 from ..cache import KVCache, KVCacheSpec, quantize
 from ..interface import DeviceOps
-from ..reference import ReferenceSampling
+from ..reference import ReferenceOps, ReferenceSampling
 from . import runtime
 
 # sparse_mode 3 ("rightDownCausal") reads a fixed 2048 x 2048 upper-triangular mask (True: masked) and
@@ -30,6 +30,7 @@ _RIGHT_DOWN_CAUSAL = 3
 # (c - 128 + offset) * scale = c * scale + zero, the definition (devices/cache.py)
 _PER_TOKEN_HEAD_PAGED = 5
 _INT8_SHIFT = 128
+_REFERENCE = ReferenceOps()  # plain torch on any device's tensors: windows and soft caps (below)
 
 
 class AscendOps(ReferenceSampling, DeviceOps):
@@ -202,8 +203,21 @@ class AscendOps(ReferenceSampling, DeviceOps):
             self._host_lens = (kv_seqlens, values)  # held: no other tensor takes its memory meanwhile
         return values
 
+    def _composed(self, cache, block_tables, kv_seqlens, dtype):
+        """The cache in the standard layout (int8: the step's blocks dequantized) and its tables: what the
+        reference's plain-torch attention reads, on the NPU's tensors."""
+        if cache.quant_policy != 8:
+            return cache, block_tables
+        return self._dequantized_blocks(cache, block_tables, kv_seqlens.clamp(min=1).tolist(), dtype)
+
     def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
-                                max_kv_len, out=None):
+                                max_kv_len, out=None, sliding_window=None, logit_softcap=None):
+        if sliding_window is not None or logit_softcap is not None:
+            # the fused attention documents no soft cap, and its band mode (sparse_mode 4) is not in the
+            # emulation the tests run: the reference's composition of torch ops, on the NPU
+            std, tables = self._composed(cache, block_tables, kv_seqlens, q.dtype)
+            return _REFERENCE.paged_prefill_attention(q, std, tables, q_start_loc, q_seqlens, kv_seqlens, scale,
+                                                      max_q_len, max_kv_len, out, sliding_window, logit_softcap)
         out = torch.empty_like(q) if out is None else out
         starts, q_lens, kv_lens = q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist()
         keep = [b for b, n in enumerate(q_lens) if n > 0]  # empty sequences own no rows
@@ -228,7 +242,12 @@ class AscendOps(ReferenceSampling, DeviceOps):
             at += q_lens[b]
         return out
 
-    def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None):
+    def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None,
+                               sliding_window=None, logit_softcap=None):
+        if sliding_window is not None or logit_softcap is not None:  # (as the prefill)
+            std, tables = self._composed(cache, block_tables, kv_seqlens, q.dtype)
+            return _REFERENCE.paged_decode_attention(q, std, tables, kv_seqlens, scale, max_kv_len, None, out,
+                                                     sliding_window, logit_softcap)
         if self._recording is not None:
             self._recording.append(kv_seqlens)
         batch = q.shape[0]

@@ -149,10 +149,14 @@ def _cache_rows(cache) -> Optional[Tuple[int, int, int]]:
 
 
 def paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms, order=None,
-                           out=None, kernel: str = 'auto') -> Optional[torch.Tensor]:
+                           out=None, kernel: str = 'auto', sliding_window=None,
+                           logit_softcap=None) -> Optional[torch.Tensor]:
     """DeviceOps.paged_decode_attention by the compiled kernel; None where it does not take the inputs.
     ``kernel``: ``auto`` runs the tensor-core kernel where it runs (sm80+, block size a multiple of 16),
-    else the CUDA-core one; the others force one (for tests and benchmarks)."""
+    else the CUDA-core one; the others force one (for tests and benchmarks). The kernels implement neither a
+    sliding window nor soft-capped scores: None with either (Triton's kernel has both)."""
+    if sliding_window is not None or logit_softcap is not None:
+        return None
     mod = module()
     if mod is None or q.dtype not in _DTYPES or q.dim() != 3 or q.stride(-1) != 1:
         return None

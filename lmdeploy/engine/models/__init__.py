@@ -8,12 +8,13 @@ from .glm import ChatGLMForCausalLM, Glm4ForCausalLM, GlmForCausalLM
 from .internlm2 import InternLM2ForCausalLM
 from .internlm3 import InternLM3ForCausalLM
 from .llama import LlamaForCausalLM
+from .mistral import MistralForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 ARCHITECTURES = {
     'LlamaForCausalLM': LlamaForCausalLM,
-    'MistralForCausalLM': LlamaForCausalLM,
+    'MistralForCausalLM': MistralForCausalLM,
     'YiForCausalLM': LlamaForCausalLM,
     'Qwen2ForCausalLM': Qwen2ForCausalLM,
     'Qwen3ForCausalLM': Qwen3ForCausalLM,
@@ -30,7 +31,7 @@ ARCHITECTURES = {
 }
 MODEL_TYPES = {
     'llama': LlamaForCausalLM,
-    'mistral': LlamaForCausalLM,
+    'mistral': MistralForCausalLM,
     'yi': LlamaForCausalLM,
     'qwen2': Qwen2ForCausalLM,
     'qwen3': Qwen3ForCausalLM,

@@ -1,4 +1,4 @@
-"""Llama (2, 3, 3.1, 3.2; also SmolLM2, Yi, Mistral without sliding window).
+"""Llama (2, 3, 3.1, 3.2; also SmolLM2, Yi; Mistral is Llama with its sliding window, mistral.py).
 
     h   = x + Attn(RMSNorm(x))
     out = h + W_down (silu(W_gate h') * W_up h'),  h' = RMSNorm(h)
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model_config import ModelConfig
+from ..model_config import ModelConfig, layer_window
 from ..nn import (LMHead, MergedLinear, PagedAttention, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
                   StepContext, VocabEmbedding)
 from ..nn.parallel import head_shard, split_range, tensor_parallel
@@ -19,6 +19,7 @@ from .base import CausalLM
 class LlamaAttention(nn.Module):
     """Under tensor parallelism the rank holds some heads (nn/parallel.py)."""
     qkv_bias_default = False
+    window_rule = None  # which layers the config's sliding window applies to (model_config.layer_window)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -31,7 +32,12 @@ class LlamaAttention(nn.Module):
         qkv_bias = cfg.attention_bias or self.qkv_bias_default
         self.qkv_proj = MergedLinear(cfg.hidden_size, {'q': q_rows, 'k': kv_rows, 'v': kv_rows}, bias=qkv_bias)
         self.o_proj = RowParallelLinear(q_rows, cfg.hidden_size, bias=cfg.attention_bias)
-        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   **self.attention_options(cfg, layer_idx))
+
+    def attention_options(self, cfg: ModelConfig, layer_idx: int) -> dict:
+        """PagedAttention's options for this layer: its sliding window (Gemma2 adds a soft cap and a scale)."""
+        return dict(sliding_window=layer_window(cfg, layer_idx, self.window_rule))
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         return q, k

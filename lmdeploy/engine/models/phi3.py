@@ -7,8 +7,8 @@
 Each is unpacked on load into views of its rows (internlm2.GroupedRows with one block), so a
 tensor-parallel rank reads only its own rows of the fused tensor. The MLP is up * silu(gate) (transformers'
 Phi3MLP), Llama's. Long-context checkpoints use LongRoPE (``rope_scaling.type`` 'longrope', older 'su'),
-read by model_config.py and applied by nn/rotary.py. ``sliding_window`` is handled as for every model
-(model_config.py caps the session length at it).
+read by model_config.py and applied by nn/rotary.py. Every layer attends within ``sliding_window`` (as
+transformers' Phi3 does: 2047 in Phi-3-mini-4k).
 
 ``partial_rotary_factor`` < 1 (Phi-4-mini: rotary on the first 3/4 of each head, pairs i, i + r/2): the ops
 rotate whole heads (pairs j, j + head_dim/2), so the rows of each q and k head are reordered on load
@@ -27,7 +27,7 @@ from ..model_config import ModelConfig
 from ..nn.loading import CheckpointTensor
 from ..nn.rotary import RotaryEmbedding, partial_rotary_order, rotary_partial_dim
 from .internlm2 import GroupedRows
-from .llama import LlamaForCausalLM
+from .llama import LlamaAttention, LlamaForCausalLM
 
 
 def split_rows(packed: CheckpointTensor, sizes: Dict[str, int], name: str) -> Dict[str, GroupedRows]:
@@ -62,7 +62,12 @@ class HeadPermuted:
         return t.reshape(t.shape[0] // d, d, *t.shape[1:])[:, self.order].reshape(t.shape)
 
 
+class Phi3Attention(LlamaAttention):
+    window_rule = 'all'
+
+
 class Phi3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Phi3Attention
 
     def __init__(self, cfg: ModelConfig):
         # Llama's rotary embedding (replaced below) refuses partial rotary; this model lays q and k out for it

@@ -1,5 +1,6 @@
 """Qwen2 / Qwen2.5 (Llama with biased q/k/v) and Qwen3 (Llama with per-head
-RMSNorm on q and k before RoPE)."""
+RMSNorm on q and k before RoPE). Both take the sliding window where ``use_sliding_window`` is true, on the
+layers ``layer_types`` marks or from ``max_window_layers`` on (model_config.layer_window)."""
 from __future__ import annotations
 
 from ..model_config import ModelConfig
@@ -9,6 +10,7 @@ from .llama import LlamaAttention, LlamaForCausalLM
 
 class Qwen2Attention(LlamaAttention):
     qkv_bias_default = True
+    window_rule = 'layer_types'
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -16,6 +18,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3Attention(LlamaAttention):
+    window_rule = 'layer_types'
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__(cfg, layer_idx)

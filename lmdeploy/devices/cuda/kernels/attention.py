@@ -115,6 +115,30 @@ def _store_rows(base, acc, acc2, l_i, row_valid, HEAD_DIM: tl.constexpr, BLOCK_D
 
 
 @triton.jit
+def _softcap(x):
+    """tanh(x), from one exp2 of -2|x| (no overflow; the interpreter and every GPU have exp2)."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _mean_shift(q, q2, mean_ptr, kvh, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, CENTRED: tl.constexpr):
+    """q . m per query row, m the KV head's mean key that int4 takes off K (devices/cache.py): what a
+    soft-capped score must get back (tanh is not blind to a shift of every score, softmax is); 0 otherwise."""
+    if CENTRED:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, BLOCK_HALF)
+        m = offs_h < HALF
+        m1 = tl.load(mean_ptr + kvh * HEAD_DIM + offs_h, mask=m, other=0.0).to(tl.float32)
+        m2 = tl.load(mean_ptr + kvh * HEAD_DIM + HALF + offs_h, mask=m, other=0.0).to(tl.float32)
+        shift = tl.sum(q.to(tl.float32) * m1[None, :], axis=1) + tl.sum(q2.to(tl.float32) * m2[None, :], axis=1)
+    else:
+        shift = tl.sum(q.to(tl.float32), axis=1) * 0.0
+    return shift
+
+
+@triton.jit
 def _load_scale_zero(sz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs, stride_zh):
     """Each token's (scale, zero) as float32 [tokens] (0 where masked)."""
     zoff = page * stride_zn + in_block * stride_zs + kvh * stride_zh
@@ -127,7 +151,8 @@ def _load_scale_zero(sz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs,
 def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block, n_valid, allowed, kvh, m_i, l_i,
                  acc, acc2, scale_log2, stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
-                 ASM: tl.constexpr, MASKED: tl.constexpr = True):
+                 ASM: tl.constexpr, MASKED: tl.constexpr = True, softcap_log2=0.0, q_shift=0.0,
+                 SOFTCAP: tl.constexpr = False, EMPTY_ROWS: tl.constexpr = False):
     """Fold one tile of context tokens into the online softmax: gather K/V
     through the block table, score, rescale the running max/sum/output.
 
@@ -144,7 +169,12 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
     ``page``/``in_block``: each token's cache block and place in it (``page``
     may be one block for the whole tile). Without ``MASKED`` every token of
     the tile is valid and visible to every query row (the tiles below a
-    causal prefill's diagonal): no masks, no select."""
+    causal prefill's diagonal): no masks, no select.
+
+    ``SOFTCAP``: scores c tanh(s / c), ``scale_log2`` then being scale / c and
+    ``softcap_log2`` c log2(e) (``q_shift``: int4's mean key back first).
+    ``EMPTY_ROWS``: a row may have seen no token yet (a sliding window's
+    first tile), whose running max stays -inf without making NaN."""
     off = page * stride_cn + in_block * stride_cs + kvh * stride_ch
     if QUANT != 0:
         offs_c = tl.arange(0, BLOCK_HALF)
@@ -173,13 +203,22 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
             s = tl.dot(q2, tl.trans(_codes(k, 2, q.dtype, ASM)), s)
         k_scale, k_zero = _load_scale_zero(ksz_ptr, page, in_block, kvh, n_valid, stride_zn, stride_zs, stride_zh)
         s = s * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
-    if MASKED:
+    if SOFTCAP:
+        s = _softcap((s + q_shift[:, None]) * scale_log2) * softcap_log2
+        if MASKED:
+            s = tl.where(allowed, s, float('-inf'))
+    elif MASKED:
         s = tl.where(allowed, s * scale_log2, float('-inf'))
     else:
         s = s * scale_log2
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if EMPTY_ROWS:
+        m_use = tl.where(m_new > float('-inf'), m_new, 0.0)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+    else:
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(vc_ptr + off[:, None] + offs_c[None, :], mask=kv_mask, other=kv_other)
     if QUANT == 0:
@@ -210,13 +249,15 @@ def _tile_pages(table, start_n, n_valid, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.c
     return page, offs_n % BLOCK_SIZE
 
 
-@triton.jit(**no_respecialising(ints=['stride_bt'], pointers=['tables_ptr', 'q_start_ptr', 'q_lens_ptr',
-                                                              'kv_lens_ptr']))
+@triton.jit(**no_respecialising(ints=['stride_bt', 'window'], pointers=['tables_ptr', 'q_start_ptr', 'q_lens_ptr',
+                                                                        'kv_lens_ptr']))
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr, q_start_ptr, q_lens_ptr, kv_lens_ptr,
                     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cn, stride_cs, stride_ch, stride_zn,
                     stride_zs, stride_zh, stride_bt, num_heads, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr = False):
+                    BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr = False,
+                    window=0, softcap_log2=0.0, mean_ptr=None, SLIDING: tl.constexpr = False,
+                    SOFTCAP: tl.constexpr = False, CENTRED: tl.constexpr = False):
     """One program: BLOCK_M query rows of one head of sequence ``b`` (with
     ``PACK``: BLOCK_M / GROUP tokens of each of the GROUP heads of one KV
     head, row r being token r // GROUP of head r % GROUP, so that each K/V
@@ -225,7 +266,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
     last to first: a causal block's work grows with its position, so the
     heaviest start first and the light ones fill the tail. The context
     below the block's first row is attended without masks; only the tiles
-    that reach the diagonal (or the context's end) take them."""
+    that reach the diagonal (or the context's end) take them. ``SLIDING``:
+    row p sees positions above p - ``window`` only; tiles below every
+    row's window are skipped, those some row's window starts in masked.
+    ``SOFTCAP``: soft-capped scores (_attend_tile)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GROUP if PACK else BLOCK_M  # query tokens a program takes
     b = tl.program_id(1)
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -257,21 +301,44 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
         open_end = (first_pos + 1) // BLOCK_N * BLOCK_N
         table = tables_ptr + b.to(tl.int64) * stride_bt
         all_valid = tl.full([BLOCK_N], 1, tl.int1)
-        for start_n in range(0, open_end, BLOCK_N):
+        q_shift = _mean_shift(q, q2, mean_ptr, kvh, HEAD_DIM, BLOCK_HALF, CENTRED) if SOFTCAP else 0.0
+        open_start = 0
+        if SLIDING:
+            # from the tile of the first row's window start; every row sees all of a tile from the last row's
+            open_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+            full = tl.minimum(tl.cdiv(tl.maximum(first_pos + BLOCK_T - window, 0), BLOCK_N) * BLOCK_N, open_end)
+            for start_n in range(open_start, full, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                n_valid = offs_n > first_pos - window  # (what no row sees is not read: its block may be gone)
+                allowed = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
+                page, in_block = _tile_pages(table, start_n, n_valid, BLOCK_SIZE, BLOCK_N)
+                m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
+                                                   n_valid, allowed, kvh, m_i, l_i, acc, acc2, scale_log2,
+                                                   stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
+                                                   HEAD_DIM, BLOCK_D, BLOCK_HALF, QUANT, ASM, True, softcap_log2,
+                                                   q_shift, SOFTCAP, True)
+            open_start = full
+        for start_n in range(open_start, open_end, BLOCK_N):
             page, in_block = _tile_pages(table, start_n, all_valid, BLOCK_SIZE, BLOCK_N)
             m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
                                                all_valid, None, kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
                                                stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM,
-                                               BLOCK_D, BLOCK_HALF, QUANT, ASM, MASKED=False)
+                                               BLOCK_D, BLOCK_HALF, QUANT, ASM, False, softcap_log2, q_shift, SOFTCAP,
+                                               SLIDING)
         for start_n in range(open_end, kv_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_end
+            if SLIDING:
+                n_valid = n_valid & (offs_n > first_pos - window)
             allowed = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            if SLIDING:
+                allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
             page, in_block = _tile_pages(table, start_n, n_valid, BLOCK_SIZE, BLOCK_N)
             m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
                                                n_valid, allowed, kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
                                                stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM,
-                                               BLOCK_D, BLOCK_HALF, QUANT, ASM)
+                                               BLOCK_D, BLOCK_HALF, QUANT, ASM, True, softcap_log2, q_shift, SOFTCAP,
+                                               SLIDING)
         _store_rows(out_ptr + (q_start + offs_m) * stride_ot + h * stride_oh, acc, acc2, l_i, m_valid, HEAD_DIM,
                     BLOCK_D, BLOCK_HALF, QUANT)
 
@@ -358,10 +425,27 @@ def _rotate_query(q: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _variant(scale: float, sliding_window, logit_softcap, k_mean):
+    """(the scores' factor, the kernels' window and soft-cap arguments): none without either, so the
+    default kernels compile as they did. A soft-capped score is c tanh(scale s / c) (log2 domain: the
+    factor scale / c inside, c log2(e) outside); over int4's centred keys it takes q . mean back first."""
+    extra = {}
+    if sliding_window is not None:
+        extra.update(window=int(sliding_window), SLIDING=True)
+    if logit_softcap is None:
+        return scale * _LOG2E, extra
+    extra.update(softcap_log2=float(logit_softcap) * _LOG2E, SOFTCAP=True)
+    if k_mean is not None:
+        extra.update(mean_ptr=k_mean, CENTRED=True)
+    return scale / float(logit_softcap), extra
+
+
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
-                            max_kv_len, tiles=None, out=None, k_scale_zero=None, v_scale_zero=None):
+                            max_kv_len, tiles=None, out=None, k_scale_zero=None, v_scale_zero=None,
+                            sliding_window=None, logit_softcap=None, k_mean=None):
     """``tiles``: (block_m, block_n, warps, stages[, pack]) instead of prefill_tiles' (for sweeps); heads are
-    packed only where a KV head's query heads are a power of two that divides block_m."""
+    packed only where a KV head's query heads are a power of two that divides block_m. ``sliding_window``,
+    ``logit_softcap``: the interface's (``k_mean``: the int4 cache's, devices/cache.py)."""
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
@@ -375,11 +459,12 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
         block_d, max_q_len, group, consts['QUANT'], smem)
     pack = bool(pack) and _packs(group, block_m)
     grid = (hkv if pack else h, q_seqlens.shape[0], triton.cdiv(max_q_len, block_m // group if pack else block_m))
+    scale_log2, extra = _variant(scale, sliding_window, logit_softcap, k_mean)
     _prefill_kernel[grid](qk, k_cache, v_cache, ksz, vsz, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
-                          scale * _LOG2E, qk.stride(0), qk.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+                          scale_log2, qk.stride(0), qk.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                           k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0), h, GROUP=group,
                           BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                          BLOCK_D=block_d, PACK=pack, num_warps=warps, num_stages=stages, **consts)
+                          BLOCK_D=block_d, PACK=pack, num_warps=warps, num_stages=stages, **consts, **extra)
     return out
 
 
@@ -396,15 +481,28 @@ def _context_slices(kv_len, num_splits, min_slice, TILE: tl.constexpr):
 # The slice count and the partial buffer's strides vary with the batch and its longest context: as plain
 # integers they leave one compiled variant for every step (a prefill step's decode rows run eagerly, at
 # slice counts no captured graph compiled; a cold-cache H100 run lost ~4 s, most likely to such compiles).
+@triton.jit
+def _window_start(kv_len, window, SLIDING: tl.constexpr, TILE: tl.constexpr):
+    """Where a decode row's context is read from: its window's first tile (blocks wholly before the
+    window are never read), else 0."""
+    if SLIDING:
+        start = tl.maximum(kv_len - window, 0) // TILE * TILE
+    else:
+        start = 0
+    return start
+
+
 @triton.jit(**no_respecialising(ints=['stride_bt', 'stride_pb', 'stride_ph', 'stride_ps', 'num_splits',
-                                      'min_slice'],
+                                      'min_slice', 'window'],
                                 pointers=['tables_ptr', 'kv_lens_ptr', 'order_ptr']))
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, tables_ptr, kv_lens_ptr, order_ptr,
                    scale_log2, stride_qb, stride_qh, stride_ob, stride_oh, stride_cn, stride_cs, stride_ch, stride_zn,
                    stride_zs, stride_zh, stride_bt, stride_pb, stride_ph, stride_ps, num_splits, min_slice,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   ORDERED: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                   ORDERED: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                   window=0, softcap_log2=0.0, mean_ptr=None, SLIDING: tl.constexpr = False,
+                   SOFTCAP: tl.constexpr = False, CENTRED: tl.constexpr = False):
     """One program: the GROUP query heads sharing KV head ``kvh`` of
     sequence ``b``, over one slice of the context. Programs start in launch
     order, so with ``order`` the longest sequences' programs (all their
@@ -412,7 +510,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
     them, instead of a long one starting late and finishing alone. A
     sequence fills only the slices it has ``min_slice`` tokens for
     (splits.py): the programs of the others return at once, and a sequence
-    of one slice is written out here, without the merge."""
+    of one slice is written out here, without the merge. ``SLIDING``: the
+    slices cut the window's tiles only (from ``_window_start``), the tokens
+    before it masked in its first tile; ``SOFTCAP``: as _attend_tile."""
     pdl.wait_then_release(PDL)
     pid = tl.program_id(0)
     split = pid % num_splits
@@ -422,10 +522,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
         b = tl.load(order_ptr + b)
     b = b.to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
-    per_split, count = _context_slices(kv_len, num_splits, min_slice, BLOCK_N)
+    first = _window_start(kv_len, window, SLIDING, BLOCK_N)
+    per_split, count = _context_slices(kv_len - first, num_splits, min_slice, BLOCK_N)
     if split >= count:
         return
-    start = split * per_split
+    start = first + split * per_split
     end = tl.minimum(kv_len, start + per_split)
     g = tl.arange(0, BLOCK_G)
     heads = kvh * GROUP + g
@@ -437,14 +538,17 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
     acc = tl.zeros([BLOCK_G, BLOCK_HALF if QUANT != 0 else BLOCK_D], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_G, BLOCK_HALF if QUANT != 0 else 1], dtype=tl.float32)
     table = tables_ptr + b * stride_bt
+    q_shift = _mean_shift(q, q2, mean_ptr, kvh, HEAD_DIM, BLOCK_HALF, CENTRED) if SOFTCAP else 0.0
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
+        if SLIDING:  # (tokens before the window are not read: their block may be gone)
+            n_valid = n_valid & (offs_n >= kv_len - window)
         page, in_block = _tile_pages(table, start_n, n_valid, BLOCK_SIZE, BLOCK_N)  # (slices start on tiles)
         m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block, n_valid,
                                            n_valid[None, :], kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
                                            stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM, BLOCK_D,
-                                           BLOCK_HALF, QUANT, ASM)
+                                           BLOCK_HALF, QUANT, ASM, True, softcap_log2, q_shift, SOFTCAP)
     if count == 1:  # the whole context
         _store_rows(out_ptr + b * stride_ob + heads * stride_oh, acc, acc2, l_i, g_valid, HEAD_DIM, BLOCK_D,
                     BLOCK_HALF, QUANT)
@@ -456,18 +560,21 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
         tl.store(base + HEAD_DIM, lse, mask=g_valid)
 
 
-@triton.jit(**no_respecialising(ints=['stride_pb', 'stride_ph', 'num_splits', 'min_slice'],
+@triton.jit(**no_respecialising(ints=['stride_pb', 'stride_ph', 'num_splits', 'min_slice', 'window'],
                                 pointers=['kv_lens_ptr']))
 def _decode_reduce_kernel(part_ptr, out_ptr, kv_lens_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
                           num_splits, min_slice, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, window=0,
+                          SLIDING: tl.constexpr = False):
     """Merge one head's slices (any count up to MAX_SPLITS, masked: one
     compiled variant for every slice count) by their log-sum-exp: those
     its sequence filled; one slice was written out already."""
     pdl.wait_then_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    _, count = _context_slices(tl.load(kv_lens_ptr + b).to(tl.int32), num_splits, min_slice, BLOCK_N)
+    kv_len = tl.load(kv_lens_ptr + b).to(tl.int32)
+    _, count = _context_slices(kv_len - _window_start(kv_len, window, SLIDING, BLOCK_N), num_splits, min_slice,
+                               BLOCK_N)
     if count == 1:
         return
     s = tl.arange(0, MAX_SPLITS)
@@ -507,18 +614,24 @@ def _decode_tiles(q: torch.Tensor, quant: int) -> Tuple[int, int]:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms: int = 132,
-                           order=None, out=None, k_scale_zero=None, v_scale_zero=None, tiles=None):
-    """``tiles``: (context tokens a tile, tiles in flight, warps) instead of decode_tiles' (for sweeps)."""
+                           order=None, out=None, k_scale_zero=None, v_scale_zero=None, tiles=None,
+                           sliding_window=None, logit_softcap=None, k_mean=None):
+    """``tiles``: (context tokens a tile, tiles in flight, warps) instead of decode_tiles' (for sweeps).
+    ``sliding_window``, ``logit_softcap``: the interface's (``k_mean``: the int4 cache's); a window bounds
+    the context the slices are cut for (reads and slices stay within it, however long the sequence)."""
     bsz, h, d = q.shape
     hkv = k_cache.shape[2]
     group = h // hkv
     out = torch.empty_like(q) if out is None else out
     if bsz == 0:
         return out
-    splits = num_decode_splits(bsz, hkv, max_kv_len, num_sms)
     block_d = triton.next_power_of_2(d)
     qk, ksz, vsz, zstrides, consts = _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero)
     block_n, stages, warps = tiles or (*_decode_tiles(q, consts['QUANT']), 4)
+    if sliding_window is not None:  # (the window's tokens and the tile its first one falls in)
+        max_kv_len = min(max_kv_len, int(sliding_window) + block_n)
+    splits = num_decode_splits(bsz, hkv, max_kv_len, num_sms)
+    scale_log2, extra = _variant(scale, sliding_window, logit_softcap, k_mean)
     # float32 even when unused (one slice writes straight to out): a pointer of out's dtype here would be
     # another compiled variant, which a prefill step's few short decode rows could need mid-run
     part = torch.empty((bsz, h, splits, d + 1) if splits > 1 else (1, 1, 1, 1), dtype=torch.float32,
@@ -529,17 +642,19 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
         order = None
     min_slice = min_slice_tokens(bsz, hkv, num_sms)
     _decode_kernel[(bsz * hkv * splits, )](qk, k_cache, v_cache, ksz, vsz, part, out, block_tables, kv_seqlens,
-                                           kv_seqlens if order is None else order, scale * _LOG2E, qk.stride(0),
+                                           kv_seqlens if order is None else order, scale_log2, qk.stride(0),
                                            qk.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                                            k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0),
                                            part.stride(0), part.stride(1), part.stride(2), splits, min_slice,
                                            NUM_KV_HEADS=hkv, GROUP=group,
                                            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1],
                                            HEAD_DIM=d, BLOCK_N=block_n, BLOCK_D=block_d, ORDERED=order is not None,
-                                           num_warps=warps, num_stages=stages, PDL=pdl.ON, **consts, **pdl.LAUNCH)
+                                           num_warps=warps, num_stages=stages, PDL=pdl.ON, **consts, **pdl.LAUNCH,
+                                           **extra)
     if splits > 1:
         _decode_reduce_kernel[(bsz, h)](part, out, kv_seqlens, part.stride(0), part.stride(1), part.stride(2),
                                         out.stride(0), out.stride(1), splits, min_slice, HEAD_DIM=d,
                                         MAX_SPLITS=MAX_DECODE_SPLITS, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
-                                        PDL=pdl.ON, **pdl.LAUNCH)
+                                        PDL=pdl.ON, **pdl.LAUNCH,
+                                        **{k: v for k, v in extra.items() if k in ('window', 'SLIDING')})
     return out

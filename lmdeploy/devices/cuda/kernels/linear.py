@@ -118,8 +118,16 @@ def skinny_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias=None)
     _skinny_silu_kernel[(triton.cdiv(i, 32), )](x, weight, bias if bias is not None else x, out, m, i, k, x.stride(0),
                                                 weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                                                 BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=_stages(x),
-                                                PDL=pdl.ON, **pdl.LAUNCH)
+                                                **_early(weight))
     return out
+
+
+def _early(weight: torch.Tensor) -> dict:
+    """PDL for a launch that reads ``weight``: its first tile is read before the wait for the kernel ahead,
+    which is safe only for a weight no kernel writes at run time: a module parameter (loaded once). Any other
+    tensor (one dequantized on the fly, say) may be that kernel's output, so its launch waits as usual."""
+    on = pdl.ON and isinstance(weight, torch.nn.Parameter)
+    return dict(PDL=on, **(pdl.LAUNCH if on else {}))
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -137,6 +145,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Ten
     # columns by 256 a tile is best or within 1% for every Llama-3-8B shape
     _skinny_kernel[(triton.cdiv(n, 64), )](x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0),
                                            weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16,
-                                           BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=_stages(x), PDL=pdl.ON,
-                                           **pdl.LAUNCH)
+                                           BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=_stages(x),
+                                           **_early(weight))
     return out
