@@ -85,7 +85,24 @@ def kernel_specs(cap: int):
         for quant in (0, 8, 4)
         for ordered, (block_n, stages) in ((False, attention.decode_tiles(smem, 1, quant)),
                                            (True, attention.decode_tiles(smem, 256, quant)))
+    ] + [  # a sliding window with soft-capped scores (int4: its centred keys' mean back in the scores)
+        (kernel, dict(kv_ptrs(quant), tables_ptr='i32', q_start_ptr='i64', q_lens_ptr='i64', kv_lens_ptr='i64',
+                      part_ptr='fp32', order_ptr='i64', mean_ptr='fp32', q_ptr='fp16' if quant else act),
+         {'scale_log2': 'fp32', 'softcap_log2': 'fp32'}, dict(consts, QUANT=quant, ASM=True, SLIDING=True, SOFTCAP=True,
+                                                             CENTRED=quant == 4), options)
+        for quant in (0, 4)
+        for kernel, consts, options in (
+            (attention._prefill_kernel, dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_HALF=64,
+                                             **dict(zip(('BLOCK_M', 'BLOCK_N'),
+                                                        attention.prefill_tiles(128, 4000, 4, quant, smem))),
+                                             PACK=attention.prefill_tiles(128, 4000, 4, quant, smem)[4]),
+             dict(num_warps=4, num_stages=2)),
+            (attention._decode_kernel, dict(decode, ORDERED=True, BLOCK_N=attention.decode_tiles(smem, 256, quant)[0]),
+             dict(num_warps=4, num_stages=attention.decode_tiles(smem, 256, quant)[1])))
     ] + [
+        (attention._decode_reduce_kernel, {'part_ptr': 'fp32', 'kv_lens_ptr': 'i64'}, {},
+         dict(HEAD_DIM=128, MAX_SPLITS=attention.MAX_DECODE_SPLITS, BLOCK_D=128, BLOCK_N=64, PDL=pdl, SLIDING=True),
+         dict(num_warps=4)),
         (attention._rotate_query_kernel, {'out_ptr': 'fp16'}, {}, dict(HEAD_DIM=128, BLOCK_R=64, HSCALE=128**-0.5),
          dict(num_warps=4)),
         (attention._decode_reduce_kernel, {'part_ptr': 'fp32', 'kv_lens_ptr': 'i64'}, {},
@@ -101,7 +118,7 @@ def kernel_specs(cap: int):
 def label(fn, constexprs: dict) -> str:
     """A compiled variant's name in the results: the kernel and the constexprs that tell its variants apart."""
     return fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items()
-                                 if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'QUANT', 'PACK'))
+                                 if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP'))
 
 
 def compile_all(cap: int, specs=None, act=None) -> dict:
@@ -115,6 +132,10 @@ def compile_all(cap: int, specs=None, act=None) -> dict:
     results = {}
     for fn, ptrs, scalars, constexprs, options in specs:
         name_of = label(fn, constexprs)
+        # a constexpr left out takes its default, and so does an argument defaulting to None (what a launch
+        # that does not pass them compiles: the default kernels, without a window or soft cap)
+        constexprs = dict({p.name: p.default for p in fn.params if p.has_default and p.name not in constexprs
+                           and (p.is_constexpr or p.default is None)}, **constexprs)
         sig, aligned = {}, {}
         for i, param in enumerate(fn.params):
             name = param.name
