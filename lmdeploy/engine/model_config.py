@@ -208,7 +208,7 @@ def layer_window(cfg: ModelConfig, layer_idx: int, rule: Optional[str]) -> Optio
     reads config.json (``sliding_window``, none where ``use_sliding_window`` is false). ``rule``: None, the
     class ignores the window (Llama); ``'all'``, every layer has it (Mistral, Phi-3); ``'layer_types'``, the
     layers ``layer_types`` marks ``sliding_attention``, or without that list those from ``max_window_layers``
-    (default 28) on (Qwen2, Qwen3)."""
+    (default 28) on (Qwen2, Qwen3); ``'alternate'``, as ``layer_types`` says, else every even layer (Gemma2)."""
     window = cfg.sliding_window
     if rule is None or not window:
         return None
@@ -222,6 +222,8 @@ def layer_window(cfg: ModelConfig, layer_idx: int, rule: Optional[str]) -> Optio
             raise fields.error('layer_types', f"must list 'sliding_attention' or 'full_attention' for each of the "
                                f'{cfg.num_layers} layers, got {types!r}')
         return window if types[layer_idx] == 'sliding_attention' else None
+    if rule == 'alternate':
+        return window if layer_idx % 2 == 0 else None
     first = fields.integer('max_window_layers', 28, 'an integer >= 0', minimum=0)
     return window if layer_idx >= first else None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from ..model_config import ModelConfig
 from .baichuan import BaichuanForCausalLM, BaiChuanForCausalLM
 from .gemma import GemmaForCausalLM
+from .gemma2 import Gemma2ForCausalLM
 from .glm import ChatGLMForCausalLM, Glm4ForCausalLM, GlmForCausalLM
 from .internlm2 import InternLM2ForCausalLM
 from .internlm3 import InternLM3ForCausalLM
@@ -22,6 +23,7 @@ ARCHITECTURES = {
     'InternLM3ForCausalLM': InternLM3ForCausalLM,
     'Phi3ForCausalLM': Phi3ForCausalLM,
     'GemmaForCausalLM': GemmaForCausalLM,
+    'Gemma2ForCausalLM': Gemma2ForCausalLM,
     'GlmForCausalLM': GlmForCausalLM,
     'Glm4ForCausalLM': Glm4ForCausalLM,
     'ChatGLMModel': ChatGLMForCausalLM,
@@ -39,6 +41,7 @@ MODEL_TYPES = {
     'internlm3': InternLM3ForCausalLM,
     'phi3': Phi3ForCausalLM,
     'gemma': GemmaForCausalLM,
+    'gemma2': Gemma2ForCausalLM,
     'glm': GlmForCausalLM,
     'glm4': Glm4ForCausalLM,
     'chatglm': ChatGLMForCausalLM,

@@ -10,7 +10,7 @@ Llama's layer with three changes (transformers' models/gemma/modeling_gemma.py):
 gelu_tanh is torch's ``gelu(approximate='tanh')``: the official configs say ``hidden_act: "gelu"`` and
 ``hidden_activation: "gelu_pytorch_tanh"``, and transformers runs both as the tanh approximation. head_dim
 comes from the config (256 in 2B and 7B, where 7B has 16 heads of 256 over hidden 3072); the LM head is the
-embedding (tied). Gemma 2 and 3 (logit soft-capping, sliding windows, extra norms) are other architectures.
+embedding (tied). Gemma 2 (gemma2.py) builds on these classes.
 """
 from __future__ import annotations
 
