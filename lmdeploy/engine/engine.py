@@ -77,6 +77,8 @@ class _Sampled:
     seqs: List[Sequence]
     tokens: torch.Tensor
     read: Callable[[], torch.Tensor]
+    extras: Optional[Dict[int, dict]] = None  # the step's prompt-wide outputs, by seq_id
+    fill: Optional[Callable[[], None]] = None  # completes ``extras`` once the device has scored the prompts
 
 
 class Engine:
@@ -118,7 +120,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, self.max_batch_size, config.max_prefill_token_num,
                                    self._finish_too_long, mix_prefill_decode=plan.mix_prefill_decode,
                                    prefill_interval=config.prefill_interval,
-                                   mixed_step_limit=self.runner.recorded_step_limit())
+                                   mixed_step_limit=self.runner.recorded_step_limit(),
+                                   kv_window=self.model.kv_window())
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.RLock()
         self._active: Dict[int, Sequence] = {}  # session_id -> waiting/running sequence
@@ -429,17 +432,19 @@ class Engine:
         starts, done = self.scheduler.postprocess(batch)
         if prev is not None:  # the device runs this step while the host settles the previous one
             self._resolve(prev)
-        extras = self._prompt_outputs(batch, hidden, starts)
+        extras, fill = self._prompt_outputs(batch, hidden, starts)
         for seq, _ in done:
             if seq.params.score_only:  # get_ppl, prompt logprobs: the whole prompt is scored, nothing generated
                 self._finish(seq, 'length', output=self._with_extra(EngineOutput([]), extras.get(seq.seq_id)))
         # a sequence that stopped (or was cancelled) at the previous step computed one wasted row here
         done = [(s, r) for s, r in done if not s.params.score_only and s.status == SeqStatus.RUNNING]
         if done:
-            self._sample(done, hidden, extras)
+            self._sample(done, hidden, extras, fill)
 
-    def _prompt_outputs(self, batch: ScheduledBatch, hidden: torch.Tensor, starts: List[int]) -> Dict[int, dict]:
-        """Prompt-wide outputs: get_ppl losses, prompt logprobs, 'all' logits and hidden states.
+    def _prompt_outputs(self, batch: ScheduledBatch, hidden: torch.Tensor,
+                        starts: List[int]) -> Tuple[Dict[int, dict], Optional[Callable[[], None]]]:
+        """Prompt-wide outputs (get_ppl losses, prompt logprobs, 'all' logits and hidden states) by seq_id,
+        and, where the prompts' scores can wait for the step's sampled tokens, what completes them then.
         Chunks of a prompt still being prefilled are streamed right away."""
         extras: Dict[int, dict] = {}
         scored = []  # (seq, its extra, hidden rows, targets): scored together below
@@ -466,58 +471,65 @@ class Engine:
                 if p.prompt_logprobs is not None and first == seq.turn_start:
                     extra['prompt_logprobs'] = [None]  # a turn's first prompt token gets none
                 scored.append((seq, extra, range(offset, offset + len(targets)), targets))
-        if scored:
-            self._score_prompts(hidden, scored)
+        fill = self._score_prompts(hidden, scored) if scored else None
+        if fill is not None and any(seq.params.score_only or seq.num_pending > 0 for seq, *_ in scored):
+            fill()  # a prompt finishes here, or a chunk of it streams: its scores go out now
+            fill = None
         for seq in batch.seqs:
             extra = extras.get(seq.seq_id)
             if extra and seq.num_pending > 0:
                 self._emit(seq, EngineOutput([], logits=extra.get('logits'), last_hidden_state=extra.get('hidden'),
                                              prompt_logprobs=extra.get('prompt_logprobs')))
-        return extras
+        return extras, fill
 
-    def _score_prompts(self, hidden: torch.Tensor, scored):
-        """get_ppl's losses and prompt logprobs of every prompt chunk in the step, from one pass over their
-        rows (one wait for the host)."""
+    def _score_prompts(self, hidden: torch.Tensor, scored) -> Callable[[], None]:
+        """Queue the scoring of every prompt chunk in the step (get_ppl's losses, prompt logprobs) in one pass
+        over their rows; the returned function waits for it and fills the sequences' extras."""
         index = [r for _, _, rows, _ in scored for r in rows]
-        if not index:
-            return
-        targets = torch.tensor([t for *_, ts in scored for t in ts], dtype=torch.int64)
         top = max(seq.params.prompt_logprobs or 0 for seq, *_ in scored)
-        picked = self.runner.rows(hidden, index)
-        chosen, top_ids, top_vals = score_rows(lambda a, b: self.runner.logits(picked[a:b], index[a:b]),
-                                               to_device(targets, picked.device), top)
-        at = 0
-        for seq, extra, rows, ts in scored:
-            p, span = seq.params, range(at, at + len(rows))
-            at += len(rows)
-            if p.prompt_loss:
-                seq.loss_sum -= sum(chosen[i] for i in span)
-                seq.loss_count += len(span)
-            if p.prompt_logprobs is not None:
-                entries = []
-                for i, t in zip(span, ts):
-                    entry = dict(zip(top_ids[i][:p.prompt_logprobs], top_vals[i][:p.prompt_logprobs])) if top else {}
-                    entry[t] = chosen[i]
-                    entries.append(entry)
-                extra['prompt_logprobs'] = extra.get('prompt_logprobs', []) + entries
+        if index:
+            targets = torch.tensor([t for *_, ts in scored for t in ts], dtype=torch.int64)
+            picked = self.runner.rows(hidden, index)
+            reads = [self.runtime.to_host_async(t) for t in score_rows(
+                lambda a, b: self.runner.logits(picked[a:b], index[a:b]), to_device(targets, picked.device), top)]
 
-    def _sample(self, done, hidden: torch.Tensor, extras: Dict[int, dict]):
-        """Draw the next tokens on the device. Plain requests leave them in
-        flight (read back while the next step runs); requests whose sampling
-        or outputs need the host are settled now."""
+        def fill():
+            chosen, top_ids, top_vals = [r().tolist() for r in reads] if index else ([], [], [])
+            at = 0
+            for seq, extra, rows, ts in scored:
+                p, span = seq.params, range(at, at + len(rows))
+                at += len(rows)
+                if p.prompt_loss:
+                    seq.loss_sum -= sum(chosen[i] for i in span)
+                    seq.loss_count += len(span)
+                if p.prompt_logprobs is not None:
+                    n = p.prompt_logprobs
+                    entries = []
+                    for i, t in zip(span, ts):
+                        entry = dict(zip(top_ids[i][:n], top_vals[i][:n]))
+                        entry[t] = chosen[i]
+                        entries.append(entry)
+                    extra['prompt_logprobs'] = extra.get('prompt_logprobs', []) + entries
+        return fill
+
+    def _sample(self, done, hidden: torch.Tensor, extras: Dict[int, dict], fill: Optional[Callable[[], None]]):
+        """Draw the next tokens on the device. They stay in flight (read back
+        while the next step runs, with the prompt outputs ``extras`` that
+        ``fill`` completes); requests whose outputs need this step's tensors
+        on the host (logprobs, logits, hidden states) are settled now."""
         seqs = [s for s, _ in done]
         rows = [r for _, r in done]
         last_hidden = self.runner.rows(hidden, rows)
         plain = all(s.params.plain_greedy for s in seqs)
-        settle_now = bool(extras) or (not plain and any(reports_more_than_ids(s) for s in seqs))
+        settle_now = not plain and any(reports_more_than_ids(s) for s in seqs)
         logits = self.runner.logits(last_hidden, rows)  # the model's dtype: the sampler takes what it needs
         tokens, drawn = sample_tokens(logits, seqs, self.device, self._grammars)
         for i, seq in enumerate(seqs):
             seq.token_ids.append(-1 - i)
             seq.num_generated += 1
-        sampled = _Sampled(seqs, tokens, self.runtime.to_host_async(drawn))
+        sampled = _Sampled(seqs, tokens, self.runtime.to_host_async(drawn), extras or None, fill)
         if settle_now:
-            self._resolve(sampled, logits, last_hidden, extras, token_logprobs(logits, tokens, seqs))
+            self._resolve(sampled, logits, last_hidden, token_logprobs(logits, tokens, seqs))
         else:
             self._inflight = sampled
 
@@ -530,10 +542,13 @@ class Engine:
             logger.exception('reading sampled tokens failed')
             self._fail_unfinished(sampled.seqs, e)
 
-    def _resolve(self, sampled: _Sampled, logits=None, last_hidden=None, extras=None, logprobs=None):
+    def _resolve(self, sampled: _Sampled, logits=None, last_hidden=None, logprobs=None):
         """Put the sampled tokens in place of their placeholders, then stop,
         finish or report each sequence."""
         tokens = sampled.read().tolist()
+        if sampled.fill is not None:
+            sampled.fill()
+        extras = sampled.extras
         plain = logits is None and not extras  # nothing but token ids to report
         for i, (seq, token) in enumerate(zip(sampled.seqs, tokens)):
             if seq.token_ids[-1:] != [-1 - i] or seq.status == SeqStatus.FINISHED:

@@ -68,25 +68,21 @@ def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, seqs: List[Sequence]
 
 
 def score_rows(logits_of: Callable[[int, int], torch.Tensor], targets: torch.Tensor, top: int,
-               rows_per_call: int = 1024) -> Tuple[List[float], List[List[int]], List[List[float]]]:
-    """log p(targets[r]) under row r's logits and (top > 0) the row's ``top`` most likely tokens with their
-    logprobs, as host lists. ``logits_of(a, b)``: the logits of rows a..b-1 ([b - a, V]). Rows go through in
-    slices of ``rows_per_call`` (a long prompt's float32 log-softmax stays small), and the host waits once,
-    for all of them: a step with prompts to score costs one wait, not one per prompt."""
+               rows_per_call: int = 1024) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log p(targets[r]) under row r's logits [R] and (top > 0) the row's ``top`` most likely tokens [R, top]
+    with their logprobs [R, top], on the device (nothing waits for it). ``logits_of(a, b)``: the logits of
+    rows a..b-1 ([b - a, V]). Rows go through in slices of ``rows_per_call``, so a long prompt's float32
+    log-softmax stays small."""
     chosen, top_ids, top_vals = [], [], []
+    top = max(0, top)
     for a in range(0, targets.shape[0], rows_per_call):
         t = targets[a:a + rows_per_call]
         logp = logits_of(a, a + t.shape[0]).float().log_softmax(dim=-1)
         chosen.append(logp.gather(1, t.unsqueeze(1)).squeeze(1))
-        if top > 0:
-            vals, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
-            top_vals.append(vals)
-            top_ids.append(ids)
-    if not chosen:
-        return [], [], []
-    if top <= 0:
-        return torch.cat(chosen).tolist(), [], []
-    return torch.cat(chosen).tolist(), torch.cat(top_ids).tolist(), torch.cat(top_vals).tolist()
+        vals, ids = logp.topk(min(top, logp.shape[-1]), dim=-1) if top else (logp[:, :0], t[:, None][:, :0])
+        top_vals.append(vals)
+        top_ids.append(ids)
+    return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_vals)
 
 
 def reports_more_than_ids(seq: Sequence) -> bool:
