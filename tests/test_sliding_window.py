@@ -121,3 +121,20 @@ def test_use_sliding_window_false_means_full_attention(models, tmp_path):
     assert [layer_window(mc, i, 'layer_types') for i in range(2)] == [None, None]
     prompts = _prompts()[2:]
     assert _engine_tokens(off, prompts) == hf_greedy(off, prompts, NEW_TOKENS)
+
+
+def test_a_cache_smaller_than_the_sequences_still_decodes_as_transformers(models):
+    """Blocks behind the window are given back (scheduler._slide): 10 blocks of 4 tokens hold 40, three
+    sequences of up to 65 tokens run through them (chunked by 5, preempting each other where they must) and
+    decode as transformers, whose greedy tokens see the window only."""
+    path = models('mistral')
+    prompts = _prompts()
+    want = hf_greedy(path, prompts, NEW_TOKENS)
+    engine = Engine(path, PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=256, block_size=4,
+                                              num_gpu_blocks=10, max_prefill_token_num=5))
+    try:
+        assert engine.scheduler.kv_window == WINDOW
+        assert generate_all(engine, prompts, greedy(NEW_TOKENS)) == want
+        engine.scheduler.check_invariants()
+    finally:
+        engine.close()

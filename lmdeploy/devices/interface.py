@@ -221,7 +221,9 @@ class DeviceOps:
         included: transformers' Mistral / Qwen2 / Gemma2 mask). ``logit_softcap``
         (optional, c > 0): each score s = scale * q.k becomes c * tanh(s / c)
         before the mask and the softmax (Gemma2's attn_logit_softcapping).
-        None: neither (full causal attention, raw scores).
+        None: neither (full causal attention, raw scores). With a window, a
+        block table entry of a block wholly before every query's window may
+        be -1 (freed by the engine): such blocks must not be read.
         """
         raise NotImplementedError
 

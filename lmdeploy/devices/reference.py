@@ -82,9 +82,10 @@ class ReferenceOps(DeviceOps):
         return dequantize(codes, getattr(cache, f'{which}_scale_zero')[blocks])
 
     def _gather_context(self, cache: KVCache, which: str, block_table: torch.Tensor, length: int) -> torch.Tensor:
-        """The first ``length`` tokens' K or V of one sequence: [length, Hkv, D]."""
+        """The first ``length`` tokens' K or V of one sequence: [length, Hkv, D] (a freed block's, -1 in the
+        table, read from block 0: garbage the caller zeroes)."""
         n = (length + cache.block_size - 1) // cache.block_size
-        return self._read(cache, which, block_table[:n].long()).flatten(0, 1)[:length]
+        return self._read(cache, which, block_table[:n].long().clamp(min=0)).flatten(0, 1)[:length]
 
     @staticmethod
     def _attend(q, k, v, scale, allowed, cache: KVCache, logit_softcap=None):
@@ -123,8 +124,14 @@ class ReferenceOps(DeviceOps):
         for b, (start, qlen, kvlen) in enumerate(zip(q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist())):
             if qlen == 0:
                 continue
-            k = self._gather_context(cache, 'k', block_tables[b], kvlen).transpose(0, 1)[None]
-            v = self._gather_context(cache, 'v', block_tables[b], kvlen).transpose(0, 1)[None]
+            k = self._gather_context(cache, 'k', block_tables[b], kvlen)
+            v = self._gather_context(cache, 'v', block_tables[b], kvlen)
+            if sliding_window is not None:  # what no row sees (its block may be freed) never reaches the output
+                unseen = max(0, kvlen - qlen - sliding_window + 1)
+                k, v = k.clone(), v.clone()
+                k[:unseen] = 0
+                v[:unseen] = 0
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             # query row i sits at position kvlen - qlen + i and sees positions <= it (within the window)
             q_pos = torch.arange(kvlen - qlen, kvlen, device=q.device)
             allowed = self._visible(q_pos, kvlen, sliding_window)
@@ -138,17 +145,17 @@ class ReferenceOps(DeviceOps):
         """Batched over sequences: gather every block in the tables, mask the
         tail. All rows at once, so ``order`` changes nothing here."""
         n = (max_kv_len + cache.block_size - 1) // cache.block_size
-        tables = block_tables[:, :n].long()
+        tables = block_tables[:, :n].long().clamp(min=0)  # (-1: a block freed behind a sliding window)
         k = self._read(cache, 'k', tables).flatten(1, 2)  # [B, L, Hkv, D]
         v = self._read(cache, 'v', tables).flatten(1, 2)
         j = torch.arange(k.shape[1], device=q.device)[None, :]
         valid = j < kv_seqlens[:, None]  # [B, L]
         # the query sits at kv_seqlens - 1: its window is the last sliding_window tokens
         seen = valid if sliding_window is None else valid & (j >= kv_seqlens[:, None] - sliding_window)
-        # never let unwritten cache memory (possibly NaN) reach the output
+        # never let unwritten (possibly NaN) or freed cache memory reach the output
         zero = torch.zeros((), dtype=v.dtype, device=v.device)
-        k = torch.where(valid[:, :, None, None], k, zero)
-        v = torch.where(valid[:, :, None, None], v, zero)
+        k = torch.where(seen[:, :, None, None], k, zero)
+        v = torch.where(seen[:, :, None, None], v, zero)
         o = self._attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, seen[:, None, None, :],
                          cache, logit_softcap)[:, :, 0]
         o = torch.where((kv_seqlens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))

@@ -7,6 +7,11 @@ key fixes its position too); a freed keyed block stays findable until it is
 evicted, least recently used first, when fresh blocks are needed.
 Without prefix caching, only the callers that say ``shared=True`` (the n
 samples of one prompt) key and match blocks.
+
+A block table may hold :data:`FREED` in place of leading blocks that no later
+query of its sequence sees (every layer's sliding window is past them): the
+scheduler gives such blocks back early, and the table keeps each token's
+block at index position // block_size.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from collections import OrderedDict, deque
 from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 BlockKey = Tuple[int, Tuple[int, ...]]
+FREED = -1  # a block table's entry for a block given back (behind a sliding window); attention never reads it
 
 
 class BlockManager:
@@ -61,6 +67,8 @@ class BlockManager:
     def free(self, blocks: Iterable[int]):
         # release in reverse so a sequence's tail blocks are evicted before its head
         for block in reversed(list(blocks)):
+            if block == FREED:
+                continue
             count = self.ref_counts[block] - 1
             if count < 0:
                 raise RuntimeError(f'KV block {block} freed twice')
@@ -110,7 +118,7 @@ class BlockManager:
             key = self.key(parent, token_ids[i * bs:(i + 1) * bs])
             block_keys.append(key)
             block = block_ids[i]
-            if key not in self._by_key and block not in self._key_of:
+            if block != FREED and key not in self._by_key and block not in self._key_of:
                 self._by_key[key] = block
                 self._key_of[block] = key
 
@@ -120,7 +128,8 @@ class BlockManager:
         counts = [0] * self.num_blocks
         for table in owners:
             for block in table:
-                counts[block] += 1
+                if block != FREED:
+                    counts[block] += 1
         assert counts == self.ref_counts, 'reference counts disagree with the block tables'
         free = set(self._free)
         evictable = set(self._evictable)

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
-from .block_manager import BlockManager
+from .block_manager import FREED, BlockManager
 from .sequence import SeqStatus, Sequence
 
 
@@ -41,13 +41,18 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_tokens: int,
                  on_too_long: Callable[[Sequence, str], None], mix_prefill_decode: bool = True,
-                 prefill_interval: int = 16, mixed_step_limit: Optional[Tuple[int, Optional[int]]] = None):
+                 prefill_interval: int = 16, mixed_step_limit: Optional[Tuple[int, Optional[int]]] = None,
+                 kv_window: Optional[int] = None):
         """mixed_step_limit: (tokens, prompt sequences) that a step carrying decode rows stays within (the
         largest recorded one, where steps are recorded): a burst of prompts is prefilled over several short
         steps instead of one long eager step that every running stream waits for. A backlog that outlasts
         ``backlog_steps`` such steps lifts it: under sustained prompt load, larger steps prefill more tokens
-        a second (H100, Llama-3-8B: ~36,000 at 2,048 tokens a step, ~38,700 at 8,000). None: no limit."""
+        a second (H100, Llama-3-8B: ~36,000 at 2,048 tokens a step, ~38,700 at 8,000). None: no limit.
+        kv_window: the most trailing tokens any query attends to, where every layer has a sliding window (the
+        model's kv_window): blocks behind it are given back as a sequence advances, so a sequence holds about
+        a window of blocks, however long."""
         self.bm = block_manager
+        self.kv_window = kv_window
         self.mixed_step_limit = mixed_step_limit
         self.backlog_steps = 4
         self._backlog_in_a_row = 0  # steps in a row after which prompt tokens were still waiting
@@ -159,6 +164,27 @@ class Scheduler:
                 return True
         return False
 
+    def _slide(self, seq: Sequence):
+        """Give back the leading blocks no query at or after position ``num_computed`` sees (with a window W
+        it sees positions above its own less W); their entries become FREED. Called before a launched step's
+        tokens are counted, so the step in flight never loses a block it reads."""
+        bs = self.bm.block_size
+        i = min(max(0, seq.num_computed - self.kv_window + 1) // bs, len(seq.block_ids))
+        gone = []
+        while i > 0 and seq.block_ids[i - 1] != FREED:
+            i -= 1
+            gone.append(seq.block_ids[i])
+            seq.block_ids[i] = FREED
+        self.bm.free(reversed(gone))
+
+    def _blocks_needed(self, seq: Sequence) -> int:
+        """The most blocks the sequence holds at once: all of them, or with a sliding window the window's
+        and two steps' worth (the one scheduled and the one whose tokens it waits to give back)."""
+        need = self.bm.blocks_for(seq.num_tokens)
+        if self.kv_window is None:
+            return need
+        return min(need, self.bm.blocks_for(self.kv_window + 2 * self.max_prefill_tokens) + 2)
+
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make the sequence own enough blocks for ``num_tokens`` tokens."""
         need = self.bm.blocks_for(num_tokens) - len(seq.block_ids)
@@ -258,10 +284,10 @@ class Scheduler:
         while (phase != 'decode' and self.waiting and budget > 0 and prompt_slots > 0
                and len(self.running) < self.max_batch_size):
             seq = self.waiting[0]
-            if self.bm.blocks_for(seq.num_tokens) > self.bm.num_blocks:
+            if self._blocks_needed(seq) > self.bm.num_blocks:
                 self.waiting.popleft()
                 self._release(seq)
-                self.on_too_long(seq, f'the prompt needs {self.bm.blocks_for(seq.num_tokens)} KV blocks, '
+                self.on_too_long(seq, f'the prompt needs {self._blocks_needed(seq)} KV blocks, '
                                  f'the cache has {self.bm.num_blocks}')
                 continue
             matched = False
@@ -297,6 +323,8 @@ class Scheduler:
         keyed, bs = bm.prefix_caching, bm.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             starts.append(row)
+            if self.kv_window is not None:
+                self._slide(seq)
             seq.num_computed += n
             if keyed:  # only known tokens are keyed (a block holding a token in flight is keyed next step)
                 bm.register_full_blocks(seq.token_ids, min(seq.num_computed, seq.num_resolved),

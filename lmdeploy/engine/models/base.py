@@ -1,7 +1,7 @@
 """What every causal LM definition shares: weight loading by HF names."""
 from __future__ import annotations
 
-from typing import Iterable, List, Set, Tuple
+from typing import Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -35,6 +35,15 @@ class CausalLM(nn.Module):
         if self.tied:
             keys.discard(('lm_head.weight', ''))
         return keys
+
+    def kv_window(self) -> Optional[int]:
+        """The most trailing tokens any query attends to, where every attention layer has a sliding window
+        (the largest), else None: blocks behind it may be given back (scheduler._slide)."""
+        from ..nn import PagedAttention
+        windows = [m.variant.get('sliding_window') for m in self.modules() if isinstance(m, PagedAttention)]
+        if not windows or None in windows:
+            return None
+        return max(windows)
 
     @property
     def tied(self) -> bool:
