@@ -132,3 +132,11 @@ def test_gemma2_without_layer_types_alternates(gemma2, tmp_path):
     assert [layer_window(load_model_config(old), i, 'alternate') for i in range(3)] == [WINDOW, None, WINDOW]
     prompts = _prompts(seed)[2:]
     assert _tokens(old, prompts) == hf_greedy(path, prompts, NEW_TOKENS)
+
+
+def test_gemma2_tp2_decodes_as_transformers(gemma2):
+    """Two ranks on gloo: 2 query heads and 1 KV head each (each with its layer's window, scale and cap), half
+    the MLP; the soft cap on the gathered logits."""
+    path, seed = gemma2
+    prompts = _prompts(seed)[1:]
+    assert _tokens(path, prompts, tp=2) == hf_greedy(path, prompts, NEW_TOKENS)

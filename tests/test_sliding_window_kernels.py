@@ -17,6 +17,7 @@ from paged_cache import reference_filled_cache  # noqa: E402
 
 from lmdeploy.devices import get_device  # noqa: E402
 from lmdeploy.devices.cache import KVCache  # noqa: E402
+from lmdeploy.devices.conformance import check_names, run_self_tests  # noqa: E402
 from lmdeploy.devices.cuda import compiled  # noqa: E402
 from lmdeploy.devices.cuda.kernels import attention, kv_cache  # noqa: E402
 
@@ -151,3 +152,26 @@ def test_compiled_decode_kernel_leaves_windows_and_caps_to_triton():
     args = (q, cache, torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 5]), 0.125, 5, 132)
     assert compiled.paged_decode_attention(*args, sliding_window=4) is None
     assert compiled.paged_decode_attention(*args, logit_softcap=50.0) is None
+
+
+WINDOW_CHECKS = [name for name in check_names() if 'window' in name or 'softcap' in name]
+
+
+@pytest.mark.parametrize('check', WINDOW_CHECKS)
+def test_the_cuda_device_passes_the_window_and_softcap_conformance_checks(check):
+    """The device's own entry points (CudaOps: its cache's int4 mean key handed to the kernels) on the
+    conformance suite's window / soft-cap checks (head_dim 64, 128 and 256; int8, int4)."""
+    from lmdeploy.devices.cuda.ops import CudaOps
+
+    class Here(CudaOps):  # the interpreter runs on cpu tensors
+        def torch_device(self):
+            return torch.device(DEV)
+
+        def synchronize(self):
+            pass
+
+        def supports_dtype(self, dtype):
+            return dtype == DTYPE
+
+    [result] = run_self_tests('cuda', ops=Here(num_sms=132), only={check})
+    assert result.passed, result.detail
