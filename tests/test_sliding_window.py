@@ -1,8 +1,9 @@
-"""Sliding-window attention end to end: tiny random Mistral and Qwen2 models (transformers' configs, random
+"""Sliding-window attention end to end: tiny random Mistral, Qwen2, Qwen3 and Phi-3 models (transformers' configs, random
 weights, save_pretrained) whose window is much shorter than the prompts decode on cpu / float32 token for
 token as transformers does: whole prompts, prompts prefilled in chunks that cross the window's edge, and
-decodes far past it. Qwen2 applies the window only from ``max_window_layers`` on (transformers'
-``layer_types``), read from the saved ``layer_types`` or, without them, from ``max_window_layers``."""
+decodes far past it. Qwen2 and Qwen3 apply the window only from ``max_window_layers`` on (transformers'
+``layer_types``), read from the saved ``layer_types`` or, without them, from ``max_window_layers``; Mistral
+and Phi-3 on every layer (then blocks behind the window are given back: the last test)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,8 @@ from lmdeploy.engine.engine import Engine
 from lmdeploy.engine.model_config import layer_window, load_model_config
 from lmdeploy.engine.models import get_model_class
 from lmdeploy.engine.models.mistral import MistralForCausalLM
-from lmdeploy.engine.models.qwen import Qwen2ForCausalLM
+from lmdeploy.engine.models.phi3 import Phi3ForCausalLM
+from lmdeploy.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from lmdeploy.messages import PytorchEngineConfig
 
 NEW_TOKENS = 24
@@ -30,6 +32,9 @@ SPECS = {
     'mistral': ('MistralConfig', dict(TINY, sliding_window=WINDOW)),
     # layer 0 attends fully, layer 1 within the window
     'qwen2': ('Qwen2Config', dict(TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    'qwen3': ('Qwen3Config', dict(TINY, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                                  attention_bias=False)),
+    'phi3': ('Phi3Config', dict(TINY, sliding_window=WINDOW)),  # every layer, as transformers' Phi3
 }
 
 
@@ -73,12 +78,13 @@ def _engine_tokens(path, prompts, **kw):
         engine.close()
 
 
-@pytest.mark.parametrize('name,cls', [('mistral', MistralForCausalLM), ('qwen2', Qwen2ForCausalLM)])
+@pytest.mark.parametrize('name,cls', [('mistral', MistralForCausalLM), ('qwen2', Qwen2ForCausalLM),
+                                      ('qwen3', Qwen3ForCausalLM), ('phi3', Phi3ForCausalLM)])
 def test_decodes_as_transformers(name, cls, models, tmp_path):
     path = models(name)
     cfg = load_model_config(path)
     assert get_model_class(cfg) is cls
-    want_windows = [WINDOW, WINDOW] if name == 'mistral' else [None, WINDOW]
+    want_windows = [WINDOW, WINDOW] if name in ('mistral', 'phi3') else [None, WINDOW]
     assert [layer_window(cfg, i, cls.attention_cls.window_rule) for i in range(2)] == want_windows
     prompts = _prompts()
     want = hf_greedy(path, prompts, NEW_TOKENS)
