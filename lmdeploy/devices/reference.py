@@ -174,11 +174,25 @@ class ReferenceOps(DeviceOps):
         return logits
 
     def apply_frequency_presence_penalty(self, logits, token_ids, frequency, presence):
-        bsz, vocab = logits.shape
-        counts = torch.zeros(bsz, vocab + 1, dtype=logits.dtype, device=logits.device)  # column 0: the padding
-        counts.scatter_add_(1, token_ids + 1, torch.ones_like(token_ids, dtype=logits.dtype))
-        counts = counts[:, 1:]
-        logits -= counts * frequency[:, None].to(logits.dtype) + (counts > 0) * presence[:, None].to(logits.dtype)
+        # sparse: only the generated ids' scores are read and written (a row has far fewer ids than the
+        # vocabulary). Sorted, each id's repeats form a run; every position writes its id's new score, so
+        # repeats write the same value and the scatter needs no atomics.
+        ids, _ = token_ids.sort(dim=1)  # padding (-1) first, the row's largest id last
+        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        first = torch.ones_like(ids, dtype=torch.bool)
+        first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        last = torch.ones_like(first)
+        last[:, :-1] = first[:, 1:]
+        run_first = torch.where(first, pos, 0).cummax(dim=1).values
+        run_last = torch.where(last, pos, ids.shape[1]).flip(1).cummin(dim=1).values.flip(1)
+        counts = (run_last - run_first + 1).to(logits.dtype)
+        valid = ids >= 0
+        cols = torch.where(valid, ids, ids[:, -1:].clamp(min=0))  # padding points at a real id (or 0: none)
+        new = logits.gather(1, cols) - (counts * frequency[:, None].to(logits.dtype)
+                                         + presence[:, None].to(logits.dtype))
+        # padding writes what its column gets anyway: the row's largest id's new score, or (no id) column 0 as is
+        keep = torch.where(ids[:, -1:] >= 0, new[:, -1:], logits[:, :1])
+        logits.scatter_(1, cols, torch.where(valid, new, keep))
         return logits
 
     def apply_token_bitmask(self, logits, bitmask):

@@ -124,11 +124,13 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], ops: DeviceOps,
     themselves stay valid ids, as the next step may read them before the
     host does. Plain greedy rows are not checked (their argmax is the hot
     path)."""
-    tokens = ops.argmax(logits)
-    processed = [i for i, s in enumerate(seqs) if not s.params.plain_greedy]
+    # OpenAI-penalised rows first: _process edits them as one slice of its copy, in place
+    processed = sorted((i for i, s in enumerate(seqs) if not s.params.plain_greedy),
+                       key=lambda i: not seqs[i].params.penalised)
     if not processed:
+        tokens = ops.argmax(logits)
         return tokens, tokens
-    if len(processed) == len(seqs):
+    if processed == list(range(len(seqs))):
         sub = logits.float()
         sub = sub.clone() if sub is logits else sub  # edited in place below; the caller's copy gives logprobs
         rows = None
@@ -139,6 +141,7 @@ def sample_tokens(logits: torch.Tensor, seqs: List[Sequence], ops: DeviceOps,
     host = torch.where(drawable, picked, torch.full_like(picked, NO_TOKEN))
     if rows is None:
         return picked, host
+    tokens = ops.argmax(logits)
     tokens[rows] = picked
     return tokens, tokens.index_put((rows, ), host)
 
@@ -177,11 +180,17 @@ def _process(logits: torch.Tensor, seqs: List[Sequence], ops: DeviceOps, grammar
         logits[rows] = ops.apply_repetition_penalty(logits[rows], ids, penalty)
     penalised = [i for i, s in enumerate(seqs) if s.params.penalised]
     if penalised:  # over the generated tokens only (OpenAI's definition)
-        rows = tensor_on(penalised, device, torch.int64)
         ids = _padded([_history(seqs[i], seqs[i].num_prompt_tokens) or [-1] for i in penalised], device)
         frequency = tensor_on([seqs[i].params.frequency_penalty for i in penalised], device)
         presence = tensor_on([seqs[i].params.presence_penalty for i in penalised], device)
-        logits[rows] = ops.apply_frequency_presence_penalty(logits[rows], ids, frequency, presence)
+        if penalised == list(range(len(penalised))):  # a leading slice: edited where it is
+            part = logits[:len(penalised)]
+            out = ops.apply_frequency_presence_penalty(part, ids, frequency, presence)
+            if out is not part:
+                part.copy_(out)
+        else:
+            rows = tensor_on(penalised, device, torch.int64)
+            logits[rows] = ops.apply_frequency_presence_penalty(logits[rows], ids, frequency, presence)
     rows, cols = [], []
     for i, ids in enumerate(banned):
         rows.extend([i] * len(ids))
