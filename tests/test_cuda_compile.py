@@ -132,10 +132,10 @@ def compile_all(cap: int, specs=None, act=None) -> dict:
     results = {}
     for fn, ptrs, scalars, constexprs, options in specs:
         name_of = label(fn, constexprs)
-        # a constexpr left out takes its default, and so does an argument defaulting to None (what a launch
-        # that does not pass them compiles: the default kernels, without a window or soft cap)
+        # a constexpr left out takes its default, and so does an argument defaulting to None that the spec
+        # gives no type (what a launch that does not pass them compiles: the kernels without a window or cap)
         constexprs = dict({p.name: p.default for p in fn.params if p.has_default and p.name not in constexprs
-                           and (p.is_constexpr or p.default is None)}, **constexprs)
+                           and (p.is_constexpr or p.default is None and p.name not in ptrs)}, **constexprs)
         sig, aligned = {}, {}
         for i, param in enumerate(fn.params):
             name = param.name
