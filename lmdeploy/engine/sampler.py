@@ -34,11 +34,10 @@ def _banned_ids(seq: Sequence) -> List[int]:
 
 
 def _padded(rows: List[List[int]], device) -> torch.Tensor:
+    """[len(rows), longest] int64 on ``device``, -1 after each row's ids: one host tensor, one copy."""
     width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), -1, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-    return to_device(out, device)
+    flat = [t for r in rows for t in (r + [-1] * (width - len(r)) if len(r) < width else r)]
+    return to_device(torch.tensor(flat, dtype=torch.int64).view(len(rows), width), device)
 
 
 def logprob_entries(raw: torch.Tensor, tokens: torch.Tensor, tops: List[int]) -> List[Dict[int, float]]:
