@@ -80,6 +80,15 @@ def test_npu_swiglu(npu):
     torch.testing.assert_close(npu.npu_swiglu(x, dim=-1), a * torch.sigmoid(a) * b)
 
 
+def test_npu_gelu_erf_and_tanh(npu):
+    x = torch.randn(4, 24) * 3
+    torch.testing.assert_close(npu.npu_gelu(x), 0.5 * x * (1 + torch.erf(x / 2**0.5)))
+    tanh = 0.5 * x * (1 + torch.tanh((2 / torch.pi)**0.5 * (x + 0.044715 * x**3)))
+    torch.testing.assert_close(npu.npu_gelu(x, approximate='tanh'), tanh)
+    with pytest.raises(RuntimeError):
+        npu.npu_gelu(x, approximate='sigmoid')
+
+
 def test_npu_scatter_nd_update_writes_rows_in_place(npu):
     cache = torch.randn(12, 2, 4)
     before = cache.clone()

@@ -55,6 +55,11 @@ def kernel_specs(cap: int):
         (linear._skinny_kernel, {}, {}, dict(skinny, BLOCK_N=64), stages),
         (linear._skinny_silu_kernel, {}, {}, dict(skinny, BLOCK_N=32), stages),
         (activation._silu_and_mul_kernel, {}, {}, dict(BLOCK=1024, PDL=pdl), dict(num_warps=4)),
+        (activation._gelu_tanh_and_mul_kernel, {}, {}, dict(BLOCK=1024, PDL=pdl), dict(num_warps=4)),
+        # StarCoder2's and Falcon's LayerNorm and ungated GELU (erf and tanh)
+        (norm._layer_norm_kernel, {}, {'eps': 'fp32'}, dict(BLOCK=8192, PDL=pdl), dict(num_warps=8)),
+        (activation._gelu_kernel, {}, {}, dict(TANH=False, BLOCK=1024, PDL=pdl), dict(num_warps=4)),
+        (activation._gelu_kernel, {}, {}, dict(TANH=True, BLOCK=1024, PDL=pdl), dict(num_warps=4)),
         (rotary._rotary_kernel, {'cos_ptr': 'fp32', 'sin_ptr': 'fp32'}, {}, dict(HALF=64, BLOCK_H=16, BLOCK_D=64,
                                                                                PDL=pdl), dict(num_warps=2)),
     ] + [  # the cache's writers and readers for each KV policy (uint8 codes, float16 scales when quantized)
@@ -118,7 +123,7 @@ def kernel_specs(cap: int):
 def label(fn, constexprs: dict) -> str:
     """A compiled variant's name in the results: the kernel and the constexprs that tell its variants apart."""
     return fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items()
-                                 if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP'))
+                                 if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP', 'TANH'))
 
 
 def compile_all(cap: int, specs=None, act=None) -> dict:

@@ -98,6 +98,27 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         gelu = 0.5 * gate * (1 + torch.tanh((2 / torch.pi)**0.5 * (gate + 0.044715 * gate**3)))
         return _compare('gelu_tanh_and_mul', out, gelu * up, dtype)
 
+    def gelu(approximate):
+        x = q64(torch.randn(5, 40, generator=torch.Generator().manual_seed(4322), dtype=torch.float64) * 3)
+        out = ops.gelu(on_dev(x), approximate)
+        if approximate == 'tanh':
+            want = 0.5 * x * (1 + torch.tanh((2 / torch.pi)**0.5 * (x + 0.044715 * x**3)))
+        else:
+            want = 0.5 * x * (1 + torch.erf(x / 2**0.5))
+        return _compare(f'gelu[{approximate}]', out, want, dtype)
+
+    def layer_norm():
+        g2 = torch.Generator().manual_seed(4323)  # its own generator, as gelu_tanh_and_mul's
+        eps = 1e-5
+        # an offset mean and a width that is not a power of two (masked columns in a kernel's block)
+        x = q64(torch.randn(5, 72, generator=g2, dtype=torch.float64) * 2 + 3)
+        w = q64(torch.randn(72, generator=g2, dtype=torch.float64) * 0.3 + 1)
+        b = q64(torch.randn(72, generator=g2, dtype=torch.float64) * 0.5)
+        out = ops.layer_norm(on_dev(x), on_dev(w), on_dev(b), eps)
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean)**2).mean(-1, keepdim=True)
+        return _compare('layer_norm', out, (x - mean) / torch.sqrt(var + eps) * w + b, dtype)
+
     def _rotary_setup(T=6, H=4, Hkv=2, D=16):
         """q, k, cos, sin of positions 0..T-1, and the reference rotation."""
         q, k = q64(randn(T, H, D)), q64(randn(T, Hkv, D))
@@ -309,6 +330,7 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         return got == want, f'tokens {got}' + ('' if got == want else f' != expected {want}')
 
     found = [('rms_norm', rms_norm), ('silu_and_mul', silu_and_mul), ('gelu_tanh_and_mul', gelu_tanh_and_mul),
+             ('gelu[none]', lambda: gelu('none')), ('gelu[tanh]', lambda: gelu('tanh')), ('layer_norm', layer_norm),
              ('apply_rotary', apply_rotary), ('rotary_fill_kv', rotary_fill_kv), ('argmax', argmax),
              ('paged_decode_attention', paged_decode_attention),
              ('paged_prefill_attention', paged_prefill_attention), ('apply_token_bitmask', apply_token_bitmask),

@@ -176,6 +176,19 @@ class DeviceOps:
         rounded to x's dtype before the product as ``F.gelu(gate, approximate='tanh') * up`` is."""
         raise NotImplementedError
 
+    def gelu(self, x: torch.Tensor, approximate: str = 'none') -> torch.Tensor:
+        """x [T, I] -> gelu(x) [T, I] elementwise, in x's dtype (an MLP without a gate: StarCoder2, Falcon).
+        ``approximate`` 'none': x * (1 + erf(x / sqrt(2))) / 2 (transformers' ``gelu``); 'tanh':
+        0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (``gelu_pytorch_tanh``); torch's ``F.gelu(x,
+        approximate=...)``, computed in float32 and rounded once."""
+        raise NotImplementedError
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """LayerNorm over the last dim: (x - mean) / sqrt(var + eps) * weight + bias, var the biased variance
+        (torch's ``F.layer_norm``, transformers' ``nn.LayerNorm``: StarCoder2, Falcon). Statistics and the
+        affine in float32, the result rounded once to x's dtype. No fused residual (a model adds it first)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
         """Write k/v [T, Hkv, D] into the cache at flat slots [T] (in place),

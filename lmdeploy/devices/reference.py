@@ -54,6 +54,12 @@ class ReferenceOps(DeviceOps):
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate='tanh') * up
 
+    def gelu(self, x, approximate='none'):
+        return F.gelu(x.float(), approximate=approximate).to(x.dtype)
+
+    def layer_norm(self, x, weight, bias, eps):
+        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache: KVCache, slot_mapping):
         keep = slot_mapping >= 0

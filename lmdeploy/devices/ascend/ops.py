@@ -102,6 +102,15 @@ class AscendOps(ReferenceSampling, DeviceOps):
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.gelu(gate, approximate='tanh') * up
 
+    def gelu(self, x, approximate='none'):
+        # npu_gelu, not torch's gelu: on the NPU torch's own ignores ``approximate`` (always tanh), as
+        # npu_gelu's page says
+        return self._npu_ops.npu_gelu(x, approximate=approximate)
+
+    def layer_norm(self, x, weight, bias, eps):
+        # torch's layer_norm (torch_npu's aten kernel; npu_layer_norm_eval's page says it is to be dropped for it)
+        return _REFERENCE.layer_norm(x, weight, bias, eps)
+
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache, slot_mapping):
         """npu_scatter_nd_update_ into the cache viewed as one row per slot. Padding rows (slot < 0) are

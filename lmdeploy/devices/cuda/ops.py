@@ -72,6 +72,12 @@ class CudaOps(ReferenceSampling, DeviceOps):
     def gelu_tanh_and_mul(self, x):
         return self._k_act.gelu_tanh_and_mul(x)
 
+    def gelu(self, x, approximate='none'):
+        return self._k_act.gelu(x, approximate)
+
+    def layer_norm(self, x, weight, bias, eps):
+        return self._k_norm.layer_norm(x, weight, bias, eps)
+
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache, slot_mapping):
         self._k_kv.fill_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale_zero, cache.v_scale_zero,

@@ -92,6 +92,15 @@ def npu_swiglu(input, dim=-1):
     return (torch.nn.functional.silu(a.float()) * b.float()).to(input.dtype)
 
 
+@_op()
+def npu_gelu(input, approximate='none'):
+    """GELU(x) = x * Phi(x) ('none': Phi through erf; 'tanh': erf replaced by the tanh approximation), the
+    output of input's shape and dtype (float16, bfloat16, float32 on the A2)."""
+    _need(approximate in ('none', 'tanh'), 'approximate must be "none" or "tanh"')
+    _need(input.dtype in (torch.float16, torch.bfloat16, torch.float32), 'npu_gelu takes float16 / bfloat16 / float32')
+    return torch.nn.functional.gelu(input.float(), approximate=approximate).to(input.dtype)
+
+
 # ------------------------------------------------------------------ KV cache
 _SCATTER_DTYPES = (torch.float32, torch.float16, torch.bool, torch.bfloat16, torch.int64, torch.int8)  # A2, 7.0.0
 

@@ -42,3 +42,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                                       num_warps=4 if block <= 4096 else 8, PDL=pdl.ON, **pdl.LAUNCH)
     out = out.view(shape)
     return out, (res_out.view(shape) if residual is not None else None)
+
+
+@triton.jit
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl.wait_then_release(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / n_cols
+    diff = tl.where(mask, x - mean, 0.0)  # the padding columns stay out of the variance
+    rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # statistics and affine in float32, rounded once (as F.layer_norm does)
+    tl.store(out_ptr + row * stride_o + cols, (diff * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeviceOps.layer_norm: one program per row."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 0:
+        return out.view(shape)
+    block = triton.next_power_of_2(x2.shape[-1])
+    _layer_norm_kernel[(x2.shape[0], )](x2, weight, bias, out, x2.stride(0), out.stride(0), x2.shape[-1], eps,
+                                        BLOCK=block, num_warps=4 if block <= 4096 else 8, PDL=pdl.ON, **pdl.LAUNCH)
+    return out.view(shape)
