@@ -5,6 +5,7 @@ from ..model_config import ModelConfig
 from .baichuan import BaichuanForCausalLM, BaiChuanForCausalLM
 from .gemma import GemmaForCausalLM
 from .gemma2 import Gemma2ForCausalLM
+from .gemma3 import Gemma3ForCausalLM
 from .glm import ChatGLMForCausalLM, Glm4ForCausalLM, GlmForCausalLM
 from .internlm2 import InternLM2ForCausalLM
 from .internlm3 import InternLM3ForCausalLM
@@ -24,6 +25,7 @@ ARCHITECTURES = {
     'Phi3ForCausalLM': Phi3ForCausalLM,
     'GemmaForCausalLM': GemmaForCausalLM,
     'Gemma2ForCausalLM': Gemma2ForCausalLM,
+    'Gemma3ForCausalLM': Gemma3ForCausalLM,
     'GlmForCausalLM': GlmForCausalLM,
     'Glm4ForCausalLM': Glm4ForCausalLM,
     'ChatGLMModel': ChatGLMForCausalLM,
@@ -42,14 +44,23 @@ MODEL_TYPES = {
     'phi3': Phi3ForCausalLM,
     'gemma': GemmaForCausalLM,
     'gemma2': Gemma2ForCausalLM,
+    'gemma3_text': Gemma3ForCausalLM,
     'glm': GlmForCausalLM,
     'glm4': Glm4ForCausalLM,
     'chatglm': ChatGLMForCausalLM,
     'baichuan': BaichuanForCausalLM,
 }
 
+# architectures that are known and refused, with the reason (instead of a bare "not supported")
+REFUSED = {
+    'Gemma3ForConditionalGeneration': 'it is Gemma 3\'s vision-language model (gemma-3-4b/12b/27b); only its '
+                                      'text-only form, Gemma3ForCausalLM (e.g. gemma-3-1b), is supported',
+}
+
 
 def get_model_class(cfg: ModelConfig):
+    if cfg.architecture in REFUSED:
+        raise ValueError(f'architecture {cfg.architecture!r} is not supported: {REFUSED[cfg.architecture]}')
     if cfg.architecture:
         if cfg.architecture in ARCHITECTURES:
             return ARCHITECTURES[cfg.architecture]
@@ -61,4 +72,4 @@ def get_model_class(cfg: ModelConfig):
                      f'supported architectures: {sorted(ARCHITECTURES)}')
 
 
-__all__ = ['ARCHITECTURES', 'get_model_class']
+__all__ = ['ARCHITECTURES', 'MODEL_TYPES', 'REFUSED', 'get_model_class']
