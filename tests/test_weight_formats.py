@@ -83,3 +83,54 @@ def test_each_device_implements_each_format_as_the_reference(kind, fmt):
     assert fmt in set(FORMATS.values()) | {'dense'}
     ok, detail = check_layer_impl(get_device('cpu'), kind, fmt)
     assert ok, detail
+
+
+def test_a_device_gives_its_own_norm_embedding_and_lm_head(tiny_model_factory, monkeypatch):
+    """Norms, the embedding and the LM head are layer implementations too: a device that lists its own
+    (here one keeping the norm's scale in float32, as an NPU norm kernel may want, and counting calls) gets
+    them used by every model, with nothing in the engine edited, and the tokens stay transformers'."""
+    import collections
+
+    from lmdeploy.devices.layers import DenseLinear, EmbeddingImpl, NormImpl, add_param
+    from lmdeploy.engine.engine import Engine
+    from lmdeploy.messages import PytorchEngineConfig
+    calls = collections.Counter()
+
+    class ScaleInFloat32(NormImpl):
+
+        def create_weights(self, layer, dim):
+            add_param(layer, 'weight', torch.ones(dim, dtype=torch.float32), keep_dtype=True)
+
+        def apply(self, layer, x, eps, residual=None):
+            calls['norm'] += 1
+            return self.ops.rms_norm(x, layer.weight.to(x.dtype), eps, residual)
+
+    class CountedEmbedding(EmbeddingImpl):
+
+        def apply(self, layer, ids):
+            calls['embedding'] += 1
+            return super().apply(layer, ids)
+
+    class CountedHead(DenseLinear):
+
+        def apply(self, layer, x, with_bias=True):
+            calls['lm_head'] += 1
+            return super().apply(layer, x, with_bias)
+
+    cpu = type(get_device('cpu'))
+    monkeypatch.setattr(cpu, 'layer_impls', {**cpu.layer_impls, ('norm', 'dense'): ScaleInFloat32,
+                                             ('embedding', 'dense'): CountedEmbedding,
+                                             ('lm_head', 'dense'): CountedHead})
+    path = tiny_model_factory('qwen2')
+    rng = random.Random()
+    prompts = [[rng.randrange(20, 1000) for _ in range(rng.randint(3, 20))] for _ in range(2)]
+    eng = Engine(path, PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=256))
+    try:
+        model = eng.runner.model
+        assert isinstance(model.model.norm.impl, ScaleInFloat32) and isinstance(model.lm_head.impl, CountedHead)
+        calls.clear()
+        got = generate_all(eng, prompts, greedy(8))
+    finally:
+        eng.close()
+    assert calls['norm'] > 0 and calls['embedding'] > 0 and calls['lm_head'] > 0, calls
+    assert got == hf_greedy(path, prompts, 8)

@@ -362,6 +362,24 @@ def _random_like(p, g):
     return torch.randn(tuple(p.shape), generator=g, dtype=torch.float64)
 
 
+# per layer kind: (arguments of create_weights, a random input, how the layer is applied to it)
+def _layer_case(kind: str, g):
+    import torch
+    if kind in ('linear', 'lm_head'):
+        in_f, out_f = 48, 40
+        # inputs of a normed layer's size (outputs of a few units): in bf16 a product of two outputs in the
+        # hundreds (gate * up) is off by more than its own 5% wherever the gate is near zero
+        x = torch.randn(7, in_f, generator=g, dtype=torch.float64) / in_f ** 0.5
+        return (in_f, out_f, kind == 'linear'), x, lambda impl, layer, x: impl.apply(layer, x)
+    if kind == 'embedding':
+        ids = torch.tensor([3, 0, 39, 3, 17], dtype=torch.int64)
+        return (40, 24), ids, lambda impl, layer, ids: impl.apply(layer, ids)
+    if kind == 'norm':
+        x = torch.randn(6, 64, generator=g, dtype=torch.float64) * 2
+        return (64, ), x, lambda impl, layer, x: impl.apply(layer, x, 1e-6)[0]
+    return None
+
+
 def check_layer_impl(ops, kind: str, weight_format: str, dtype=None) -> Tuple[bool, str]:
     """The device's implementation of a ``kind`` layer for ``weight_format`` against the reference's (plain
     torch in float64) on the same random parameters and input."""
@@ -373,14 +391,15 @@ def check_layer_impl(ops, kind: str, weight_format: str, dtype=None) -> Tuple[bo
     dtype = dtype or test_dtype(ops)
     dev = ops.torch_device()
     g = torch.Generator().manual_seed(4321)
-    if kind != 'linear':
+    case = _layer_case(kind, g)
+    if case is None:
         return False, f'no check for {kind} layers'
-    in_f, out_f = 48, 40
+    args, x, run = case
     mine, ref = nn.Module(), nn.Module()
     impl = ops.layer_impl(kind, weight_format)
     ref_impl = REFERENCE_IMPLS[(kind, weight_format)](ReferenceOps())
-    impl.create_weights(mine, in_f, out_f, True)
-    ref_impl.create_weights(ref, in_f, out_f, True)
+    impl.create_weights(mine, *args)
+    ref_impl.create_weights(ref, *args)
     for name, p in ref.named_parameters():
         value = _random_like(p, g)
         if name.endswith('scale'):
@@ -393,15 +412,13 @@ def check_layer_impl(ops, kind: str, weight_format: str, dtype=None) -> Tuple[bo
             ref_p.data = my_p.data.cpu().to(torch.float64)
     impl.process_weights(mine)
     ref_impl.process_weights(ref)
-    # inputs of a normed layer's size (outputs of a few units): in bf16 a product of two outputs in the hundreds
-    # (gate * up) is off by more than its own 5% wherever the gate is near zero
-    x = torch.randn(7, in_f, generator=g, dtype=torch.float64) / in_f ** 0.5
-    got = impl.apply(mine, x.to(dtype).to(dev))
-    want = ref_impl.apply(ref, x.to(dtype).to(torch.float64))
-    ok, detail = _compare(f'{kind}[{weight_format}]', got, want, dtype)
+    x_in = x.to(dev) if not x.dtype.is_floating_point else x.to(dtype).to(dev)
+    x_ref = x if not x.dtype.is_floating_point else x.to(dtype).to(torch.float64)
+    want = run(ref_impl, ref, x_ref)
+    ok, detail = _compare(f'{kind}[{weight_format}]', run(impl, mine, x_in), want, dtype)
     if ok and kind == 'linear':  # the fused gate|up path of the same layer
-        half = out_f // 2
-        got2 = impl.apply_silu_and_mul(mine, x.to(dtype).to(dev))
+        half = want.shape[-1] // 2
+        got2 = impl.apply_silu_and_mul(mine, x_in)
         want2 = torch.nn.functional.silu(want[:, :half]) * want[:, half:]
         ok, detail = _compare(f'{kind}[{weight_format}] + silu_and_mul', got2, want2, dtype)
     return ok, detail

@@ -111,12 +111,55 @@ class Int8ChannelLinear(LinearImpl):
         return self.ops.linear(x, self.dequantized(layer, x.dtype), layer.bias if with_bias else None)
 
 
+class EmbeddingImpl:
+    """Token embedding rows for one weight format: ``weight`` [rows, dim]; apply looks ids up."""
+    kind = 'embedding'
+    format = DENSE
+
+    def __init__(self, ops: 'DeviceOps'):
+        self.ops = ops
+
+    def create_weights(self, layer: nn.Module, num_rows: int, dim: int):
+        add_param(layer, 'weight', torch.empty(num_rows, dim), input_dim=1)
+
+    def process_weights(self, layer: nn.Module):
+        """Once, after loading."""
+
+    def apply(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.embedding(ids, layer.weight)
+
+
+class NormImpl:
+    """RMS norm's scale for one weight format: ``weight`` [dim]; apply normalises, with the residual add
+    fused where one is given (the device's ``rms_norm``)."""
+    kind = 'norm'
+    format = DENSE
+
+    def __init__(self, ops: 'DeviceOps'):
+        self.ops = ops
+
+    def create_weights(self, layer: nn.Module, dim: int):
+        add_param(layer, 'weight', torch.ones(dim))
+
+    def process_weights(self, layer: nn.Module):
+        """Once, after loading."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+        return self.ops.rms_norm(x, layer.weight, eps, residual)
+
+
 # the checkpoint's quantization_config["quant_method"] -> weight format
 FORMATS: Dict[str, str] = {'int8_per_channel': Int8ChannelLinear.format}
 
+# (layer kind, weight format) -> the reference's implementation. Kinds: 'linear' (fused q|k|v and gate|up
+# included), 'lm_head' (a linear map to the vocabulary, kept apart so a device can give its own: a
+# vocabulary-sharded or fused-sampling head), 'embedding', 'norm'
 REFERENCE_IMPLS: Dict[Tuple[str, str], Any] = {
     ('linear', DENSE): DenseLinear,
     ('linear', Int8ChannelLinear.format): Int8ChannelLinear,
+    ('lm_head', DENSE): DenseLinear,
+    ('embedding', DENSE): EmbeddingImpl,
+    ('norm', DENSE): NormImpl,
 }
 
 

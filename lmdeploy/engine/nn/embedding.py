@@ -7,12 +7,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .build import device_ops
+from .build import device_ops, layer_impl
 from .loading import CheckpointTensor
 from .parallel import tensor_parallel
 
 
 class _VocabShard(nn.Module):
+    """``kind``: the device's layer implementation that makes and applies the rows' parameters (plain
+    weights: the checkpoint's quantization leaves these layers out)."""
+    kind = ''
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
@@ -20,8 +23,15 @@ class _VocabShard(nn.Module):
         self.vocab_size, self.tp = vocab_size, tp.size
         per = -(-vocab_size // tp.size)
         self.rows = range(min(tp.rank * per, vocab_size), min((tp.rank + 1) * per, vocab_size))
-        self.weight = nn.Parameter(torch.empty(per if tp.size > 1 else vocab_size, dim), requires_grad=False)
         self.ops = device_ops()
+        self.impl = layer_impl(self.kind, dense=True)
+        self._create(per if tp.size > 1 else vocab_size, dim)
+
+    def _create(self, num_rows: int, dim: int):
+        self.impl.create_weights(self, num_rows, dim)
+
+    def process_weights(self):
+        self.impl.process_weights(self)
 
     def load_param(self, param_name: str, shard: str, src: CheckpointTensor):
         if src.shape[0] != self.vocab_size:
@@ -31,24 +41,32 @@ class _VocabShard(nn.Module):
 
 
 class VocabEmbedding(_VocabShard):
+    kind = 'embedding'
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return self.ops.embedding(ids, self.weight)
+            return self.impl.apply(self, ids)
         local = ids - self.rows.start
         mine = (local >= 0) & (local < len(self.rows))
-        x = self.ops.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        x = self.impl.apply(self, local.clamp(0, self.weight.shape[0] - 1))
         return self.ops.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
 
 class LMHead(_VocabShard):
     """hidden -> vocab logits; may share its weight with the embedding."""
+    kind = 'lm_head'
+
+    def _create(self, num_rows: int, dim: int):
+        self.impl.create_weights(self, dim, num_rows, bias=False)
 
     def tie(self, embedding: VocabEmbedding):
+        """Use the embedding's rows as the head's (both plain weights of one shape)."""
+        if (self.impl.format, embedding.impl.format) != ('dense', 'dense') or set(self.param_layout) != {'weight'}:
+            raise ValueError('tied embeddings need plain weights in both the embedding and the LM head')
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.ops.linear(hidden, self.weight)
+        logits = self.impl.apply(self, hidden)
         if self.tp == 1:
             return logits
         parts = self.ops.all_gather(logits)  # [tp, T, per]

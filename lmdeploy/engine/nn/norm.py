@@ -1,21 +1,26 @@
 import torch
 from torch import nn
 
-from .build import device_ops
+from .build import device_ops, layer_impl
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / rms(x); with ``residual`` the add is fused and the sum returned."""
+    """y = w * x / rms(x); with ``residual`` the add is fused and the sum returned. Its scale is the device's
+    norm implementation's parameter (devices/layers.py)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.ops = device_ops()
+        self.impl = layer_impl('norm', dense=True)
+        self.impl.create_weights(self, dim)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor = None):
-        out, residual_out = self.ops.rms_norm(x, self.weight, self.eps, residual)
+        out, residual_out = self.impl.apply(self, x, self.eps, residual)
         return out if residual is None else (out, residual_out)
+
+    def process_weights(self):
+        self.impl.process_weights(self)
 
 
 class OffsetRMSNorm(RMSNorm):
