@@ -21,6 +21,14 @@ missing or malformed raises ValueError naming the checkpoint's own field.
   ``model_max_length``.
 * GLM (``model_type: glm`` / ``glm4``): transformers' GlmConfig / Glm4Config default ``partial_rotary_factor``
   to 0.5 when the config does not give one.
+* StarCoder2 (``model_type: starcoder2``, transformers' Starcoder2Config): ``norm_epsilon`` (1e-5) is the
+  LayerNorms' eps, ``use_bias`` (true) puts biases on every linear map; the embedding is tied unless
+  ``tie_word_embeddings`` says otherwise.
+* Falcon (``model_type: falcon``, transformers' FalconConfig): ``ffn_hidden_size`` (4 x hidden), the KV heads
+  by layout (``new_decoder_architecture``: ``num_kv_heads``; else one with ``multi_query``, all heads
+  without), ``layer_norm_epsilon`` (1e-5), ``bias`` on every linear map, a tied embedding by default;
+  the older names ``n_embed`` / ``n_head`` / ``n_layer`` / ``n_head_kv`` read too. ``alibi`` is refused (the
+  ops implement rotary only), as is ``apply_residual_connection_post_layernorm``.
 """
 from __future__ import annotations
 
@@ -86,7 +94,52 @@ def glm_fields(cfg: Dict[str, Any], path: str) -> Dict[str, Any]:
     return cfg if given else dict(cfg, partial_rotary_factor=0.5)
 
 
-READERS = {'chatglm': chatglm_fields, 'baichuan': baichuan_fields, 'glm': glm_fields, 'glm4': glm_fields}
+def starcoder2_fields(cfg: Dict[str, Any], path: str) -> Dict[str, Any]:
+    from .model_config import ConfigFields
+    f = ConfigFields(cfg, path)
+    bias = f.flag('use_bias', True)
+    return dict(cfg, rms_norm_eps=f.number('norm_epsilon', 1e-5), attention_bias=bias, mlp_bias=bias,
+                tie_word_embeddings=f.flag('tie_word_embeddings', True))
+
+
+def falcon_fields(cfg: Dict[str, Any], path: str) -> Dict[str, Any]:
+    from .model_config import ConfigFields
+    f = ConfigFields(cfg, path)
+    if f.flag('alibi', False):
+        raise f.error('alibi', 'is true: Falcon checkpoints with ALiBi (falcon-rw) are not supported, only rotary '
+                      'ones (alibi: false)')
+    if f.flag('apply_residual_connection_post_layernorm', False):
+        raise f.error('apply_residual_connection_post_layernorm', 'is true: not supported (only false, as '
+                      "transformers' Falcon has it)")
+    out = dict(cfg)
+    for new, old in (('hidden_size', 'n_embed'), ('num_attention_heads', 'n_head'),
+                     ('num_hidden_layers', 'n_layer'), ('num_kv_heads', 'n_head_kv')):
+        if out.get(new) is None and out.get(old) is not None:
+            out[new] = out[old]
+    f = ConfigFields(out, path)
+    heads = f.integer('num_attention_heads', what='the number of attention heads, a positive integer')
+    hidden = f.integer('hidden_size', what="the model's width, a positive integer")
+    if hidden % heads:
+        raise f.error('hidden_size', f'({hidden}) must be a multiple of num_attention_heads ({heads})')
+    if f.flag('new_decoder_architecture', False):
+        kv_heads = f.integer('num_kv_heads', heads)
+    elif f.flag('multi_query', True):
+        kv_heads = 1
+    else:
+        kv_heads = heads
+        if f.integer('num_kv_heads', heads) != heads:
+            raise f.error('num_kv_heads', f'must equal num_attention_heads ({heads}) without multi_query or '
+                          'new_decoder_architecture (the packed query_key_value holds every head\'s k and v)')
+    bias = f.flag('bias', False)
+    out.update(num_key_value_heads=kv_heads, head_dim=hidden // heads,
+               intermediate_size=f.integer('ffn_hidden_size', 4 * hidden),
+               rms_norm_eps=f.number('layer_norm_epsilon', 1e-5), attention_bias=bias, mlp_bias=bias,
+               max_position_embeddings=f.integer('max_position_embeddings', 2048),
+               tie_word_embeddings=f.flag('tie_word_embeddings', True))
+    return out
+
+
+READERS = {'starcoder2': starcoder2_fields, 'falcon': falcon_fields, 'chatglm': chatglm_fields, 'baichuan': baichuan_fields, 'glm': glm_fields, 'glm4': glm_fields}
 
 
 def standard_fields(cfg: Dict[str, Any], path: str) -> Dict[str, Any]:

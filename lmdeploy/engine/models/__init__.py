@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..model_config import ModelConfig
 from .baichuan import BaichuanForCausalLM, BaiChuanForCausalLM
+from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
 from .gemma2 import Gemma2ForCausalLM
 from .gemma3 import Gemma3ForCausalLM
@@ -13,6 +14,7 @@ from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from .starcoder2 import Starcoder2ForCausalLM
 
 ARCHITECTURES = {
     'LlamaForCausalLM': LlamaForCausalLM,
@@ -32,6 +34,8 @@ ARCHITECTURES = {
     'ChatGLMForConditionalGeneration': ChatGLMForCausalLM,
     'BaichuanForCausalLM': BaichuanForCausalLM,
     'BaiChuanForCausalLM': BaiChuanForCausalLM,
+    'Starcoder2ForCausalLM': Starcoder2ForCausalLM,
+    'FalconForCausalLM': FalconForCausalLM,
 }
 MODEL_TYPES = {
     'llama': LlamaForCausalLM,
@@ -49,6 +53,8 @@ MODEL_TYPES = {
     'glm4': Glm4ForCausalLM,
     'chatglm': ChatGLMForCausalLM,
     'baichuan': BaichuanForCausalLM,
+    'starcoder2': Starcoder2ForCausalLM,
+    'falcon': FalconForCausalLM,
 }
 
 # architectures that are known and refused, with the reason (instead of a bare "not supported")

@@ -32,3 +32,22 @@ class GeluTanhAndMul(nn.Module):
     def of_projection(self, proj, x):
         """self(proj(x)) for a stacked gate|up projection (composed: no device fuses it yet)."""
         return self.ops.gelu_tanh_and_mul(proj(x))
+
+
+# transformers' activation names (ACT2FN) -> torch's gelu ``approximate``: 'gelu' is the erf form;
+# 'gelu_new' computes the tanh form by its formula, equal up to rounding
+GELU_APPROXIMATE = {'gelu': 'none', 'gelu_pytorch_tanh': 'tanh', 'gelu_new': 'tanh'}
+
+
+class Gelu(nn.Module):
+    """gelu(x), not gated (StarCoder2's and Falcon's MLP): erf or tanh form, by transformers' name."""
+
+    def __init__(self, act_name: str):
+        super().__init__()
+        if act_name not in GELU_APPROXIMATE:
+            raise ValueError(f'activation {act_name!r} is not supported here; supported: {sorted(GELU_APPROXIMATE)}')
+        self.approximate = GELU_APPROXIMATE[act_name]
+        self.ops = device_ops()
+
+    def forward(self, x):
+        return self.ops.gelu(x, self.approximate)

@@ -1,0 +1,150 @@
+"""Falcon (``FalconForCausalLM``) on cpu / float32 decodes token for token as transformers does, in each of
+the three packings of ``query_key_value`` (transformers' FalconAttention._split_heads):
+
+* ``multi_query``: the old architecture with one KV head (falcon-7b): parallel attention and MLP on one
+  LayerNorm, no biases;
+* ``grouped``: ``new_decoder_architecture`` with 2 KV heads for 4 query heads (falcon-40b / 180b): ln_attn and
+  ln_mlp, biases (``bias``);
+* ``grouped_one_norm``: the same with ``num_ln_in_parallel_attn`` 1 (falcon2-11b), no biases;
+* ``multi_head``: the old architecture without multi_query (every head its own k and v, packed per head) and
+  without parallel_attn (attention, then the MLP on post_attention_layernorm), biases, an untied head.
+
+Tiny random models from transformers' FalconConfig (hidden 64, 2 layers, heads of 16, ffn 128, erf GELU),
+randomized as the tests' tied Llama (LayerNorm weights ~1, biases ~0, the final norm x5 over a small tied
+embedding). ALiBi configs are refused when read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from engine_utils import generate_all, greedy
+from helpers import _copy_tokenizer, _make_config, hf_greedy
+
+from lmdeploy.engine.engine import Engine
+from lmdeploy.engine.model_config import load_model_config
+from lmdeploy.engine.models import get_model_class
+from lmdeploy.engine.models.falcon import FalconForCausalLM
+from lmdeploy.messages import PytorchEngineConfig
+
+NEW_TOKENS = 16
+BASE = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=128,
+            max_position_embeddings=512, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+            rope_theta=10000.0, alibi=False)
+SPECS = {  # name -> (config, KV heads it makes)
+    'multi_query': (dict(BASE, new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False), 1),
+    'grouped': (dict(BASE, new_decoder_architecture=True, num_kv_heads=2, bias=True), 2),
+    'grouped_one_norm': (dict(BASE, new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1,
+                              bias=False), 2),
+    'multi_head': (dict(BASE, new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True,
+                        tie_word_embeddings=False), 4),
+}
+
+
+def _randomize_falcon(model, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    tied = model.config.tie_word_embeddings
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if '.ln_' in name or 'layernorm' in name or name.startswith('transformer.ln_f'):
+                val = (1.0 + 0.1 * torch.randn(p.shape, generator=gen)) if name.endswith('weight') else (
+                    0.1 * torch.randn(p.shape, generator=gen))
+                if tied and name == 'transformer.ln_f.weight':
+                    val = val * 5.0
+            elif 'word_embeddings' in name or 'lm_head' in name:
+                val = (0.1 if tied else 0.5) * torch.randn(p.shape, generator=gen)
+            elif p.ndim == 1:
+                val = 0.1 * torch.randn(p.shape, generator=gen)
+            else:
+                val = torch.randn(p.shape, generator=gen) / p.shape[-1]**0.5
+            p.copy_(val)
+
+
+def build_tiny_falcon(out: str, tokenizer_dir: str, kwargs: dict, seed: int) -> str:
+    from transformers import AutoModelForCausalLM
+    cfg = _make_config('FalconConfig', kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize_falcon(model, seed)
+    model.generation_config.bos_token_id = 1
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 2
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out)
+    _copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+def _prompts(seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(20, 49152) for _ in range(n)] for n in (3, 17, 41)]
+
+
+@pytest.fixture(scope='module')
+def models(smollm2_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp('falcon')
+    seed = int.from_bytes(os.urandom(2), 'little')
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = build_tiny_falcon(str(root / name), smollm2_path, SPECS[name][0], seed), seed
+        return made[name]
+
+    return get
+
+
+def _tokens(path, prompts, **kw):
+    cfg = dict(device_type='cpu', dtype='float32', session_len=256, block_size=4, num_gpu_blocks=128)
+    engine = Engine(path, PytorchEngineConfig(**dict(cfg, **kw)))
+    try:
+        return generate_all(engine, prompts, greedy(NEW_TOKENS))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize('name', list(SPECS))
+def test_falcon_decodes_as_transformers(name, models):
+    path, seed = models(name)
+    cfg = load_model_config(path)
+    assert get_model_class(cfg) is FalconForCausalLM
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (4, SPECS[name][1], 16, 128)
+    prompts = _prompts(seed)
+    want = hf_greedy(path, prompts, NEW_TOKENS)
+    assert len({t for seq in want for t in seq}) > 8  # not a degenerate repeat
+    assert _tokens(path, prompts) == want
+
+
+@pytest.mark.parametrize('name', ['multi_query', 'grouped'])
+def test_falcon_tp2_equals_transformers(name, models):
+    """Two ranks on gloo: multi_query's one KV head on both, its query heads split; grouped, one KV group each."""
+    path, seed = models(name)
+    prompts = _prompts(seed)
+    assert _tokens(path, prompts, tp=2) == hf_greedy(path, prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize('changes,match', [
+    (dict(alibi=True), "'alibi' is true"),
+    (dict(apply_residual_connection_post_layernorm=True), 'apply_residual_connection_post_layernorm'),
+    (dict(multi_query=False, num_kv_heads=2), "'num_kv_heads' must equal num_attention_heads"),
+])
+def test_unsupported_falcon_configs_are_refused(tmp_path, changes, match):
+    cfg = dict(BASE, architectures=['FalconForCausalLM'], model_type='falcon', new_decoder_architecture=False,
+               multi_query=True)
+    (tmp_path / 'config.json').write_text(json.dumps(dict(cfg, **changes)))
+    with pytest.raises(ValueError, match=match):
+        load_model_config(str(tmp_path))
+
+
+def test_legacy_falcon_field_names(tmp_path):
+    """falcon-40b's first config.json: n_embed, n_head, n_head_kv, n_layer; no ffn_hidden_size (4 x hidden)."""
+    cfg = dict(architectures=['FalconForCausalLM'], model_type='falcon', n_embed=64, n_head=4, n_head_kv=2,
+               n_layer=2, new_decoder_architecture=True, vocab_size=100)
+    (tmp_path / 'config.json').write_text(json.dumps(cfg))
+    got = load_model_config(str(tmp_path))
+    assert (got.hidden_size, got.num_heads, got.num_kv_heads, got.num_layers, got.intermediate_size) == (64, 4, 2, 2,
+                                                                                                        256)
+    assert got.tie_word_embeddings and got.rms_norm_eps == 1e-5 and got.max_position_embeddings == 2048
