@@ -6,7 +6,7 @@
     lmdeploy chat [MODEL] [--device auto] [--temperature T] ...                    interactive terminal chat
     lmdeploy generate [PROMPT ...] [--model MODEL] [--session-len N] [--max-new-tokens N] ...  answer and exit
     lmdeploy check_env                                                             environment + op self-test
-    lmdeploy list                                                                  builtin chat templates
+    lmdeploy list                                                                  architectures, chat templates
     lmdeploy --version
 
 MODEL is a local Hugging Face directory; omitted, the embedded default model
@@ -22,9 +22,16 @@ from typing import List, Optional
 
 
 def _list(args) -> int:
+    """What this build runs: the model registry's architectures (config.json's ``architectures``, the name a
+    checkpoint is loaded by) and the built-in chat template names ``--chat-template`` takes."""
+    from lmdeploy.engine.models import ARCHITECTURES
     from lmdeploy.frontend.chat_template import list_builtin_templates
+    print('Supported architectures (config.json "architectures"):')
+    for name in sorted(ARCHITECTURES):
+        print(f'  {name}')
+    print('Built-in chat templates (--chat-template NAME; used where a checkpoint has no template of its own):')
     for name in list_builtin_templates():
-        print(name)
+        print(f'  {name}')
     return 0
 
 
@@ -42,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_chat.add_parser(sub)
     cli_generate.add_parser(sub)
     check_env.add_parser(sub)
-    lst = sub.add_parser('list', help='list the builtin chat template names')
+    lst = sub.add_parser('list', help='list the supported architectures and the builtin chat template names')
     lst.set_defaults(func=_list)
     return parser
 

@@ -159,7 +159,8 @@ class ChatTemplate:
         """How the model this template is for writes tool calls."""
         from .tool_calls import detect_format
         return detect_format(model_type={'qwen': 'qwen2', 'qwen2': 'qwen2', 'qwen2.5': 'qwen2', 'qwen3': 'qwen3',
-                                         'internlm2': 'internlm2', 'llama3': 'llama'}.get(self.name))
+                                         'internlm2': 'internlm2', 'internlm3': 'internlm2',
+                                         'llama3': 'llama'}.get(self.name))
 
     def _render_tools(self, messages: Messages, sequence_start: bool, tools: List[Dict], fmt) -> str:
         """Tools and tool turns as plain text: the tools' description joins the system prompt, calls and
@@ -429,7 +430,19 @@ BUILTIN_CHAT_TEMPLATES: Dict[str, Dict[str, Any]] = {
     'qwen2': _chatml('You are a helpful assistant.'),
     'qwen2.5': _chatml('You are Qwen, created by Alibaba Cloud. You are a helpful assistant.'),
     'qwen3': _chatml(),
+    # InternLM2 / 2.5 chat: the checkpoints' template is ChatML after BOS; LMDeploy adds InternLM's default
+    # system prompt where the messages bring none. InternLM3-8B-Instruct keeps the turns and that prompt.
     'internlm2': _chatml(_INTERNLM2_META, stop_words=('<|im_end|>', '<|action_end|>')),
+    'internlm3': _chatml(_INTERNLM2_META, stop_words=('<|im_end|>', '<|action_end|>')),
+    # Gemma (1, 2, 3; the assistant is "model"): no system turn. A system message is folded into the first
+    # user turn, followed by a blank line, as Gemma 3's template does (Gemma 1 and 2 refuse one). Gemma's
+    # template also trims each message's surrounding whitespace; this one keeps the content as given.
+    'gemma': dict(system='<start_of_turn>user\n', eosys='\n\n', user='<start_of_turn>user\n',
+                  eoh='<end_of_turn>\n', assistant='<start_of_turn>model\n', eoa='<end_of_turn>', separator='\n',
+                  stop_words=['<end_of_turn>']),
+    # Phi-3 / Phi-3.5 (mini, medium): <|role|> on its own line, every turn closed by <|end|> and a newline
+    'phi-3': dict(system='<|system|>\n', eosys='<|end|>\n', user='<|user|>\n', eoh='<|end|>\n',
+                  assistant='<|assistant|>\n', eoa='<|end|>', separator='\n', stop_words=['<|end|>', '<|endoftext|>']),
     'llama3': dict(system='<|start_header_id|>system<|end_header_id|>\n\n', eosys='<|eot_id|>',
                    user='<|start_header_id|>user<|end_header_id|>\n\n', eoh='<|eot_id|>',
                    assistant='<|start_header_id|>assistant<|end_header_id|>\n\n', eoa='<|eot_id|>',
@@ -453,8 +466,14 @@ BUILTIN_CHAT_TEMPLATES: Dict[str, Dict[str, Any]] = {
 }
 
 
+# other spellings of builtin names (LMDeploy's and the families' own)
+_ALIASES = {'phi3': 'phi-3', 'gemma2': 'gemma', 'gemma3': 'gemma', 'llama-3': 'llama3', 'llama-2': 'llama2',
+            'internlm2_5': 'internlm2', 'internlm2.5': 'internlm2'}
+
+
 def _builtin_key(name: str) -> Optional[str]:
     key = name.lower() if isinstance(name, str) else None
+    key = _ALIASES.get(key, key)
     return key if key in BUILTIN_CHAT_TEMPLATES else None
 
 
@@ -462,13 +481,18 @@ def list_builtin_templates() -> List[str]:
     return sorted(BUILTIN_CHAT_TEMPLATES)
 
 
-def get_chat_template(config: Union[ChatTemplateConfig, str, None] = None, tokenizer=None) -> ChatTemplate:
+def get_chat_template(config: Union[ChatTemplateConfig, str, None] = None, tokenizer=None,
+                      model_path: Optional[str] = None, model_type: Optional[str] = None) -> ChatTemplate:
     """The template to use: ``config`` if given (a config or a builtin name),
-    else the tokenizer's own template, else 'base' (no decoration)."""
+    else the tokenizer's own template, else the builtin that the model's name or
+    ``model_type`` suggests (template_match.py), else 'base' (no decoration)."""
     if isinstance(config, str):
         config = ChatTemplateConfig(model_name=config)
     if config is not None:
         return config.to_template()
     if tokenizer is not None and getattr(tokenizer, 'chat_template', None):
         return HFChatTemplate(tokenizer)
-    return ChatTemplateConfig(model_name='base').to_template()
+    if model_path is None and model_type is None:
+        return ChatTemplateConfig(model_name='base').to_template()
+    from .template_match import pick_builtin
+    return ChatTemplateConfig(model_name=pick_builtin(model_path, model_type)).to_template()

@@ -198,7 +198,8 @@ class Gateway:
         else:
             self.engine = Engine(model_path, config, model_config)
         self.session_len = self.engine.session_len
-        self.chat_template = get_chat_template(chat_template_config, self.tokenizer)
+        self.chat_template = get_chat_template(chat_template_config, self.tokenizer, model_path=model_path,
+                                               model_type=model_config.model_type)
         # what the model's generation_config.json says to sample with (the server's defaults)
         self.sampling_defaults = load_sampling_defaults(model_path)
         self.eos_token_ids = self._eos_ids()

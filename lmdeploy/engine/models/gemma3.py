@@ -1,13 +1,13 @@
 """Gemma 3, text only (``Gemma3ForCausalLM``, model_type ``gemma3_text``: gemma-3-1b and the text towers saved
 on their own): Gemma 2's layer (gemma2.py) with three changes (transformers' models/gemma3/modeling_gemma3.py):
 
-    q, k = RMSNorm'_q(W_q x), RMSNorm'_k(W_k x)   per head, over head_dim, (1 + w) like every Gemma norm,
+    q, k = RMSNorm'_q(W_q x), RMSNorm'_k(W_k x)   per head over head_dim, (1 + w) like every Gemma norm,
                                                   before the rotary embedding
-    layer i slides (window ``sliding_window``) unless it is global: ``layer_types``, else every
-                                                  ``sliding_window_pattern``-th layer (default 6: five local, one global)
-    rotary base: local layers ``rope_local_base_freq`` (default 10,000), global layers ``rope_theta`` (default 1e6)
-                                                  with ``rope_scaling`` (4B+: linear, factor 8); transformers 5 writes
-                                                  both as ``rope_parameters.{sliding,full}_attention``
+    local layers attend within ``sliding_window``: those ``layer_types`` marks, else all but every
+        ``sliding_window_pattern``-th (default 6: five local layers to one global)
+    rotary base: local layers ``rope_local_base_freq`` (default 10,000), global layers ``rope_theta``
+        (default 1e6) with ``rope_scaling`` (4B+: linear, factor 8); transformers 5 writes both as
+        ``rope_parameters.{sliding,full}_attention``
 
 Soft caps are usually null in Gemma 3 (honoured where a config sets them, as Gemma 2 does); scores are scaled
 by ``query_pre_attn_scalar``^-0.5. The multimodal ``Gemma3ForConditionalGeneration`` is refused in the model
