@@ -118,12 +118,42 @@ def test_falcon_decodes_as_transformers(name, models):
     assert _tokens(path, prompts) == want
 
 
-@pytest.mark.parametrize('name', ['multi_query', 'grouped'])
-def test_falcon_tp2_equals_transformers(name, models):
-    """Two ranks on gloo: multi_query's one KV head on both, its query heads split; grouped, one KV group each."""
-    path, seed = models(name)
+def test_falcon_tp2_equals_transformers(models):
+    """Two ranks on gloo, multi_query: the one KV head on both, the query heads split (the grouped layout's
+    per-group rows are InternLM2's wqkv, read per rank as test_internlm checks on two ranks)."""
+    path, seed = models('multi_query')
     prompts = _prompts(seed)
     assert _tokens(path, prompts, tp=2) == hf_greedy(path, prompts, NEW_TOKENS)
+
+
+@pytest.fixture
+def emulated_npu():
+    """tests/npu_emulation's torch_npu, to switch on for one test (as test_ascend_emulated's ``npu``)."""
+    import sys
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'npu_emulation')
+    sys.path.insert(0, here)
+    try:
+        import activate
+    finally:
+        sys.path.remove(here)
+    yield activate
+
+
+def test_falcon_on_the_emulated_ascend_device(models, emulated_npu):
+    """The ascend device's layer_norm and npu_gelu (erf) in the grouped layout, on the torch_npu emulation:
+    transformers' tokens (computed before the emulation is switched on)."""
+    path, seed = models('grouped')
+    prompts = _prompts(seed)
+    want = hf_greedy(path, prompts, NEW_TOKENS)
+    emulated_npu.activate()
+    try:
+        import torch_npu
+        calls, gelu = [], torch_npu.npu_gelu
+        torch_npu.npu_gelu = lambda x, approximate='none': (calls.append(approximate), gelu(x, approximate))[1]
+        assert _tokens(path, prompts, device_type='ascend', eager_mode=True) == want
+        assert calls and set(calls) == {'none'}  # the device's own GELU ran, in the model's form
+    finally:
+        emulated_npu.deactivate()
 
 
 @pytest.mark.parametrize('changes,match', [

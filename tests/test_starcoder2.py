@@ -121,3 +121,33 @@ def test_starcoder2_tp2_equals_transformers(models):
     path, seed = models('window')
     prompts = _prompts(seed)
     assert _tokens(path, prompts, tp=2) == hf_greedy(path, prompts, NEW_TOKENS)
+
+
+@pytest.fixture
+def emulated_npu():
+    """tests/npu_emulation's torch_npu active for one test (as test_ascend_emulated's ``npu``)."""
+    import sys
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'npu_emulation')
+    sys.path.insert(0, here)
+    try:
+        import activate
+    finally:
+        sys.path.remove(here)
+    yield activate
+
+
+def test_starcoder2_on_the_emulated_ascend_device(models, emulated_npu):
+    """The ascend device's layer_norm and npu_gelu (tanh) and its windowed attention, in a model, on the
+    torch_npu emulation: transformers' tokens (computed before the emulation is switched on)."""
+    path, seed = models('window')
+    prompts = _prompts(seed)
+    want = hf_greedy(path, prompts, NEW_TOKENS)
+    emulated_npu.activate()
+    try:
+        import torch_npu
+        calls, gelu = [], torch_npu.npu_gelu
+        torch_npu.npu_gelu = lambda x, approximate='none': (calls.append(approximate), gelu(x, approximate))[1]
+        assert _tokens(path, prompts, device_type='ascend', eager_mode=True) == want
+        assert calls and set(calls) == {'tanh'}  # the device's own GELU ran, in the model's form
+    finally:
+        emulated_npu.deactivate()
