@@ -147,6 +147,9 @@ def test_get_chat_template_picks_logs_and_yields(tokenizer, caplog):
     assert "built-in 'internlm2'" in caplog.text and "contains 'internlm2'" in caplog.text
     # --chat-template NAME overrides the match and the checkpoint's own template alike
     assert get_chat_template('gemma', _NoTemplate(), model_path='/models/internlm2_5-7b-chat').name == 'gemma'
+    from lmdeploy.cli.common import parse_chat_template  # what --chat-template NAME gives the pipeline
+    flag = parse_chat_template('phi-3')
+    assert get_chat_template(flag, _NoTemplate(), model_path='/models/internlm2_5-7b-chat').name == 'phi-3'
     assert get_chat_template(ChatTemplateConfig('phi-3'), tokenizer, model_path='/m/gemma-2b-it').name == 'phi-3'
     # the checkpoint's own template wins over a name match
     assert isinstance(get_chat_template(None, tokenizer, model_path='/models/gemma-2-9b-it'), HFChatTemplate)
