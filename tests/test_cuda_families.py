@@ -17,6 +17,9 @@ converted to the family's checkpoint layout where it has one of its own and run 
 * Phi-3-mini-4k (Phi3ForCausalLM, its sliding_window 2047 longer than any prompt here), Gemma-7B
   (GemmaForCausalLM: head_dim 256 x 16 heads over hidden 3072, tied 256000-row head), GLM-4-9B (Glm4ForCausalLM:
   2 KV heads, q/k/v biases, rotary on the interleaved pairs of half of each head, post-norms).
+* StarCoder2-7B (Starcoder2ForCausalLM: LayerNorms, GELU-tanh MLP, biases, 4096-token window on every layer),
+  Falcon-7B (FalconForCausalLM, multi_query: 71 heads of 64 over one KV head) and Falcon-40B
+  (new_decoder_architecture: 8 KV groups of 16 heads, ln_attn / ln_mlp); LayerNorm biases N(0, 0.05^2).
 * Gemma2-9B (Gemma2ForCausalLM, included whenever engine/models registers it): 8 KV heads of 256, query_pre_attn
   scalar 256, alternating 4096-token sliding-window layers (longer than any prompt here), attention and final
   logit soft-capping, tied head.
@@ -81,6 +84,33 @@ FAMILIES = {
 }
 
 
+# StarCoder2-7B (LayerNorms with biases, ungated GELU-tanh MLP, biases everywhere, a 4096-token window on every
+# layer, longer than any prompt here), Falcon-7B (multi-query, parallel attention and MLP on one LayerNorm, erf
+# GELU, head_dim 64 x 71 heads) and Falcon-40B (new_decoder_architecture: 8 KV groups of 16 query heads packed
+# per group, ln_attn / ln_mlp)
+FAMILIES.update({
+    'starcoder2-7b': ('Starcoder2Config',
+                      dict(hidden_size=4608, num_hidden_layers=32, num_attention_heads=36, num_key_value_heads=4,
+                           intermediate_size=18432, vocab_size=49152, rope_theta=1000000.0, max_position_embeddings=16384,
+                           norm_epsilon=1e-5, use_bias=True, hidden_act='gelu_pytorch_tanh', sliding_window=4096),
+                      dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=512),
+                      None),
+    'falcon-7b': ('FalconConfig',
+                  dict(hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, multi_query=True,
+                       parallel_attn=True, new_decoder_architecture=False, bias=False, alibi=False, vocab_size=65024,
+                       layer_norm_epsilon=1e-5, max_position_embeddings=2048),
+                  dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512),
+                  None),
+    'falcon-40b': ('FalconConfig',
+                   dict(hidden_size=8192, num_hidden_layers=60, num_attention_heads=128, num_kv_heads=8,
+                        new_decoder_architecture=True, bias=False, alibi=False, vocab_size=65024,
+                        layer_norm_epsilon=1e-5, max_position_embeddings=2048),
+                   dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=8, num_kv_heads=2, vocab_size=512),
+                   None),
+})
+
+
 def _gemma2_registered() -> bool:
     from lmdeploy.engine.models import ARCHITECTURES
     return 'Gemma2ForCausalLM' in ARCHITECTURES
@@ -136,7 +166,9 @@ def _randomize(model, seed: int) -> None:
 
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
-            if 'norm' in name:
+            if ('norm' in name or '.ln_' in name or name.startswith('transformer.ln_f')) and name.endswith('.bias'):
+                val = 0.05 * randn(p)  # a LayerNorm's (StarCoder2, Falcon)
+            elif 'norm' in name or '.ln_' in name or name.startswith('transformer.ln_f'):
                 val = 1.0 + 0.1 * randn(p)
                 if gemma and name == 'model.norm.weight':
                     val = val * 3.0
@@ -144,11 +176,11 @@ def _randomize(model, seed: int) -> None:
                     val = val - 1.0
             elif p.ndim == 1:
                 val = 0.05 * randn(p)
-            elif 'embed_tokens' in name:
+            elif 'embed_tokens' in name or 'word_embeddings' in name:
                 val = randn(p) / (cfg.hidden_size**0.5 if gemma else 1.0)
             elif 'lm_head' in name:
                 val = 3.0 * randn(p) / p.shape[-1]**0.5
-            elif 'o_proj' in name or 'down_proj' in name:
+            elif any(part in name for part in ('o_proj', 'down_proj', 'c_proj', '.dense.', 'dense_4h_to_h')):
                 val = randn(p) / p.shape[-1]**0.5 / (2 * depth)**0.5
             else:
                 val = randn(p) / p.shape[-1]**0.5
