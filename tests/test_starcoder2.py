@@ -4,7 +4,8 @@ Tiny random models from transformers' own Starcoder2Config (hidden 64, 2 layers,
 heads, LayerNorms with biases, ungated GELU MLP):
 
 * ``window``: biases everywhere (``use_bias``), gelu_pytorch_tanh, tied head, a 6-token sliding window on
-  every layer, far shorter than the 41-token prompt; whole prompts and prompts prefilled in 5-token chunks;
+  every layer, far shorter than the 41-token prompt; whole prompts, and prompts prefilled in 5-token chunks
+  through a cache of 40 tokens (the blocks behind the window given back);
 * ``plain``: no biases, erf ``gelu``, an untied head, no window.
 
 The same weights decode otherwise in transformers without the window, so the window is what they match on.
@@ -99,7 +100,16 @@ def test_starcoder2_decodes_as_transformers(name, models):
     assert len({t for seq in want for t in seq}) > 8  # not a degenerate repeat
     assert _tokens(path, prompts) == want
     if name == 'window':
-        assert _tokens(path, prompts, max_prefill_token_num=5) == want  # chunks crossing the window's edge
+        # chunks of 5 crossing the window's edge, through 10 blocks of 4 tokens (40) for sequences of up to 57:
+        # every layer has the window, so the blocks behind it are given back (scheduler._slide)
+        engine = Engine(path, PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=256, block_size=4,
+                                                  num_gpu_blocks=10, max_prefill_token_num=5))
+        try:
+            assert engine.scheduler.kv_window == WINDOW
+            assert generate_all(engine, prompts, greedy(NEW_TOKENS)) == want
+            engine.scheduler.check_invariants()
+        finally:
+            engine.close()
 
 
 def test_starcoder2_window_bites(models, tmp_path):
