@@ -40,7 +40,7 @@ def kernel_specs(cap: int):
     """(kernel, pointer element types, scalar overrides, constexprs, options)
     as the wrappers launch them for a Llama-3-8B-shaped model: head_dim 128,
     32 query and 8 KV heads, hidden 4096, block size 64."""
-    from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary
+    from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary, sample
     smem = shared_memory_of(cap)
     act = 'bf16' if cap >= 80 else 'fp16'  # Volta and Turing run float16 (no bfloat16)
     pdl = cap >= 90
@@ -117,6 +117,9 @@ def kernel_specs(cap: int):
          dict(CHUNK=argmax.CHUNK, BLOCK=1024, PDL=pdl), dict(num_warps=4)),
         (argmax._argmax_merge_kernel, {'val_ptr': 'fp32', 'idx_ptr': 'i32', 'out_ptr': 'i64'}, {},
          dict(BLOCK_S=64, PDL=pdl), dict(num_warps=1)),
+        (sample._sample_slices_kernel, {'x_ptr': 'fp32', 'seed_ptr': 'i64', 'offset_ptr': 'i64', 'val_ptr': 'fp32',
+                                        'idx_ptr': 'i32'}, {}, dict(CHUNK=sample.CHUNK, BLOCK=1024, PDL=pdl),
+         dict(num_warps=4)),
     ], act
 
 

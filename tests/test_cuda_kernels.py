@@ -20,7 +20,7 @@ from paged_cache import reference_filled_cache  # noqa: E402
 
 from lmdeploy.devices import get_device  # noqa: E402
 from lmdeploy.devices.cache import KVCache, row_strides, unpack_int4  # noqa: E402
-from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary  # noqa: E402
+from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary, sample  # noqa: E402
 
 DEV = 'cuda' if HAS_CUDA else 'cpu'
 FULL = HAS_CUDA and os.environ.get('LMDEPLOY_TEST_FULL') == '1'
@@ -277,6 +277,31 @@ def test_decode_with_empty_padding_rows_gives_zeros():
                                                    order=order)
             assert torch.isfinite(out).all()
             assert (out[2] == 0).all()
+
+
+@pytest.mark.parametrize('vocab', [5000, 77])
+def test_sample_draws_the_reference_tokens(vocab):
+    """The seeded draw equals the reference's token for token (its random numbers are the same bits):
+    peaked and flat rows, a filtered row (-inf outside a few tokens), a row of one token, seeds and offsets
+    of every size; a second offset draws again."""
+    b = 8
+    if FULL:
+        vocab = 128256 if vocab == 5000 else vocab
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    x = torch.randn(b, vocab, generator=gen) * torch.tensor([0.3, 1, 3, 8, 1, 1, 2, 0.5])[:, None]
+    x[4, torch.randperm(vocab, generator=gen)[:vocab - 5]] = float('-inf')  # top-k 5
+    x[5] = float('-inf')
+    x[5, vocab // 2] = 0.0
+    seeds = torch.randint(0, 1 << 62, (b, ), generator=gen)
+    seeds[0] = 0
+    offsets = torch.randint(0, 3000, (b, ), generator=gen)
+    want = REF.sample(x, seeds, offsets)
+    got = sample.sample(x.to(DEV), seeds.to(DEV), offsets.to(DEV)).cpu()
+    assert torch.equal(got, want), (got, want)
+    assert int(got[5]) == vocab // 2 and bool(torch.isfinite(x[4, got[4]]))
+    again = sample.sample(x.to(DEV), seeds.to(DEV), (offsets + 1).to(DEV)).cpu()
+    assert torch.equal(again, REF.sample(x, seeds, offsets + 1))
+    assert sample.sample(x[:0].to(DEV), seeds[:0].to(DEV), offsets[:0].to(DEV)).shape == (0, )
 
 
 @pytest.mark.parametrize('vocab', [5000, 2048, 77])

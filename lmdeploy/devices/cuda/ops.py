@@ -1,6 +1,6 @@
 """NVIDIA GPUs: Triton kernels for the memory-bound ops, compiled CUDA
 kernels (csrc/cuda) where they are built and faster (compiled.py), cuBLAS
-(through torch) for the GEMMs, torch-on-GPU for sampling (no host round trip
+(through torch) for the GEMMs, torch-on-GPU for sampling's filters (no host round trip
 per request). Its services (memory, events, CUDA graphs, NCCL) are runtime.py's."""
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ class CudaOps(ReferenceSampling, DeviceOps):
     def __init__(self, num_sms: Optional[int] = None):
         """``num_sms``: the GPU's multiprocessor count (default: asked of the current GPU; tests that run the
         kernels in Triton's interpreter pass one)."""
-        from .kernels import activation, argmax, attention, kv_cache, linear, norm, rotary
+        from .kernels import activation, argmax, attention, kv_cache, linear, norm, rotary, sample
         self._k_attention, self._k_kv, self._k_norm, self._k_linear = attention, kv_cache, norm, linear
-        self._k_rotary, self._k_act, self._k_argmax = rotary, activation, argmax
+        self._k_rotary, self._k_act, self._k_argmax, self._k_sample = rotary, activation, argmax, sample
         self._num_sms = num_sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         # per op, the compiled kernel (csrc/cuda) or the Triton one (compiled.py says how it is chosen)
         from . import compiled
@@ -118,3 +118,9 @@ class CudaOps(ReferenceSampling, DeviceOps):
     # -------------------------------------------------------------- sampling (the rest: ReferenceSampling)
     def argmax(self, logits):
         return self._k_argmax.argmax(logits)
+
+    def sample(self, logits, seeds, offsets):
+        # the seeded draw in two launches (the reference's counter-based random numbers are ~60 torch ops)
+        if logits.dim() == 2 and logits.dtype == torch.float32:
+            return self._k_sample.sample(logits, seeds, offsets)
+        return super().sample(logits, seeds, offsets)
