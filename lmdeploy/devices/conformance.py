@@ -377,6 +377,14 @@ def _layer_case(kind: str, g):
     if kind == 'norm':
         x = torch.randn(6, 64, generator=g, dtype=torch.float64) * 2
         return (64, ), x, lambda impl, layer, x: impl.apply(layer, x, 1e-6)[0]
+    if kind == 'experts':  # 9 tokens, 2 of 5 experts each (expert 4 chosen by none), random router weights
+        x = torch.randn(9, 32, generator=g, dtype=torch.float64) / 32 ** 0.5
+        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(9)])
+        w = torch.rand(9, 2, generator=g, dtype=torch.float64)
+
+        def run(impl, layer, x):
+            return impl.apply(layer, x, w.to(x.dtype).to(x.device), ids.to(x.device))
+        return (5, 32, 24), x, run
     return None
 
 

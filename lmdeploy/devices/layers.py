@@ -148,18 +148,58 @@ class NormImpl:
         return self.ops.rms_norm(x, layer.weight, eps, residual)
 
 
+class ExpertsImpl:
+    """A mixture of experts' feed-forward networks for one weight format: every expert's stacked gate|up
+    projection ``gate_up`` [E, 2I, H] and ``down`` [E, H, I] (I: the intermediate rows this rank holds).
+    ``apply`` runs each token through the experts its router picked and sums their outputs by the router's
+    weights; the routing itself (softmax, top-k, renormalising) is the model's. This reference reads the
+    experts' token counts on the host (one GEMM pair per expert used), so CUDA graphs cannot record it: a
+    device with a grouped-GEMM kernel gives its own."""
+    kind = 'experts'
+    format = DENSE
+
+    def __init__(self, ops: 'DeviceOps'):
+        self.ops = ops
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, inter: int):
+        add_param(layer, 'gate_up', torch.empty(num_experts, 2 * inter, hidden), output_dim=1, input_dim=2)
+        add_param(layer, 'down', torch.empty(num_experts, hidden, inter), output_dim=1, input_dim=2)
+
+    def process_weights(self, layer: nn.Module):
+        """Once, after loading."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_ids / topk_weights [T, k] -> [T, H] (this rank's share where I is split)."""
+        out = torch.zeros_like(x)
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=layer.gate_up.shape[0]).tolist()
+        tokens = order // topk_ids.shape[1]
+        weights = topk_weights.reshape(-1)[order].to(x.dtype)
+        start = 0
+        for e, n in enumerate(counts):  # each expert over the tokens that chose it, as one GEMM pair
+            if n:
+                rows = tokens[start:start + n]
+                h = self.ops.silu_and_mul(self.ops.linear(x[rows], layer.gate_up[e]))
+                out.index_add_(0, rows, self.ops.linear(h, layer.down[e]) * weights[start:start + n, None])
+            start += n
+        return out
+
+
 # the checkpoint's quantization_config["quant_method"] -> weight format
 FORMATS: Dict[str, str] = {'int8_per_channel': Int8ChannelLinear.format}
 
 # (layer kind, weight format) -> the reference's implementation. Kinds: 'linear' (fused q|k|v and gate|up
 # included), 'lm_head' (a linear map to the vocabulary, kept apart so a device can give its own: a
-# vocabulary-sharded or fused-sampling head), 'embedding', 'norm'
+# vocabulary-sharded or fused-sampling head), 'embedding', 'norm', 'experts' (a mixture of experts' FFNs)
 REFERENCE_IMPLS: Dict[Tuple[str, str], Any] = {
     ('linear', DENSE): DenseLinear,
     ('linear', Int8ChannelLinear.format): Int8ChannelLinear,
     ('lm_head', DENSE): DenseLinear,
     ('embedding', DENSE): EmbeddingImpl,
     ('norm', DENSE): NormImpl,
+    ('experts', DENSE): ExpertsImpl,
 }
 
 
