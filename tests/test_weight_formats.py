@@ -71,8 +71,8 @@ def test_int8_per_channel_checkpoint_decodes_as_its_dequantized_weights(tiny_mod
 def test_unknown_quantization_is_refused_by_name():
     assert weight_format(None) == 'dense'
     assert weight_format({'quant_method': 'int8_per_channel'}) == 'int8_channel'
-    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
-        weight_format({'quant_method': 'awq'})
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
+        weight_format({'quant_method': 'bitsandbytes'})
 
 
 @pytest.mark.parametrize('kind,fmt', sorted(REFERENCE_IMPLS))

@@ -353,9 +353,12 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
 
 
 def _random_like(p, g):
-    """Random values for a parameter of a layer implementation, by its dtype: small integers for integer
-    parameters, positive scales for 1-D float ones named as scales, normal values otherwise."""
+    """Random values for a parameter of a layer implementation, by its dtype: any bits for int32 ones (int4
+    values packed eight to an element), small integers for other integer parameters, normal values for float
+    ones (the caller makes those named as scales positive)."""
     import torch
+    if p.dtype == torch.int32:
+        return torch.randint(-2**31, 2**31, tuple(p.shape), generator=g, dtype=torch.int64).to(torch.int32)
     if not p.dtype.is_floating_point:
         info = torch.iinfo(p.dtype)
         return torch.randint(max(info.min, -127), min(info.max, 127) + 1, tuple(p.shape), generator=g).to(p.dtype)
@@ -390,7 +393,19 @@ def _layer_case(kind: str, g):
 
 def check_layer_impl(ops, kind: str, weight_format: str, dtype=None) -> Tuple[bool, str]:
     """The device's implementation of a ``kind`` layer for ``weight_format`` against the reference's (plain
-    torch in float64) on the same random parameters and input."""
+    torch in float64) on the same random parameters and input, in each of the format's example
+    quantization_configs (group sizes, ...)."""
+    from .layers import REFERENCE_IMPLS
+    configs = getattr(REFERENCE_IMPLS[(kind, weight_format)], 'example_configs', ({}, ))
+    ok, detail = True, ''
+    for config in configs:
+        ok, detail = _check_layer_impl(ops, kind, weight_format, dtype, config)
+        if not ok:
+            return ok, (f'{detail} (quantization_config {config})' if config else detail)
+    return ok, detail
+
+
+def _check_layer_impl(ops, kind: str, weight_format: str, dtype, config) -> Tuple[bool, str]:
     import torch
     from torch import nn
 
@@ -404,13 +419,15 @@ def check_layer_impl(ops, kind: str, weight_format: str, dtype=None) -> Tuple[bo
         return False, f'no check for {kind} layers'
     args, x, run = case
     mine, ref = nn.Module(), nn.Module()
-    impl = ops.layer_impl(kind, weight_format)
-    ref_impl = REFERENCE_IMPLS[(kind, weight_format)](ReferenceOps())
+    impl = ops.layer_impl(kind, weight_format, config) if config else ops.layer_impl(kind, weight_format)
+    ref_cls = REFERENCE_IMPLS[(kind, weight_format)]
+    ref_impl = ref_cls(ReferenceOps(), config) if config else ref_cls(ReferenceOps())
     impl.create_weights(mine, *args)
     ref_impl.create_weights(ref, *args)
     for name, p in ref.named_parameters():
-        value = _random_like(p, g)
-        if name.endswith('scale'):
+        value = getattr(ref_impl, 'example_value', lambda *a: None)(ref, name, g)
+        value = _random_like(p, g) if value is None else value
+        if name.endswith(('scale', 'scales')):
             value = value.abs() / 50 + 1e-3
         ref_p, my_p = getattr(ref, name), getattr(mine, name)
         keep = param_layout(mine, name).keep_dtype

@@ -20,7 +20,7 @@ and KV head).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -117,15 +117,16 @@ class DeviceOps:
     # from the reference's, which runs over this device's ops
     layer_impls: Dict[Tuple[str, str], type] = {}
 
-    def layer_impl(self, kind: str, weight_format: str):
+    def layer_impl(self, kind: str, weight_format: str, config: Optional[Dict[str, Any]] = None):
         """How this device runs a ``kind`` layer (``'linear'``) whose weights come in ``weight_format``
-        (``'dense'``, ``'int8_channel'``, ...): an object that makes the layer's parameters, processes them once
-        after loading and applies the layer (devices/layers.py)."""
+        (``'dense'``, ``'int8_channel'``, ``'awq'``, ...; ``config``: the checkpoint's quantization_config): an
+        object that makes the layer's parameters, processes them once after loading and applies the layer
+        (devices/layers.py)."""
         from .layers import REFERENCE_IMPLS
         cls = self.layer_impls.get((kind, weight_format)) or REFERENCE_IMPLS.get((kind, weight_format))
         if cls is None:
             raise ValueError(f'device {self.name!r} has no {kind} layer for {weight_format!r} weights')
-        return cls(self)
+        return cls(self, config) if config else cls(self)
 
     # -------------------------------------------------------------- dense ops
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -36,10 +36,16 @@ DENSE = 'dense'
 class ParamLayout:
     """How a layer's parameter is laid out: its dim that is the layer's output rows, the one that is its
     input columns (None: it has none), and whether it keeps its dtype when the model takes the model dtype
-    (an int8 weight)."""
+    (an int8 weight).
+
+    ``output_pack`` / ``input_pack``: how many output rows / input columns one element along that dim
+    stands for (8 for int4 values packed in an int32, the group size for per-group scales); a
+    tensor-parallel slice of it starts and ends on a multiple of that."""
     output_dim: Optional[int] = 0
     input_dim: Optional[int] = None
     keep_dtype: bool = False
+    output_pack: int = 1
+    input_pack: int = 1
 
 
 def add_param(layer: nn.Module, name: str, t: Optional[torch.Tensor], **layout):
@@ -57,12 +63,25 @@ def param_layout(layer: nn.Module, name: str) -> ParamLayout:
 
 
 class LinearImpl:
-    """y = x W^T + b for one weight format. ``ops``: the device's kernels."""
+    """y = x W^T + b for one weight format. ``ops``: the device's kernels; ``config``: the checkpoint's
+    ``quantization_config`` (group size, ...; {} for plain weights)."""
     kind = 'linear'
     format = DENSE
+    # quantization_configs the conformance suite checks the format in (its linear is 48 in, 40 out)
+    example_configs: Tuple[Dict[str, Any], ...] = ({}, )
 
-    def __init__(self, ops: 'DeviceOps'):
+    def __init__(self, ops: 'DeviceOps', config: Optional[Dict[str, Any]] = None):
         self.ops = ops
+        self.config = dict(config or {})
+
+    @classmethod
+    def check_config(cls, config: Dict[str, Any]):
+        """Raise ValueError, naming the field, for a ``quantization_config`` this format cannot load."""
+
+    def example_value(self, layer: nn.Module, name: str, g: torch.Generator) -> Optional[torch.Tensor]:
+        """A random value for parameter ``name`` where random bits would not do (an index), for the
+        conformance check; None: any value of its dtype."""
+        return None
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool):
         add_param(layer, 'bias', torch.empty(out_features) if bias else None)
@@ -116,7 +135,7 @@ class EmbeddingImpl:
     kind = 'embedding'
     format = DENSE
 
-    def __init__(self, ops: 'DeviceOps'):
+    def __init__(self, ops: 'DeviceOps', config: Optional[Dict[str, Any]] = None):
         self.ops = ops
 
     def create_weights(self, layer: nn.Module, num_rows: int, dim: int):
@@ -135,7 +154,7 @@ class NormImpl:
     kind = 'norm'
     format = DENSE
 
-    def __init__(self, ops: 'DeviceOps'):
+    def __init__(self, ops: 'DeviceOps', config: Optional[Dict[str, Any]] = None):
         self.ops = ops
 
     def create_weights(self, layer: nn.Module, dim: int):
@@ -187,8 +206,11 @@ class ExpertsImpl:
         return out
 
 
+from .quant_formats import AwqLinear, GptqLinear  # noqa: E402 (they subclass LinearImpl above)
+
 # the checkpoint's quantization_config["quant_method"] -> weight format
-FORMATS: Dict[str, str] = {'int8_per_channel': Int8ChannelLinear.format}
+FORMATS: Dict[str, str] = {'int8_per_channel': Int8ChannelLinear.format, 'awq': AwqLinear.format,
+                           'gptq': GptqLinear.format}
 
 # (layer kind, weight format) -> the reference's implementation. Kinds: 'linear' (fused q|k|v and gate|up
 # included), 'lm_head' (a linear map to the vocabulary, kept apart so a device can give its own: a
@@ -196,6 +218,8 @@ FORMATS: Dict[str, str] = {'int8_per_channel': Int8ChannelLinear.format}
 REFERENCE_IMPLS: Dict[Tuple[str, str], Any] = {
     ('linear', DENSE): DenseLinear,
     ('linear', Int8ChannelLinear.format): Int8ChannelLinear,
+    ('linear', AwqLinear.format): AwqLinear,
+    ('linear', GptqLinear.format): GptqLinear,
     ('lm_head', DENSE): DenseLinear,
     ('embedding', DENSE): EmbeddingImpl,
     ('norm', DENSE): NormImpl,
@@ -211,4 +235,5 @@ def weight_format(quantization_config: Optional[Dict[str, Any]]) -> str:
     if method not in FORMATS:
         raise ValueError(f'config.json: quantization_config.quant_method {method!r} is not supported; supported: '
                          f'{sorted(FORMATS)} (or no quantization_config: plain weights)')
+    REFERENCE_IMPLS[('linear', FORMATS[method])].check_config(quantization_config)
     return FORMATS[method]

@@ -48,7 +48,8 @@ def load_model(model_path: str, cfg: ModelConfig, dtype: torch.dtype, ops: Devic
         check_splits(cfg.num_heads, cfg.num_kv_heads, tp.size)
     device = ops.torch_device()
     # the checkpoint's weight format picks each layer's implementation on this device (devices/layers.py)
-    with torch.device('meta'), building(ops, weight_format(cfg.raw.get('quantization_config'))):
+    qc = cfg.raw.get('quantization_config')
+    with torch.device('meta'), building(ops, weight_format(qc), qc):
         model = cls(cfg)
     model.to_empty(device=device)
     model.tie_weights()

@@ -11,26 +11,28 @@ on two devices of the same torch device type can live in one process.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from lmdeploy.devices.interface import DeviceOps
 from lmdeploy.devices.layers import DENSE
 
-_building: Optional[Tuple[DeviceOps, str]] = None
+_building: Optional[Tuple[DeviceOps, str, Optional[Dict[str, Any]]]] = None
 
 
 @contextlib.contextmanager
-def building(ops: DeviceOps, weight_format: str = DENSE) -> Iterator[DeviceOps]:
-    """Layers constructed inside take ``ops`` as theirs, and weights in ``weight_format``."""
+def building(ops: DeviceOps, weight_format: str = DENSE,
+             format_config: Optional[Dict[str, Any]] = None) -> Iterator[DeviceOps]:
+    """Layers constructed inside take ``ops`` as theirs, and weights in ``weight_format`` (``format_config``:
+    the checkpoint's ``quantization_config``, which the format's implementations read: group size, ...)."""
     global _building
-    outer, _building = _building, (ops, weight_format)
+    outer, _building = _building, (ops, weight_format, format_config)
     try:
         yield ops
     finally:
         _building = outer
 
 
-def _current() -> Tuple[DeviceOps, str]:
+def _current() -> Tuple[DeviceOps, str, Optional[Dict[str, Any]]]:
     if _building is None:
         raise RuntimeError('a layer was built outside lmdeploy.engine.nn.build.building(device): a model is built '
                            'for the device it runs on')
@@ -45,5 +47,7 @@ def device_ops() -> DeviceOps:
 def layer_impl(kind: str, dense: bool = False):
     """The device's implementation of a ``kind`` layer for the checkpoint's weight format (``dense``: a layer
     the format leaves plain)."""
-    ops, weight_format = _current()
-    return ops.layer_impl(kind, DENSE if dense else weight_format)
+    ops, weight_format, config = _current()
+    if dense or weight_format == DENSE:
+        return ops.layer_impl(kind, DENSE)
+    return ops.layer_impl(kind, weight_format, config)
