@@ -173,7 +173,7 @@ def test_calls_outside_the_rows_run_on_triton():
     ops.compiled_from[key] = range(4, 100)
     ran = []
     ops._compiled = SimpleNamespace(choice_key=compiled.choice_key,
-                                    paged_decode_attention=lambda q, *a: ran.append(('compiled', len(q))) or q)
+                                    paged_decode_attention=lambda q, *a, **k: ran.append(('compiled', len(q))) or q)
     ops._k_attention = SimpleNamespace(paged_decode_attention=lambda q, *a, **k: ran.append(('triton', len(q))) or q)
     cache = SimpleNamespace(quant_policy=8, k=None, v=None, k_scale_zero=None, v_scale_zero=None, k_mean=None,
                             rows=None)
@@ -182,7 +182,7 @@ def test_calls_outside_the_rows_run_on_triton():
     assert ran == [('triton', 1), ('triton', 3), ('compiled', 4), ('compiled', 64), ('triton', 100)]
     ran.clear()
     ops.compiled_from[compiled.choice_key('rotary_fill_kv', 4)] = range(0, 257)
-    ops._compiled.rotary_fill_kv = lambda q, *a: ran.append(('compiled', len(q))) or (q, q)
+    ops._compiled.rotary_fill_kv = lambda q, *a, **k: ran.append(('compiled', len(q))) or (q, q)
     ops._k_kv = SimpleNamespace(rotary_fill_kv=lambda q, *a, **k: ran.append(('triton', len(q))) or (q, q))
     cache.quant_policy = 4
     for rows in (1, 256, 257, 2048):
