@@ -5,13 +5,14 @@
     lmdeploy serve gradio [MODEL | URL] [--server-port 6006] ...                   chat page in the browser
     lmdeploy chat [MODEL] [--device auto] [--temperature T] ...                    interactive terminal chat
     lmdeploy generate [PROMPT ...] [--model MODEL] [--session-len N] [--max-new-tokens N] ...  answer and exit
+    lmdeploy lite auto_awq MODEL --work-dir OUT [--w-group-size 128] ...         AWQ 4-bit weights, offline
     lmdeploy check_env                                                             environment + op self-test
     lmdeploy list                                                                  architectures, chat templates
     lmdeploy --version
 
 MODEL is a local Hugging Face directory; omitted, the embedded default model
 (SmolLM2-135M-Instruct) is used. Subcommand modules: :mod:`.serve`,
-:mod:`.chat`, :mod:`.generate`, :mod:`.check_env`, :mod:`.proxy`; :mod:`.common` holds the flags they
+:mod:`.chat`, :mod:`.generate`, :mod:`.lite`, :mod:`.check_env`, :mod:`.proxy`; :mod:`.common` holds the flags they
 share and the parser class (no abbreviated flags; a subcommand reports its own usage).
 """
 from __future__ import annotations
@@ -39,15 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     from . import chat as cli_chat
     from . import check_env
     from . import generate as cli_generate
+    from . import lite as cli_lite
     from . import serve as cli_serve
     from .common import Parser
     from lmdeploy.version import __version__
     parser = Parser(prog='lmdeploy', description='Serve large language models fast.')
     parser.add_argument('--version', action='version', version=__version__)
-    sub = parser.add_subparsers(dest='command', metavar='{serve,chat,generate,check_env,list}')
+    sub = parser.add_subparsers(dest='command', metavar='{serve,chat,generate,lite,check_env,list}')
     cli_serve.add_parser(sub)
     cli_chat.add_parser(sub)
     cli_generate.add_parser(sub)
+    cli_lite.add_parser(sub)
     check_env.add_parser(sub)
     lst = sub.add_parser('list', help='list the supported architectures and the builtin chat template names')
     lst.set_defaults(func=_list)

@@ -1,0 +1,62 @@
+"""``lmdeploy lite auto_awq MODEL --work-dir OUT``: quantize a model's weights offline (AWQ, 4-bit).
+
+Writes OUT: safetensors in AutoAWQ's GEMM layout, config.json with ``quantization_config`` (``quant_method:
+awq``, ``version: gemm``, ``bits: 4``, ``group_size``, ``zero_point: true``), and the model's tokenizer, chat
+template and generation config copied; ``lmdeploy serve api_server OUT`` and ``pipeline(OUT)`` load it.
+Llama, Mistral, Qwen2 and Qwen3 models. Calibration text: by default Python's own reference topics
+(``pydoc_data.topics``, shipped with every Python, about 113k tokens; no network), or ``--calib-dataset
+PATH``: a local .txt file, or .jsonl with a "text" field a line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    lite = sub.add_parser('lite', help='quantize a model offline (auto_awq)', description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmds = lite.add_subparsers(dest='lite_command', metavar='{auto_awq}')
+    p = cmds.add_parser('auto_awq', help='AWQ 4-bit weights (group-wise, with zero points) into --work-dir',
+                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('model', metavar='MODEL',
+                   help="local Hugging Face model directory; 'default': the embedded SmolLM2-135M-Instruct")
+    p.add_argument('--work-dir', required=True, help='output directory (created; files in it are replaced)')
+    p.add_argument('--calib-dataset', default=None, metavar='PATH',
+                   help='calibration text: a local .txt file, or .jsonl with a "text" field a line (default: the '
+                   'text of pydoc_data.topics, which ships with Python)')
+    p.add_argument('--calib-samples', type=int, default=128,
+                   help='calibration windows (default: %(default)s)')
+    p.add_argument('--calib-seqlen', type=int, default=2048,
+                   help='tokens per calibration window (default: %(default)s)')
+    p.add_argument('--batch-size', type=int, default=1,
+                   help='calibration windows run together; more is faster and takes more memory '
+                   '(default: %(default)s)')
+    p.add_argument('--w-bits', type=int, default=4, choices=(4, ), help='weight bits (default: %(default)s)')
+    p.add_argument('--w-group-size', type=int, default=128,
+                   help='input columns sharing a scale and zero point; must divide every linear layer\'s input '
+                   'size (SmolLM2-135M: 64) (default: %(default)s)')
+    p.add_argument('--search-scale', action=argparse.BooleanOptionalAction, default=True,
+                   help='grid-search each group\'s activation-aware scale exponent (AWQ, 20 points); '
+                   '--no-search-scale fixes it at 0.5 as LMDeploy does without --search-scale (default: on)')
+    p.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'),
+                   help="where layers run: 'auto' is cuda when torch sees a GPU, else cpu (default: %(default)s)")
+    p.set_defaults(func=run_auto_awq)
+    lite.set_defaults(func=lambda args: _usage(lite))
+    return lite
+
+
+def _usage(parser) -> int:
+    parser.print_help(sys.stderr)
+    return 1
+
+
+def run_auto_awq(args, stdout=None) -> int:
+    from lmdeploy.lite import auto_awq
+    out = stdout or sys.stdout
+    result = auto_awq(args.model, args.work_dir, calib_dataset=args.calib_dataset, calib_samples=args.calib_samples,
+                      calib_seqlen=args.calib_seqlen, batch_size=args.batch_size, w_bits=args.w_bits,
+                      w_group_size=args.w_group_size, search_scale=args.search_scale, device=args.device)
+    print(f'wrote {args.work_dir}: {result["layers"]} layers, group size {result["group_size"]}, '
+          f'{result["calib_tokens"]} calibration tokens, on {result["device"]}, {result["seconds"]:.0f} s', file=out)
+    return 0

@@ -1,0 +1,346 @@
+"""AWQ (activation-aware weight quantization, Lin et al. 2023) for ``lmdeploy lite auto_awq``.
+
+A decoder is processed one layer at a time. The calibration windows' inputs to the first decoder layer are
+captured once; each layer then runs on its inputs in float, which records the input of each group of linears
+that read the same activations and gives the next layer's inputs (a layer's outputs in float, as AutoAWQ
+does). Per group:
+
+* q/k/v after ``input_layernorm`` (the error measured on their outputs),
+* o after v, only where v's outputs are o's inputs one to one (no grouped-query attention),
+* gate/up after ``post_attention_layernorm`` (the error measured on the whole MLP's output),
+* down after up (its error on its own output),
+
+the input channels are scaled by s = mean|x| ** alpha (normalised so that max(s) * min(s) = 1): the
+group's weights multiplied by s column-wise, their quantized form divided by s again, and alpha chosen from
+0, 0.05, ..., 0.95 as the one whose outputs differ least (mean squared error) from the float group's on the
+calibration tokens. alpha = 0 (s = 1) is plain round-to-nearest, so the search never does worse than it on
+that measure. The chosen 1/s is folded into the preceding norm's weight (or the preceding linear's rows),
+s into the group's weight columns, so the float model computes the same function; then every linear of the
+layer is quantized (4-bit, asymmetric, per group of input columns) and packed (:mod:`.pack`).
+
+Without ``search_scale``, alpha is fixed (0.5: what LMDeploy's auto_awq does without ``--search-scale``; 0:
+round-to-nearest with no scaling at all).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .pack import MAX_Q, awq_tensors, quantize
+
+SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM')
+LINEARS = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj', 'mlp.gate_proj',
+           'mlp.up_proj', 'mlp.down_proj')
+N_GRID = 20
+LOSS_ROWS = 8192  # tokens per chunk of a loss evaluation
+
+
+class _Captured(Exception):
+    pass
+
+
+def check_model(model_path: str) -> dict:
+    """config.json of a supported architecture, or ValueError naming it."""
+    cfg_path = os.path.join(model_path, 'config.json')
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f'{model_path!r} has no config.json (give a local Hugging Face model directory)')
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if cfg.get('quantization_config'):
+        raise ValueError(f'{model_path} is already quantized ({cfg["quantization_config"].get("quant_method")!r}); '
+                         'auto_awq takes a float checkpoint')
+    archs = cfg.get('architectures') or [cfg.get('model_type')]
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f'auto_awq: architecture {arch!r} is not supported; supported: '
+                         f'{", ".join(SUPPORTED_ARCHITECTURES)}')
+    return cfg
+
+
+def check_group_size(layer: torch.nn.Module, group: int, prefix: str = ''):
+    for name in LINEARS:
+        lin = layer.get_submodule(name)
+        if lin.in_features % group:
+            raise ValueError(f'{prefix}{name} has {lin.in_features} input features, not a multiple of '
+                             f'--w-group-size {group}; choose a group size that divides it (e.g. '
+                             f'{_divisor(lin.in_features, group)})')
+        if lin.out_features % 8:
+            raise ValueError(f'{prefix}{name} has {lin.out_features} output features, not a multiple of 8 '
+                             '(AWQ packs 8 output columns an int32)')
+
+
+def _divisor(n: int, below: int) -> int:
+    for g in (64, 32, 16, 8):
+        if g < below and n % g == 0:
+            return g
+    return n
+
+
+def _mse(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).pow(2).mean())
+
+
+def _scaled_fake_quant(w: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """W with its columns multiplied by s, quantized as :func:`.pack.quantize` does, dequantized and divided by s
+    again (in place on temporaries: this runs 20 times a linear)."""
+    out_f, in_f = w.shape
+    g = (w.float() * s).reshape(out_f, in_f // group, group)
+    lo = g.amin(dim=2, keepdim=True).clamp_(max=0)
+    scale = g.amax(dim=2, keepdim=True).clamp_(min=0).sub_(lo).div_(MAX_Q).clamp_(min=1e-5).half().float()
+    zero = lo.div_(scale).neg_().round_().clamp_(0, MAX_Q)
+    q = g.div_(scale).round_().add_(zero).clamp_(0, MAX_Q)
+    return q.sub_(zero).mul_(scale).reshape(out_f, in_f).div_(s).to(w.dtype)
+
+
+class _Group:
+    """Linears that read one input: ``fcs``, the op that produces that input (``prev``: a norm, or a linear
+    whose rows feed it), and how the error is measured (``kind``: 'linear' on the linears' outputs, 'mlp' on
+    the MLP's)."""
+
+    def __init__(self, name: str, prev: torch.nn.Module, fcs: List[torch.nn.Module], x: torch.Tensor, kind='linear',
+                 mlp=None):
+        self.name, self.prev, self.fcs, self.x, self.kind, self.mlp = name, prev, fcs, x, kind, mlp
+
+    def forward(self, weights: List[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if self.kind == 'mlp':
+            gate, up = self.fcs
+            a = F.linear(x, weights[0], gate.bias)
+            b = F.linear(x, weights[1], up.bias)
+            return self.mlp.down_proj(self.mlp.act_fn(a) * b)
+        return torch.cat([F.linear(x, w, fc.bias) for w, fc in zip(weights, self.fcs)], dim=-1)
+
+    def loss(self, weights: List[torch.Tensor], refs) -> float:
+        """Mean squared error of the group's outputs with ``weights`` against the float outputs: for linears, from
+        the inputs' Gram matrix X^T X where that is cheaper than the outputs (more tokens than input
+        features), else by running them."""
+        if refs is None:  # Gram form: |X D^T|^2 = sum((D G) * D), D = W' - W
+            total = sum(float(((w - fc.weight.data).float() @ self.gram * (w - fc.weight.data).float()).sum())
+                        for w, fc in zip(weights, self.fcs))
+            return total / (self.x.shape[0] * sum(fc.out_features for fc in self.fcs))
+        total, n = 0.0, 0
+        for chunk, ref in zip(self.x.split(LOSS_ROWS), refs):
+            out = self.forward(weights, chunk)
+            total += float((out.float() - ref.float()).pow(2).sum())
+            n += out.numel()
+        return total / n
+
+    @torch.no_grad()
+    def search(self, group: int, alphas) -> tuple:
+        """(best alpha, its scales, {alpha: loss})."""
+        x_mean = self.x.abs().float().mean(dim=0)
+        ws = [fc.weight.data for fc in self.fcs]
+        if self.kind == 'linear' and self.x.shape[0] > self.x.shape[1]:
+            x = self.x.float()
+            self.gram, refs = x.t() @ x, None
+        else:
+            refs = [self.forward(ws, chunk) for chunk in self.x.split(LOSS_ROWS)]
+        best, losses = None, {}
+        for alpha in alphas:
+            s = x_mean.pow(alpha).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            s = s.to(ws[0].device)
+            loss = self.loss([_scaled_fake_quant(w, s, group) for w in ws], refs)
+            losses[alpha] = loss
+            if best is None or loss < best[1]:
+                best = (alpha, loss, s)
+        self.gram = None
+        return best[0], best[2], losses
+
+    @torch.no_grad()
+    def fold(self, s: torch.Tensor):
+        """1/s into ``prev`` (a norm's weight, or the last len(s) rows of a linear), s into the fcs' columns."""
+        prev = self.prev
+        if isinstance(prev, torch.nn.Linear):
+            prev.weight.data[-len(s):].div_(s.view(-1, 1).to(prev.weight.dtype))
+            if prev.bias is not None:
+                prev.bias.data[-len(s):].div_(s.to(prev.bias.dtype))
+        else:
+            prev.weight.data.div_(s.to(prev.weight.dtype))
+            if getattr(prev, 'bias', None) is not None:
+                prev.bias.data.div_(s.to(prev.bias.dtype))
+        for fc in self.fcs:
+            fc.weight.data.mul_(s.view(1, -1).to(fc.weight.dtype))
+
+
+def _groups(layer, inputs: Dict[str, torch.Tensor]) -> List[_Group]:
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = [_Group('qkv', layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], inputs['self_attn.q_proj'])]
+    if attn.v_proj.out_features == attn.o_proj.in_features:
+        groups.append(_Group('o', attn.v_proj, [attn.o_proj], inputs['self_attn.o_proj']))
+    groups.append(_Group('gate_up', layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj],
+                         inputs['mlp.gate_proj'], kind='mlp', mlp=mlp))
+    groups.append(_Group('down', mlp.up_proj, [mlp.down_proj], inputs['mlp.down_proj']))
+    return groups
+
+
+def _device(device: str) -> torch.device:
+    if device in (None, 'auto'):
+        return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    if device.startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError('--device cuda: torch sees no CUDA device here (use --device cpu)')
+    return torch.device(device)
+
+
+def _progress(n: int, enabled: bool):
+    """An iterator over range(n) that shows progress: tqdm's bar where tqdm is installed, else a line a layer
+    on stderr."""
+    if not enabled:
+        return range(n)
+    try:
+        from tqdm import tqdm
+        return tqdm(range(n), desc='auto_awq', unit='layer', file=sys.stderr)
+    except ImportError:
+        def lines():
+            start = time.monotonic()
+            for i in range(n):
+                yield i
+                print(f'auto_awq: layer {i + 1}/{n} done ({time.monotonic() - start:.0f} s)', file=sys.stderr,
+                      flush=True)
+        return lines()
+
+
+def _capture_first_inputs(model, layers, tokens: torch.Tensor, batch_size: int, device):
+    """[(hidden_states, kwargs)] per batch of calibration windows, as the first decoder layer receives them."""
+    batches = []
+
+    def hook(module, args, kwargs):
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop('hidden_states')
+        for key in ('cache', 'past_key_value', 'past_key_values'):
+            kwargs.pop(key, None)
+        kwargs['use_cache'] = False
+        batches.append((hidden, kwargs))
+        raise _Captured
+
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for i in range(0, len(tokens), batch_size):
+            try:
+                model.model(input_ids=tokens[i:i + batch_size].to(device), use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        handle.remove()
+    return batches
+
+
+@torch.no_grad()
+def auto_awq(model: Optional[str],
+             work_dir: str,
+             calib_dataset: Optional[str] = None,
+             calib_samples: int = 128,
+             calib_seqlen: int = 2048,
+             batch_size: int = 1,
+             w_bits: int = 4,
+             w_group_size: int = 128,
+             search_scale: bool = True,
+             ratio: float = 0.5,
+             device: str = 'auto',
+             progress: bool = True,
+             n_grid: int = N_GRID) -> dict:
+    """Quantize ``model`` (a local Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model) into
+    ``work_dir``: AWQ 4-bit weights in AutoAWQ's GEMM layout. Returns a summary: the layers' chosen alphas per
+    group and the seconds taken. ``n_grid``: alphas tried, 0, 1 / n_grid, ... (AWQ's 20; tests use fewer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lmdeploy.default_model import resolve_model_path
+
+    from .calib import calib_tokens
+    from .pack import save_model
+    start = time.monotonic()
+    model_path = resolve_model_path(model)
+    cfg = check_model(model_path)
+    if w_bits != 4:
+        raise ValueError(f'--w-bits {w_bits}: only 4-bit weights are written')
+    if w_group_size < 1:
+        raise ValueError(f'--w-group-size {w_group_size}: a positive number of input columns')
+    if batch_size < 1:
+        raise ValueError(f'--batch-size {batch_size}: at least 1')
+    if os.path.abspath(work_dir) == os.path.abspath(model_path):
+        raise ValueError('--work-dir is the model directory itself; choose another')
+    dev = _device(device)
+    save_dtype = getattr(torch, cfg.get('torch_dtype') or cfg.get('dtype') or 'float16', torch.float16)
+    if not isinstance(save_dtype, torch.dtype) or not save_dtype.is_floating_point:
+        save_dtype = torch.float16
+    # cpu: float32 (bf16 matmuls are slow and coarse there); cuda: the checkpoint's 16-bit dtype
+    compute_dtype = torch.float32 if dev.type == 'cpu' else (save_dtype if save_dtype != torch.float32
+                                                            else torch.float16)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute_dtype)
+    hf.eval()
+    layers = hf.model.layers
+    for i, layer in enumerate(layers):
+        check_group_size(layer, w_group_size, prefix=f'model.layers.{i}.')
+    tokens = calib_tokens(tokenizer, calib_dataset, calib_samples, calib_seqlen)
+
+    hf.model.embed_tokens.to(dev)
+    if getattr(hf.model, 'rotary_emb', None) is not None:
+        hf.model.rotary_emb.to(dev)
+    layers[0].to(dev)
+    batches = _capture_first_inputs(hf, layers, tokens, batch_size, dev)
+    hf.model.embed_tokens.to('cpu')
+
+    if search_scale:
+        alphas = [i / n_grid for i in range(n_grid)]
+    else:
+        alphas = [float(ratio)]
+    packed: Dict[str, torch.Tensor] = {}
+    chosen: List[Dict[str, float]] = []
+    rtn = alphas == [0.0]  # no scaling: nothing to measure
+    for i in _progress(len(layers), progress):
+        layer = layers[i].to(dev)
+        inputs: Dict[str, List[torch.Tensor]] = {n: [] for n in ('self_attn.q_proj', 'self_attn.o_proj',
+                                                                 'mlp.gate_proj', 'mlp.down_proj')}
+        if rtn:
+            batches = []  # no layer needs inputs
+        handles = [layer.get_submodule(n).register_forward_hook(
+            lambda m, args, out, n=n: inputs[n].append(args[0].reshape(-1, args[0].shape[-1])))
+            for n in inputs]
+        try:
+            outs = []
+            for hidden, kwargs in batches:
+                out = layer(hidden, **kwargs)
+                outs.append(out[0] if isinstance(out, tuple) else out)
+        finally:
+            for h in handles:
+                h.remove()
+        batches = [(o, kw) for o, (_, kw) in zip(outs, batches)]
+        xs = {n: torch.cat(v) for n, v in inputs.items() if v}
+        inputs.clear()
+
+        picked = {}
+        for grp in ([] if rtn else _groups(layer, xs)):
+            alpha, s, _ = grp.search(w_group_size, alphas)
+            if alpha != 0:
+                grp.fold(s)
+            picked[grp.name] = alpha
+        chosen.append(picked)
+        del xs
+
+        prefix = f'model.layers.{i}.'
+        for name in LINEARS:
+            lin = layer.get_submodule(name)
+            q, z, s = quantize(lin.weight.data.float(), w_group_size)
+            for key, t in awq_tensors(q.cpu(), z.cpu(), s.cpu()).items():
+                packed[f'{prefix}{name}.{key}'] = t
+            lin.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # its float copy is done
+        layers[i] = layer.to('cpu')
+
+    tensors = {}
+    tied = bool(getattr(hf.config, 'tie_word_embeddings', False))
+    quantized = {f'model.layers.{i}.{n}.weight' for i in range(len(layers)) for n in LINEARS}
+    for name, t in hf.state_dict().items():
+        if name in quantized or (tied and name == 'lm_head.weight'):
+            continue
+        tensors[name] = t.to('cpu', save_dtype) if t.is_floating_point() else t.cpu()
+    tensors.update(packed)
+    save_model(model_path, work_dir, tensors, w_group_size)
+    return {'layers': len(layers), 'alphas': chosen, 'seconds': time.monotonic() - start,
+            'calib_tokens': int(tokens.numel()), 'group_size': w_group_size, 'device': str(dev)}
