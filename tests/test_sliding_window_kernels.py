@@ -154,13 +154,17 @@ def test_compiled_decode_kernel_leaves_windows_and_caps_to_triton():
     assert compiled.paged_decode_attention(*args, logit_softcap=50.0) is None
 
 
-WINDOW_CHECKS = [name for name in check_names() if 'window' in name or 'softcap' in name]
+# the 16-bit cache's checks, and int4's soft cap (the device hands its cache's mean key to the kernels, which
+# the cap needs back); the quantized caches' other window and cap paths are test_quantized_cache's (the same
+# kernels against the reference): their conformance checks cost ~8 s each under the interpreter
+WINDOW_CHECKS = [name for name in check_names() if ('window' in name or 'softcap' in name)
+                 and ('int' not in name or name.endswith('[softcap,int4]'))]
 
 
 @pytest.mark.parametrize('check', WINDOW_CHECKS)
 def test_the_cuda_device_passes_the_window_and_softcap_conformance_checks(check):
     """The device's own entry points (CudaOps: its cache's int4 mean key handed to the kernels) on the
-    conformance suite's window / soft-cap checks (head_dim 64, 128 and 256; int8, int4)."""
+    conformance suite's window / soft-cap checks (head_dim 64, 128 and 256)."""
     from lmdeploy.devices.cuda.ops import CudaOps
 
     class Here(CudaOps):  # the interpreter runs on cpu tensors
