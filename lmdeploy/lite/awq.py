@@ -15,8 +15,10 @@ group's weights multiplied by s column-wise, their quantized form divided by s a
 0, 0.05, ..., 0.95 as the one whose outputs differ least (mean squared error) from the float group's on the
 calibration tokens. alpha = 0 (s = 1) is plain round-to-nearest, so the search never does worse than it on
 that measure. The chosen 1/s is folded into the preceding norm's weight (or the preceding linear's rows),
-s into the group's weight columns, so the float model computes the same function; then every linear of the
-layer is quantized (4-bit, asymmetric, per group of input columns) and packed (:mod:`.pack`).
+s into the group's weight columns, so the float model computes the same function. Then each weight group's
+range may shrink (:func:`clip_search`: per output row and group, the clipping that quantizes with the least
+output error; not q/k), and every linear of the layer is quantized (4-bit, asymmetric, per group of input
+columns) and packed (:mod:`.pack`).
 
 Without ``search_scale``, alpha is fixed (0.5: what LMDeploy's auto_awq does without ``--search-scale``; 0:
 round-to-nearest with no scaling at all).
@@ -38,6 +40,11 @@ SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCa
 LINEARS = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj', 'mlp.gate_proj',
            'mlp.up_proj', 'mlp.down_proj')
 N_GRID = 20
+CLIP_STEPS = 10
+# linears whose weights may be clipped, and the cached input each reads (q and k are not: attention scores
+# are sensitive to their outliers, as AutoAWQ also leaves them)
+CLIPPED = {'self_attn.v_proj': 'self_attn.q_proj', 'self_attn.o_proj': 'self_attn.o_proj',
+           'mlp.gate_proj': 'mlp.gate_proj', 'mlp.up_proj': 'mlp.gate_proj', 'mlp.down_proj': 'mlp.down_proj'}
 LOSS_ROWS = 8192  # tokens per chunk of a loss evaluation
 
 
@@ -96,6 +103,30 @@ def _scaled_fake_quant(w: torch.Tensor, s: torch.Tensor, group: int) -> torch.Te
     zero = lo.div_(scale).neg_().round_().clamp_(0, MAX_Q)
     q = g.div_(scale).round_().add_(zero).clamp_(0, MAX_Q)
     return q.sub_(zero).mul_(scale).reshape(out_f, in_f).div_(s).to(w.dtype)
+
+
+def clip_search(w: torch.Tensor, x: torch.Tensor, group: int, steps: int = CLIP_STEPS) -> torch.Tensor:
+    """W [out, in] with each (row, group)'s range shrunk to r * [min, max], r from 1 down to 0.55, whichever
+    quantizes with the least output error on the inputs x [tokens, in] (measured against the unclipped W,
+    from each group's Gram matrix of x): outliers clipped where rounding the rest more finely pays."""
+    out_f, in_f = w.shape
+    n = in_f // group
+    wg = w.float().reshape(out_f, n, group)
+    xg = x.float().reshape(-1, n, group)
+    gram = torch.einsum('tng,tnh->ngh', xg, xg)
+    hi, lo = wg.amax(dim=2, keepdim=True), wg.amin(dim=2, keepdim=True)
+    best_err = torch.full((out_f, n), float('inf'), device=w.device)
+    best = wg
+    for i in range(steps):
+        r = 1 - i * 0.45 / (steps - 1)
+        clipped = torch.maximum(torch.minimum(wg, hi * r), lo * r)
+        d = _scaled_fake_quant(clipped.reshape(out_f, in_f), torch.ones(in_f, device=w.device), group)
+        d = d.float().reshape(out_f, n, group) - wg
+        err = torch.einsum('ong,ngh,onh->on', d, gram, d)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better.unsqueeze(2), clipped, best)
+    return best.reshape(out_f, in_f).to(w.dtype)
 
 
 class _Group:
@@ -243,7 +274,8 @@ def auto_awq(model: Optional[str],
              ratio: float = 0.5,
              device: str = 'auto',
              progress: bool = True,
-             n_grid: int = N_GRID) -> dict:
+             n_grid: int = N_GRID,
+             clip: bool = True) -> dict:
     """Quantize ``model`` (a local Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model) into
     ``work_dir``: AWQ 4-bit weights in AutoAWQ's GEMM layout. Returns a summary: the layers' chosen alphas per
     group and the seconds taken. ``n_grid``: alphas tried, 0, 1 / n_grid, ... (AWQ's 20; tests use fewer)."""
@@ -320,8 +352,15 @@ def auto_awq(model: Optional[str],
             alpha, s, _ = grp.search(w_group_size, alphas)
             if alpha != 0:
                 grp.fold(s)
+                key = {'qkv': 'self_attn.q_proj', 'o': 'self_attn.o_proj', 'gate_up': 'mlp.gate_proj',
+                       'down': 'mlp.down_proj'}[grp.name]
+                xs[key] = xs[key] / s  # what the folded layer's linears read now
             picked[grp.name] = alpha
         chosen.append(picked)
+        if clip and not rtn:
+            for name, key in CLIPPED.items():
+                lin = layer.get_submodule(name)
+                lin.weight.data = clip_search(lin.weight.data, xs[key], w_group_size)
         del xs
 
         prefix = f'model.layers.{i}.'
