@@ -47,7 +47,10 @@ def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, n_slices, BLOCK_S: tl.conste
     tl.store(out_ptr + row, tl.min(tl.where(v == top, i, 2147483647), axis=0).to(tl.int64))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def reduce_by_slices(logits: torch.Tensor, launch_slices) -> torch.Tensor:
+    """Per row of logits [B, V], the index a slices kernel picks: ``launch_slices(logits, vals, idx, n)``
+    launches it on the grid (B, n) to write each slice's best value and index; a second launch takes the
+    best of the slices (ties: lowest index). argmax and the seeded draw (sample.py) share it."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     b, v = logits.shape
@@ -57,8 +60,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     n = triton.cdiv(v, CHUNK)
     vals = torch.empty((b, n), dtype=torch.float32, device=logits.device)
     idx = torch.empty((b, n), dtype=torch.int32, device=logits.device)
-    _argmax_slices_kernel[(b, n)](logits, vals, idx, v, logits.stride(0), n, CHUNK=CHUNK, BLOCK=1024, num_warps=4,
-                                  PDL=pdl.ON, **pdl.LAUNCH)
+    launch_slices(logits, vals, idx, n)
     _argmax_merge_kernel[(b, )](vals, idx, out, n, BLOCK_S=max(16, triton.next_power_of_2(n)), num_warps=1,
                                 PDL=pdl.ON, **pdl.LAUNCH)
     return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    def launch(x, vals, idx, n):
+        _argmax_slices_kernel[(x.shape[0], n)](x, vals, idx, x.shape[1], x.stride(0), n, CHUNK=CHUNK, BLOCK=1024,
+                                               num_warps=4, PDL=pdl.ON, **pdl.LAUNCH)
+    return reduce_by_slices(logits, launch)

@@ -15,10 +15,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .argmax import _argmax_merge_kernel
+from .argmax import CHUNK, reduce_by_slices
 
-CHUNK = 2048
-_M32 = 0xFFFFFFFF
 
 
 @triton.jit
@@ -68,17 +66,8 @@ def _sample_slices_kernel(x_ptr, seed_ptr, offset_ptr, val_ptr, idx_ptr, V, stri
 
 def sample(logits: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """logits [B, V] (float32, after temperature and filters), seeds and offsets [B] -> tokens [B] int64."""
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    b, v = logits.shape
-    out = torch.empty(b, dtype=torch.int64, device=logits.device)
-    if b == 0:
-        return out
-    n = triton.cdiv(v, CHUNK)
-    vals = torch.empty((b, n), dtype=torch.float32, device=logits.device)
-    idx = torch.empty((b, n), dtype=torch.int32, device=logits.device)
-    _sample_slices_kernel[(b, n)](logits, seeds.contiguous(), offsets.contiguous(), vals, idx, v, logits.stride(0), n,
-                                  CHUNK=CHUNK, BLOCK=1024, num_warps=4, PDL=pdl.ON, **pdl.LAUNCH)
-    _argmax_merge_kernel[(b, )](vals, idx, out, n, BLOCK_S=max(16, triton.next_power_of_2(n)), num_warps=1,
-                                PDL=pdl.ON, **pdl.LAUNCH)
-    return out
+    def launch(x, vals, idx, n):
+        _sample_slices_kernel[(x.shape[0], n)](x, seeds.contiguous(), offsets.contiguous(), vals, idx, x.shape[1],
+                                               x.stride(0), n, CHUNK=CHUNK, BLOCK=1024, num_warps=4, PDL=pdl.ON,
+                                               **pdl.LAUNCH)
+    return reduce_by_slices(logits, launch)
