@@ -1,7 +1,7 @@
 """Tensor parallelism (tp > 1): rank 0 is the engine's own process; the other
 ranks are workers (worker.py) started by a launcher (launch.py: processes of
 this machine, or Ray actors); rank 0 drives them (driver.py) over the
-device's process group (channel.py, group.py). The model's layers hold their
+host (channel.py) and the device's process group (group.py). The model's layers hold their
 rank's shard (nn/parallel.py)."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from lmdeploy.messages import PytorchEngineConfig
 
 from ..model_config import ModelConfig
 from ..nn.parallel import check_splits, set_tensor_parallel
+from .channel import Listener
 from .group import free_port, host_group, leave_group
 from .launch import LAUNCHERS
 from .worker import WorkerSpec
@@ -32,6 +33,7 @@ class Workers:
         self._driver = None
         self._closed = False
         self._failed: Optional[str] = None
+        self.commands = None  # rank 0's end of the command channel (channel.py), once every rank connected
 
     def error(self) -> Optional[str]:
         """Why a rank is gone, or None while all run."""
@@ -63,6 +65,8 @@ class Workers:
         self._closed = True
         run_bounded(leave_group, _STOP_TIMEOUT_S, 'leaving the tensor-parallel group')
         self.launcher.stop(_STOP_TIMEOUT_S)
+        if self.commands is not None:
+            self.commands.close()
         set_tensor_parallel(0, 1)
 
 
@@ -75,19 +79,23 @@ def start_workers(model_path: str, config: PytorchEngineConfig, model_config: Mo
         raise ValueError(f'distributed_executor_backend must be one of {sorted(LAUNCHERS)}, got {backend!r}')
     launcher = LAUNCHERS[backend](device)
     workers = Workers(launcher, world)
+    listener = None
     try:
         if hasattr(launcher, 'reserve'):
             launcher.reserve(world)
         index = launcher.rank0_device_index()
         if index is not None:
             device.runtime.set_device_index(index)
-        port = free_port()
+        port, listener = free_port(), Listener(launcher.host)
         for rank in range(1, world):
             launcher.start(WorkerSpec(model_path, config, model_config, rank, world, launcher.host, port, None,
-                                      logging.getLogger('lmdeploy').getEffectiveLevel()))
+                                      logging.getLogger('lmdeploy').getEffectiveLevel(), listener.port))
         host_group(device.runtime.collective_backend, launcher.host, port, world, launcher.gone, _START_TIMEOUT_S)
+        workers.commands = listener.accept(world, _START_TIMEOUT_S, launcher.gone)
         set_tensor_parallel(0, world)
     except BaseException:
+        if listener is not None:
+            listener.close()
         workers.close()
         raise
     logger.info('tensor parallelism: %d ranks (%s, %s)', world, backend, device.runtime.collective_backend)

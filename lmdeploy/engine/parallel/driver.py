@@ -1,17 +1,18 @@
 """Rank 0's runner under tensor parallelism: before each step (and each
-logits call) it broadcasts what to run, then runs its own shard; the
-collectives inside the model line up because every rank runs the same calls
-in the same order. Sampling happens here only."""
+logits call) it sends the other ranks what to run (channel.py), then runs its
+own shard; the collectives inside the model line up because every rank runs
+the same calls in the same order. Sampling happens here only."""
 from __future__ import annotations
 
 import time
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..model_runner import ModelRunner
 from ..scheduler import ScheduledBatch
-from ..transfer import int64_tensor, tensor_on, to_device
+from ..transfer import int64_tensor, to_device
 from . import channel
 
 
@@ -24,7 +25,7 @@ class ParallelRunner:
     def __init__(self, runner: ModelRunner, workers):
         self.runner = runner
         self.workers = workers
-        self.channel = channel.Channel(runner.runtime)
+        self.commands = workers.commands
         self.plan = runner.plan
         self.kv_caches = runner.kv_caches
         self.recorded_step_limit = runner.recorded_step_limit
@@ -59,10 +60,11 @@ class ParallelRunner:
     def _forward(self, batch: ScheduledBatch, prev_tokens: Optional[torch.Tensor]) -> torch.Tensor:
         r = self.runner
         flat, meta = r.pack_inputs(batch, prev_tokens is not None)
-        dev = to_device(int64_tensor(flat), r.torch_device)
-        ids, positions, ctx = r.unpack_inputs(dev, meta, prev_tokens)
-        # the others get the inputs with the input ids resolved (the tokens in flight are only here)
-        self.channel.send(channel.FORWARD, meta, torch.cat([dev, ids.to(torch.int64)]))
+        host = int64_tensor(flat)
+        self.commands.send(channel.FORWARD, meta, host.numpy())  # first: the others start on it now
+        ids, positions, ctx = r.unpack_inputs(to_device(host, r.torch_device), meta, prev_tokens)
+        if meta.n_prev:  # the tokens sampled by the step in flight are on this device only: the others get them
+            ids = r.runtime.broadcast(ids.to(torch.int64).contiguous())
         return r.run(ids, positions, ctx)
 
     def rows(self, hidden: torch.Tensor, rows):
@@ -73,15 +75,17 @@ class ParallelRunner:
         self._check()
         rows = range(hidden.shape[0]) if rows is None else rows
         try:
-            self.channel.send(channel.LOGITS, (), tensor_on(list(rows), self.runner.torch_device, torch.int64))
+            self.commands.send(channel.LOGITS, (), np.fromiter(rows, dtype=np.int64))
             return self.runner.logits(hidden)
         except Exception as e:
             self._explain(e)
+            raise
 
     def stop(self):
-        """Tell the other ranks to exit (when none is gone), and wait until the command has left this rank (a
-        collective is only queued on the device: the group must not be torn down under it)."""
+        """Wait until this rank's queued work is done (the group must not be torn down under a collective),
+        then tell the other ranks to exit (when none is gone)."""
         if self.workers.error() is None:
-            # (read back on its own device: this may run on a thread whose current device is another)
-            self.channel.send(channel.STOP).tolist()
+            # (a read-back on the rank's own device: this may run on a thread whose current device is another)
+            torch.zeros(1, device=self.runner.torch_device).tolist()
+            self.commands.send(channel.STOP)
         self.runner.drop_recordings()

@@ -1,5 +1,5 @@
 """A rank other than the first: builds its shard like rank 0 does, then runs
-whatever rank 0 broadcasts (channel.py) until told to stop."""
+whatever rank 0 sends (channel.py) until told to stop."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +19,7 @@ from lmdeploy.messages import PytorchEngineConfig
 
 from ..model_config import ModelConfig
 from ..model_runner import StepMeta
+from ..transfer import to_device
 from . import channel
 from .group import join_group, leave_group
 
@@ -38,6 +39,7 @@ class WorkerSpec:
     port: int
     device_index: Optional[int]  # this machine's device to use (None: the one the process already has)
     log_level: int = logging.WARNING
+    command_port: int = 0  # rank 0's command channel (channel.py), on ``host``
 
 
 def serve(spec: WorkerSpec):
@@ -49,30 +51,37 @@ def serve(spec: WorkerSpec):
     device = get_device(spec.config.device_type)
     if spec.device_index is not None:
         device.runtime.set_device_index(spec.device_index)
+    commands = channel.Receiver(spec.host, spec.command_port, spec.rank)
     join_group(device.runtime.collective_backend, spec.host, spec.port, spec.rank, spec.world)
     try:
         set_tensor_parallel(spec.rank, spec.world)
         runner = build_rank(spec.model_path, spec.config, spec.model_config, device).runner
-        _loop(runner, channel.Channel(device.runtime))
+        _loop(runner, commands)
         runner.drop_recordings()
     finally:
+        commands.close()
         run_bounded(leave_group, _LEAVE_TIMEOUT_S, 'leaving the tensor-parallel group')
 
 
 @torch.inference_mode()
-def _loop(runner, chan: channel.Channel):
-    hidden = None
+def _loop(runner, commands: channel.Receiver):
+    hidden, dev = None, runner.torch_device
     while True:
-        cmd, args, payload = chan.receive()
+        cmd, args, payload = commands.receive()
+        if cmd == channel.GONE:
+            return
         if cmd == channel.STOP:
+            runner.runtime.synchronize()  # nothing of this rank's is left queued when the group goes
             return
         if cmd == channel.FORWARD:
             meta = StepMeta(*args[:len(StepMeta._fields)])
-            n = payload.numel() - meta.num_tokens
-            ids, positions, ctx = runner.unpack_inputs(payload[:n], meta)
-            hidden = runner.run(payload[n:], positions, ctx)
+            ids, positions, ctx = runner.unpack_inputs(to_device(payload, dev), meta)
+            if meta.n_prev:  # the tokens of the step in flight, which only rank 0's device holds
+                ids = runner.runtime.broadcast(ids.contiguous())
+            hidden = runner.run(ids, positions, ctx)
         elif cmd == channel.LOGITS:
-            runner.logits(hidden.index_select(0, payload))
+            rows = payload if payload is not None else torch.empty(0, dtype=torch.int64)
+            runner.logits(hidden.index_select(0, to_device(rows, dev)))
         else:
             raise RuntimeError(f'unknown command {cmd} from rank 0')
 
