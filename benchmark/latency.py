@@ -29,6 +29,7 @@ def main():
     p.add_argument('--output-len', type=int, default=256)
     p.add_argument('--runs', type=int, default=3)
     p.add_argument('--eager', action='store_true')
+    p.add_argument('--tp', type=int, default=1, help='tensor parallelism (GPUs)')
     p.add_argument('--quant-policy', type=int, default=0, choices=(0, 4, 8), help='KV cache int8 (8) / int4 (4)')
     p.add_argument('--json', default=None)
     args = p.parse_args()
@@ -36,7 +37,7 @@ def main():
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
     pipe = pipeline(args.model, backend_config=PytorchEngineConfig(device_type=args.device, dtype=args.dtype,
                                                                    eager_mode=args.eager, max_batch_size=8,
-                                                                   quant_policy=args.quant_policy))
+                                                                   quant_policy=args.quant_policy, tp=args.tp))
     vocab = pipe.engine.model_config.vocab_size
     rng = random.Random(0)
     gen = GenerationConfig(max_new_tokens=args.output_len, ignore_eos=True)

@@ -67,7 +67,7 @@ def run_lmdeploy(args, prompts, outs) -> dict:
                               enable_prefix_caching=args.prefix_caching, eager_mode=args.eager,
                               cache_max_entry_count=args.cache_max_entry_count,
                               max_prefill_token_num=args.max_prefill_token_num,
-                              prefill_interval=args.prefill_interval, quant_policy=args.quant_policy)
+                              prefill_interval=args.prefill_interval, quant_policy=args.quant_policy, tp=args.tp)
     if args.log_compiles:
         log_compiles()
     t0 = time.perf_counter()
@@ -268,6 +268,7 @@ def main():
                    help="this fraction of requests ask for penalties, a logit_bias or echo's prompt logprobs, in "
                    'turn (the rest are plain)')
     p.add_argument('--eager', action='store_true')
+    p.add_argument('--tp', type=int, default=1, help='tensor parallelism (GPUs)')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--warmup', action='store_true')
     p.add_argument('--tqdm', action='store_true')

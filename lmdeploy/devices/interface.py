@@ -100,7 +100,8 @@ class DeviceOps:
     # under tensor parallelism the layers call these inside the model's forward (recorded with it); the
     # process group they run in is the runtime's (collective_backend)
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; returns it."""
+        """The sum of ``x`` over the ranks: ``x`` itself summed in place, or a new tensor (callers use the
+        returned one)."""
         import torch.distributed as dist
         dist.all_reduce(x)
         return x

@@ -46,6 +46,17 @@ class CudaOps(ReferenceSampling, DeviceOps):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return config_dtype
 
+    # ------------------------------------------------- collectives in a step
+    def all_reduce(self, x):
+        """Small messages (a decode step's) in one shot through peer buffers (peer_all_reduce.py), the rest
+        through NCCL."""
+        peer = self.__dict__.get('_peer_all_reduce')
+        if peer is None:
+            from .peer_all_reduce import PeerAllReduce
+            peer = self._peer_all_reduce = PeerAllReduce()
+        out = peer(x)
+        return out if out is not None else super().all_reduce(x)
+
     # -------------------------------------------------------------- dense ops
     def embedding(self, ids, weight):
         return F.embedding(ids, weight)

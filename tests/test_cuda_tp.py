@@ -1,0 +1,119 @@
+"""Issue 36's GPU criterion for tensor parallelism: tp=2 and tp=4 against tp=1 on the GPU, in bf16.
+
+Random-weight models of a Llama-3-8B shape and a Qwen2-7B shape (q/k/v biases; its 28 heads over 4 KV heads
+split 14/2 on two GPUs and 7/1 on four), full width, ``LMDEPLOY_TP_LAYERS`` layers (default 4): the greedy tokens
+of a batch of prompts at tp=N equal tp=1's, or where they diverge the logits' relative error at every step up to
+and including the divergence is under 1e-2 (the ranks sum their shards' bf16 partial results, in another order
+than one GPU's GEMM). With the 16-bit, int8 and int4 KV caches, each against tp=1 with the same cache.
+
+Skipped without 2 GPUs (tp=4 without 4); the CPU's tensor parallelism (gloo) is tests/test_tensor_parallel.py's.
+
+    python -m pytest -q -s tests/test_cuda_tp.py
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from test_cuda_families import _randomize, rel
+
+NEW = 12
+PROMPT_LENGTHS = (5, 37, 100, 300, 700, 1500)
+
+SHAPES = {
+    'llama3-8b': ('LlamaConfig',
+                  dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                       vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
+    'qwen2-7b': ('Qwen2Config',
+                 dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                      vocab_size=152064, rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6)),
+}
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+_TP1 = {}  # (shape, quant_policy) -> tp=1's run, shared by tp=2 and tp=4
+
+
+def build(shape: str, out: str) -> str:
+    import transformers
+    from helpers import _make_config
+
+    from random_model import write_tokenizer  # benchmark/ (test_cuda_families puts it on the path)
+    cls, fields = SHAPES[shape]
+    layers = int(os.environ.get('LMDEPLOY_TP_LAYERS', 4))
+    cfg = _make_config(cls, dict(fields, num_hidden_layers=layers, tie_word_embeddings=False, bos_token_id=1,
+                                 eos_token_id=2, pad_token_id=0))
+    with torch.device('cuda'):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    _randomize(model, 0)
+    model.save_pretrained(out)
+    write_tokenizer(out, cfg.vocab_size)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def run(path: str, tp: int, quant_policy: int, prompts):
+    """Per prompt: (greedy tokens, their step logits), all prompts in one batch."""
+    from engine_utils import submit
+
+    from lmdeploy.engine.engine import Engine
+    from lmdeploy.engine.sequence import SamplingParams
+    from lmdeploy.messages import PytorchEngineConfig
+    cfg = PytorchEngineConfig(device_type='cuda', dtype='bfloat16', tp=tp, quant_policy=quant_policy,
+                              session_len=max(map(len, prompts)) + NEW + 64, max_batch_size=16,
+                              cache_max_entry_count=0.3)
+    engine = Engine(path, cfg)
+    try:
+        cols = [submit(engine, p, SamplingParams(max_new_tokens=NEW, output_logits='generation')) for p in prompts]
+        got = []
+        for col in cols:
+            col.wait(600)
+            assert col.final.error is None, col.final.error
+            logits = torch.cat([o.logits for o in col.outputs if o.logits is not None]).float().cpu()
+            assert logits.shape[0] == NEW, logits.shape
+            got.append((col.token_ids, logits))
+        engine.wait_idle()
+        engine.check_invariants()
+        return got
+    finally:
+        engine.close()
+
+
+def compare(ref, got):
+    """Per prompt: (steps before the first different token, max logits rel err over the steps up to and
+    including it)."""
+    rows = []
+    for (want, want_logits), (tokens, logits) in zip(ref, got):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), NEW)
+        rows.append((same, max(rel(logits[i], want_logits[i]) for i in range(min(same + 1, NEW)))))
+    return rows
+
+
+@pytest.fixture(scope='module', params=sorted(SHAPES))
+def model_dir(request, tmp_path_factory):
+    if GPUS < 2:
+        pytest.skip('needs 2 CUDA GPUs')
+    return request.param, build(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+@pytest.mark.parametrize('quant_policy', [0, 8, 4])
+@pytest.mark.parametrize('tp', [2, 4])
+def test_tp_equals_tp1_on_gpus(model_dir, tp, quant_policy):
+    if GPUS < tp:
+        pytest.skip(f'needs {tp} CUDA GPUs')
+    shape, path = model_dir
+    rng = random.Random(0)
+    vocab = SHAPES[shape][1]['vocab_size']
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    if (shape, quant_policy) not in _TP1:
+        _TP1[shape, quant_policy] = run(path, 1, quant_policy, prompts)
+    ref = _TP1[shape, quant_policy]
+    rows = compare(ref, run(path, tp, quant_policy, prompts))
+    print(f'\n[tp on GPUs] {shape}, tp={tp}, quant_policy={quant_policy}: (tokens of {NEW} equal to tp=1, '
+          f'max logits rel err up to the first difference) per prompt: '
+          + ', '.join(f'({s}, {e:.2e})' for s, e in rows))
+    for same, err in rows:
+        assert err < 1e-2, rows
