@@ -91,3 +91,11 @@ def tiny_model_factory(tmp_path_factory, smollm2_path):
 def tiny_models(tiny_model_factory) -> dict:
     """All tiny random models: name -> directory."""
     return {name: tiny_model_factory(name) for name in TINY_MODEL_NAMES}
+
+
+@pytest.fixture
+def emulated_npu():
+    """tests/npu_emulation's torch_npu, to switch on for one test (as test_ascend_emulated's ``npu``): the
+    ``activate`` module, whose activate() / deactivate() the test calls."""
+    from helpers import import_npu_emulation
+    yield import_npu_emulation()

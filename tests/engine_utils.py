@@ -64,3 +64,43 @@ def assert_engine_clean(engine: Engine):
     assert stats.num_running == 0 and stats.num_waiting == 0
     if stats.num_idle_sessions == 0:
         assert stats.num_free_blocks == stats.num_blocks, stats
+
+
+def engine_tokens(path: str, prompts: List[List[int]], new_tokens: int, **config) -> List[List[int]]:
+    """Greedy tokens (exactly ``new_tokens`` per prompt, all prompts submitted at once) of an engine started
+    for this call on ``path`` with PytorchEngineConfig(**config), closed afterwards."""
+    from lmdeploy.messages import PytorchEngineConfig
+    engine = Engine(path, PytorchEngineConfig(**config))
+    try:
+        return generate_all(engine, prompts, greedy(new_tokens))
+    finally:
+        engine.close()
+
+
+class EngineCache:
+    """Engines kept open for the tests of one module (a module-scoped fixture's): ``get(path, **config)``
+    starts one engine per (path, config) and hands the same one out again; ``close()`` closes them all.
+    Only for tests that submit requests and read their tokens (no prefix caching, so an engine's earlier
+    requests leave nothing a later one reads)."""
+
+    def __init__(self):
+        self._engines = {}
+
+    def get(self, path: str, **config) -> Engine:
+        from lmdeploy.messages import PytorchEngineConfig
+        assert not config.get('enable_prefix_caching'), 'a shared engine must not carry cache between tests'
+        key = (path, tuple(sorted(config.items())))
+        engine = self._engines.get(key)
+        if engine is None or not engine.is_alive():
+            engine = self._engines[key] = Engine(path, PytorchEngineConfig(**config))
+        return engine
+
+    def tokens(self, path: str, prompts: List[List[int]], new_tokens: int, **config) -> List[List[int]]:
+        engine = self.get(path, **config)
+        out = generate_all(engine, prompts, greedy(new_tokens))
+        assert_engine_clean(engine)
+        return out
+
+    def close(self):
+        while self._engines:
+            self._engines.popitem()[1].close()

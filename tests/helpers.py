@@ -45,6 +45,22 @@ def _reset_dynamic_rope(model) -> None:
             mod.attention_scaling = 1.0
 
 
+# hf_greedy's answers: (checkpoint, its files' mtimes, prompt, max_new_tokens, ignore_eos, use_cache) -> the
+# new tokens. transformers' greedy answer to one prompt depends on nothing else (one prompt at a time, no
+# padding), so a test asking again for a prompt another test of the session asked about gets it from here.
+_GREEDY_MEMO: dict = {}
+
+
+def _checkpoint_stamp(model_dir: str) -> tuple:
+    stamp = []
+    for name in ('config.json', 'model.safetensors', 'generation_config.json'):
+        try:
+            stamp.append(os.stat(os.path.join(model_dir, name)).st_mtime_ns)
+        except FileNotFoundError:
+            stamp.append(None)
+    return tuple(stamp)
+
+
 def hf_greedy(model_dir,
               prompt_ids_list,
               max_new_tokens: int,
@@ -65,10 +81,27 @@ def hf_greedy(model_dir,
     each new token with frequencies for the *current* length while cached
     keys keep the rotation they were computed with.
 
+    Each prompt's answer is remembered for the session (keyed by the
+    checkpoint's path and its files' modification times), so tests asking
+    again about the same prompt do not run transformers again.
+
     Returns one list of new token ids per prompt.
     """
+    model_dir = os.path.abspath(os.fspath(model_dir))
+    stamp = _checkpoint_stamp(model_dir)
+    keys = [(model_dir, stamp, tuple(int(t) for t in ids), max_new_tokens, ignore_eos, use_cache)
+            for ids in prompt_ids_list]
+    missing = [k for k in dict.fromkeys(keys) if k not in _GREEDY_MEMO]
+    if missing:
+        for k, new in zip(missing, _hf_greedy([list(k[2]) for k in missing], model_dir, max_new_tokens,
+                                              ignore_eos, use_cache)):
+            _GREEDY_MEMO[k] = new
+    return [list(_GREEDY_MEMO[k]) for k in keys]
+
+
+def _hf_greedy(prompt_ids_list, model_dir, max_new_tokens, ignore_eos, use_cache) -> list[list[int]]:
     import torch
-    model = _load_hf(os.path.abspath(os.fspath(model_dir)))
+    model = _load_hf(model_dir)
     gen_cfg = copy.deepcopy(model.generation_config)
     gen_cfg.do_sample = False
     gen_cfg.num_beams = 1
@@ -532,33 +565,16 @@ def hf_greedy_fresh(model_dir, prompt_ids_list, max_new_tokens: int) -> list[lis
     return outs
 
 
-# ---------------------------------------------------------------------------
-# Gemma (v1): RMSNorm weights stored around 0, embeddings scaled by sqrt(hidden)
-# ---------------------------------------------------------------------------
+def random_prompts(seed, lengths=(3, 17, 41)) -> list[list[int]]:
+    """Prompts of random token ids (20 .. TINY_VOCAB - 1), one per length, drawn with ``random.Random(seed)``."""
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(20, TINY_VOCAB) for _ in range(n)] for n in lengths]
 
 
-def build_tiny_gemma(out: str, tokenizer_dir: str, num_kv_heads: int = 1, seed: int = 2468) -> str:
-    """A tiny random GemmaForCausalLM (hidden 64, 2 layers, 4 heads of 32, tied head, gelu_pytorch_tanh).
-    Randomized as the tied Llama is, with each norm weight stored as its multiplier less 1 (Gemma's
-    RMSNorm multiplies by 1 + w): the layers' stored w are ~ N(0, 0.1^2), so the (1 + w) matters."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    kwargs = dict(_COMMON, num_key_value_heads=num_kv_heads, head_dim=32, rope_theta=10000.0,
-                  tie_word_embeddings=True, hidden_act='gelu_pytorch_tanh')
-    cfg = _make_config('GemmaConfig', kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    _randomize(model, seed)
-    scale = cfg.hidden_size**0.5
-    with torch.no_grad():
-        # the embedding enters scaled by sqrt(hidden): stored that much smaller, the residual stream starts as
-        # the tied Llama's does, and the final norm that much larger keeps the logits' scale (a larger
-        # embedding makes the model repeat its last token)
-        model.model.embed_tokens.weight.div_(scale)
-        model.model.norm.weight.mul_(scale)
-        for name, p in model.named_parameters():
-            if 'norm' in name:
-                p.sub_(1.0)
+def save_tiny(model, out: str, tokenizer_dir: str) -> str:
+    """Save a tiny transformers model with generation ids 1 / 2 / 2 (bos / eos / pad) and the tests' tokenizer
+    and chat template."""
     model.generation_config.bos_token_id = 1
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 2
@@ -566,6 +582,153 @@ def build_tiny_gemma(out: str, tokenizer_dir: str, num_kv_heads: int = 1, seed: 
     model.save_pretrained(out)
     _copy_tokenizer(tokenizer_dir, out)
     return out
+
+
+# ---------------------------------------------------------------------------
+# Gemma 1 / 2 / 3 (text): RMSNorm weights stored around 0, embeddings scaled by sqrt(hidden)
+# ---------------------------------------------------------------------------
+
+
+def _tiny_gemma_from(cfg, seed: int, out: str, tokenizer_dir: str) -> str:
+    """A tiny random Gemma-family model of transformers config ``cfg``, randomized as the tied Llama is, with
+    each norm weight stored as its multiplier less 1 (Gemma's RMSNorm multiplies by 1 + w): the layers' stored
+    w are ~ N(0, 0.1^2), so the (1 + w) matters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize(model, seed)
+    scale = cfg.hidden_size**0.5
+    with torch.no_grad():
+        # the embedding enters scaled by sqrt(hidden): stored that much smaller, the residual stream starts as
+        # the tied Llama's does, and the final norm that much larger keeps the logits' scale (a larger
+        # embedding makes the model repeat its last token); every norm weight (q/k norms included) stored as
+        # its multiplier less 1
+        model.model.embed_tokens.weight.div_(scale)
+        model.model.norm.weight.mul_(scale)
+        for name, p in model.named_parameters():
+            if 'norm' in name:
+                p.sub_(1.0)
+    return save_tiny(model, out, tokenizer_dir)
+
+
+def build_tiny_gemma(out: str, tokenizer_dir: str, num_kv_heads: int = 1, seed: int = 2468) -> str:
+    """A tiny random GemmaForCausalLM (hidden 64, 2 layers, 4 heads of 32, tied head, gelu_pytorch_tanh)."""
+    kwargs = dict(_COMMON, num_key_value_heads=num_kv_heads, head_dim=32, rope_theta=10000.0,
+                  tie_word_embeddings=True, hidden_act='gelu_pytorch_tanh')
+    return _tiny_gemma_from(_make_config('GemmaConfig', kwargs), seed, out, tokenizer_dir)
+
+
+GEMMA2_WINDOW = 6
+
+
+def build_tiny_gemma2(out: str, tokenizer_dir: str, seed: int, **overrides) -> str:
+    """A tiny random Gemma2ForCausalLM: hidden 64, 3 layers (0 and 2 attend within a 6-token window, 1 fully:
+    the config's default layer_types), 4 query heads of 32 over 2 KV heads, query_pre_attn_scalar 24 (not
+    head_dim), attention scores soft-capped at 3 and logits at 5."""
+    kwargs = dict(_COMMON, num_hidden_layers=3, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True,
+                  hidden_activation='gelu_pytorch_tanh', query_pre_attn_scalar=24, sliding_window=GEMMA2_WINDOW,
+                  attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+    return _tiny_gemma_from(_make_config('Gemma2Config', dict(kwargs, **overrides)), seed, out, tokenizer_dir)
+
+
+GEMMA3_WINDOW = 6
+GEMMA3_LAYER_TYPES = ['sliding_attention', 'sliding_attention', 'full_attention', 'sliding_attention']
+
+
+def build_tiny_gemma3(out: str, tokenizer_dir: str, seed: int) -> str:
+    """A tiny random Gemma3ForCausalLM (text): hidden 64, 4 layers with sliding_window_pattern 3 (layers 0, 1
+    and 3 attend within a 6-token window, layer 2 fully), 4 query heads of 32 over 2 KV heads,
+    query_pre_attn_scalar 24, q/k norms, local rotary base 100 and global base 10,000 with linear scaling x4,
+    no soft caps."""
+    from transformers import Gemma3TextConfig
+    cfg = Gemma3TextConfig(**dict(_COMMON, num_hidden_layers=4, head_dim=32, tie_word_embeddings=True,
+                                  hidden_activation='gelu_pytorch_tanh', query_pre_attn_scalar=24,
+                                  sliding_window=GEMMA3_WINDOW, sliding_window_pattern=3, rope_theta=10000.0,
+                                  rope_local_base_freq=100.0, rope_scaling={'rope_type': 'linear', 'factor': 4.0}))
+    assert cfg.layer_types == GEMMA3_LAYER_TYPES and cfg.attn_logit_softcapping is None
+    return _tiny_gemma_from(cfg, seed, out, tokenizer_dir)
+
+
+# ---------------------------------------------------------------------------
+# Falcon and StarCoder2 (LayerNorms with biases)
+# ---------------------------------------------------------------------------
+
+
+def _randomize_falcon(model, seed: int):
+    """As _randomize, with Falcon's names: LayerNorm weights ~ 1 + 0.1 N(0,1) and their biases ~ N(0, 0.1^2),
+    the final norm x5 over a small tied embedding."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    tied = model.config.tie_word_embeddings
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if '.ln_' in name or 'layernorm' in name or name.startswith('transformer.ln_f'):
+                val = (1.0 + 0.1 * torch.randn(p.shape, generator=gen)) if name.endswith('weight') else (
+                    0.1 * torch.randn(p.shape, generator=gen))
+                if tied and name == 'transformer.ln_f.weight':
+                    val = val * 5.0
+            elif 'word_embeddings' in name or 'lm_head' in name:
+                val = (0.1 if tied else 0.5) * torch.randn(p.shape, generator=gen)
+            elif p.ndim == 1:
+                val = 0.1 * torch.randn(p.shape, generator=gen)
+            else:
+                val = torch.randn(p.shape, generator=gen) / p.shape[-1]**0.5
+            p.copy_(val)
+
+
+def build_tiny_falcon(out: str, tokenizer_dir: str, kwargs: dict, seed: int) -> str:
+    """A tiny random FalconForCausalLM of FalconConfig(**kwargs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    cfg = _make_config('FalconConfig', kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize_falcon(model, seed)
+    return save_tiny(model, out, tokenizer_dir)
+
+
+def build_tiny_starcoder2(out: str, tokenizer_dir: str, kwargs: dict, seed: int) -> str:
+    """A tiny random Starcoder2ForCausalLM of Starcoder2Config(**kwargs), randomized by _randomize with the
+    LayerNorms' biases ~ N(0, 0.1^2) (not ~1)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    cfg = _make_config('Starcoder2Config', kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if 'norm' in name and name.endswith('.bias'):  # _randomize gives every norm parameter ~1
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return save_tiny(model, out, tokenizer_dir)
+
+
+def edited_copy(src: str, dst: str, edit=None, **changes) -> str:
+    """A copy of checkpoint ``src`` at ``dst`` whose config.json has ``changes`` and then ``edit(config)``
+    (which edits the dict in place) applied."""
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, 'config.json')) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    if edit is not None:
+        edit(cfg)
+    with open(os.path.join(dst, 'config.json'), 'w') as f:
+        json.dump(cfg, f)
+    return dst
+
+
+def import_npu_emulation():
+    """tests/npu_emulation's ``activate`` module (its torch_npu emulation, off until ``activate()``)."""
+    import sys
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'npu_emulation')
+    sys.path.insert(0, here)
+    try:
+        import activate
+    finally:
+        sys.path.remove(here)
+    return activate
 
 
 def sigint_as_in_a_terminal():

@@ -23,14 +23,12 @@ import shutil
 
 import pytest
 import torch
-from engine_utils import generate_all, greedy
+from engine_utils import engine_tokens
 from helpers import _COMMON, build_tiny_custom, hf_greedy
 
-from lmdeploy.engine.engine import Engine
 from lmdeploy.engine.model_config import load_model_config
 from lmdeploy.engine.models import get_model_class
 from lmdeploy.engine.models.baichuan import BaichuanForCausalLM, BaiChuanForCausalLM
-from lmdeploy.messages import PytorchEngineConfig
 
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (6, 21, 44)
@@ -95,12 +93,8 @@ def llama_to_baichuan(src: str, out: str, architecture: str = 'BaichuanForCausal
 
 
 def _engine_tokens(path, prompts, tp=1):
-    engine = Engine(path, PytorchEngineConfig(device_type='cpu', dtype='float32', tp=tp, session_len=256,
-                                              block_size=16, num_gpu_blocks=48))
-    try:
-        return generate_all(engine, prompts, greedy(NEW_TOKENS))
-    finally:
-        engine.close()
+    return engine_tokens(path, prompts, NEW_TOKENS, device_type='cpu', dtype='float32', tp=tp, session_len=256,
+                         block_size=16, num_gpu_blocks=48)
 
 
 @pytest.mark.parametrize('arch,cls', [('BaichuanForCausalLM', BaichuanForCausalLM),

@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import pytest
-import torch
-from engine_utils import generate_all, greedy
-from helpers import _copy_tokenizer, _make_config, hf_greedy
+from engine_utils import engine_tokens
+from helpers import build_tiny_falcon, hf_greedy, random_prompts
 
-from lmdeploy.engine.engine import Engine
 from lmdeploy.engine.model_config import load_model_config
 from lmdeploy.engine.models import get_model_class
 from lmdeploy.engine.models.falcon import FalconForCausalLM
-from lmdeploy.messages import PytorchEngineConfig
 
 NEW_TOKENS = 16
+CONFIG = dict(device_type='cpu', dtype='float32', session_len=256, block_size=4, num_gpu_blocks=128)
 BASE = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=128,
             max_position_embeddings=512, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
             rope_theta=10000.0, alibi=False)
@@ -42,45 +39,6 @@ SPECS = {  # name -> (config, KV heads it makes)
     'multi_head': (dict(BASE, new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True,
                         tie_word_embeddings=False), 4),
 }
-
-
-def _randomize_falcon(model, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    tied = model.config.tie_word_embeddings
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if '.ln_' in name or 'layernorm' in name or name.startswith('transformer.ln_f'):
-                val = (1.0 + 0.1 * torch.randn(p.shape, generator=gen)) if name.endswith('weight') else (
-                    0.1 * torch.randn(p.shape, generator=gen))
-                if tied and name == 'transformer.ln_f.weight':
-                    val = val * 5.0
-            elif 'word_embeddings' in name or 'lm_head' in name:
-                val = (0.1 if tied else 0.5) * torch.randn(p.shape, generator=gen)
-            elif p.ndim == 1:
-                val = 0.1 * torch.randn(p.shape, generator=gen)
-            else:
-                val = torch.randn(p.shape, generator=gen) / p.shape[-1]**0.5
-            p.copy_(val)
-
-
-def build_tiny_falcon(out: str, tokenizer_dir: str, kwargs: dict, seed: int) -> str:
-    from transformers import AutoModelForCausalLM
-    cfg = _make_config('FalconConfig', kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    _randomize_falcon(model, seed)
-    model.generation_config.bos_token_id = 1
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 2
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out)
-    _copy_tokenizer(tokenizer_dir, out)
-    return out
-
-
-def _prompts(seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(20, 49152) for _ in range(n)] for n in (3, 17, 41)]
 
 
 @pytest.fixture(scope='module')
@@ -98,12 +56,7 @@ def models(smollm2_path, tmp_path_factory):
 
 
 def _tokens(path, prompts, **kw):
-    cfg = dict(device_type='cpu', dtype='float32', session_len=256, block_size=4, num_gpu_blocks=128)
-    engine = Engine(path, PytorchEngineConfig(**dict(cfg, **kw)))
-    try:
-        return generate_all(engine, prompts, greedy(NEW_TOKENS))
-    finally:
-        engine.close()
+    return engine_tokens(path, prompts, NEW_TOKENS, **dict(CONFIG, **kw))
 
 
 @pytest.mark.parametrize('name', list(SPECS))
@@ -112,7 +65,7 @@ def test_falcon_decodes_as_transformers(name, models):
     cfg = load_model_config(path)
     assert get_model_class(cfg) is FalconForCausalLM
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (4, SPECS[name][1], 16, 128)
-    prompts = _prompts(seed)
+    prompts = random_prompts(seed)
     want = hf_greedy(path, prompts, NEW_TOKENS)
     assert len({t for seq in want for t in seq}) > 8  # not a degenerate repeat
     assert _tokens(path, prompts) == want
@@ -122,28 +75,15 @@ def test_falcon_tp2_equals_transformers(models):
     """Two ranks on gloo, multi_query: the one KV head on both, the query heads split (the grouped layout's
     per-group rows are InternLM2's wqkv, read per rank as test_internlm checks on two ranks)."""
     path, seed = models('multi_query')
-    prompts = _prompts(seed)
+    prompts = random_prompts(seed)
     assert _tokens(path, prompts, tp=2) == hf_greedy(path, prompts, NEW_TOKENS)
-
-
-@pytest.fixture
-def emulated_npu():
-    """tests/npu_emulation's torch_npu, to switch on for one test (as test_ascend_emulated's ``npu``)."""
-    import sys
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'npu_emulation')
-    sys.path.insert(0, here)
-    try:
-        import activate
-    finally:
-        sys.path.remove(here)
-    yield activate
 
 
 def test_falcon_on_the_emulated_ascend_device(models, emulated_npu):
     """The ascend device's layer_norm and npu_gelu (erf) in the grouped layout, on the torch_npu emulation:
     transformers' tokens (computed before the emulation is switched on)."""
     path, seed = models('grouped')
-    prompts = _prompts(seed)
+    prompts = random_prompts(seed)
     want = hf_greedy(path, prompts, NEW_TOKENS)
     emulated_npu.activate()
     try:

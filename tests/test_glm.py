@@ -27,15 +27,13 @@ import shutil
 
 import pytest
 import torch
-from engine_utils import generate_all, greedy
+from engine_utils import engine_tokens
 from helpers import _COMMON, build_tiny_custom, hf_greedy
 
-from lmdeploy.engine.engine import Engine
 from lmdeploy.engine.model_config import load_model_config
 from lmdeploy.engine.models import get_model_class
 from lmdeploy.engine.models.glm import ChatGLMForCausalLM, Glm4ForCausalLM, GlmForCausalLM
 from lmdeploy.engine.nn.rotary import interleaved_rotary_order
-from lmdeploy.messages import PytorchEngineConfig
 
 NEW_TOKENS = 16
 PROMPT_LENGTHS = (5, 17, 40)
@@ -134,12 +132,8 @@ def glm_to_chatglm(src: str, out: str, rope_ratio: float = 1.0) -> str:
 
 
 def _engine_tokens(path, prompts, tp=1):
-    engine = Engine(path, PytorchEngineConfig(device_type='cpu', dtype='float32', tp=tp, session_len=256,
-                                              block_size=16, num_gpu_blocks=48))
-    try:
-        return generate_all(engine, prompts, greedy(NEW_TOKENS))
-    finally:
-        engine.close()
+    return engine_tokens(path, prompts, NEW_TOKENS, device_type='cpu', dtype='float32', tp=tp, session_len=256,
+                         block_size=16, num_gpu_blocks=48)
 
 
 @pytest.mark.parametrize('name,cls', [('glm', GlmForCausalLM), ('glm4', Glm4ForCausalLM),

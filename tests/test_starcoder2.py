@@ -12,15 +12,11 @@ The same weights decode otherwise in transformers without the window, so the win
 """
 from __future__ import annotations
 
-import json
 import os
-import random
-import shutil
 
 import pytest
-import torch
-from engine_utils import generate_all, greedy
-from helpers import _copy_tokenizer, _make_config, _randomize, hf_greedy
+from engine_utils import engine_tokens, generate_all, greedy
+from helpers import build_tiny_starcoder2, edited_copy, hf_greedy, random_prompts
 
 from lmdeploy.engine.engine import Engine
 from lmdeploy.engine.model_config import load_model_config
@@ -29,6 +25,7 @@ from lmdeploy.engine.models.starcoder2 import Starcoder2ForCausalLM
 from lmdeploy.messages import PytorchEngineConfig
 
 NEW_TOKENS = 16
+CONFIG = dict(device_type='cpu', dtype='float32', session_len=256, block_size=4, num_gpu_blocks=128)
 WINDOW = 6
 BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2,
@@ -38,31 +35,6 @@ SPECS = {
                    sliding_window=WINDOW),
     'plain': dict(BASE, use_bias=False, hidden_act='gelu', tie_word_embeddings=False, sliding_window=None),
 }
-
-
-def build_tiny_starcoder2(out: str, tokenizer_dir: str, kwargs: dict, seed: int) -> str:
-    from transformers import AutoModelForCausalLM
-    cfg = _make_config('Starcoder2Config', kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    _randomize(model, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if 'norm' in name and name.endswith('.bias'):  # _randomize gives every norm parameter ~1
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    model.generation_config.bos_token_id = 1
-    model.generation_config.eos_token_id = 2
-    model.generation_config.pad_token_id = 2
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out)
-    _copy_tokenizer(tokenizer_dir, out)
-    return out
-
-
-def _prompts(seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(20, 49152) for _ in range(n)] for n in (3, 17, 41)]
 
 
 @pytest.fixture(scope='module')
@@ -80,12 +52,7 @@ def models(smollm2_path, tmp_path_factory):
 
 
 def _tokens(path, prompts, **kw):
-    cfg = dict(device_type='cpu', dtype='float32', session_len=256, block_size=4, num_gpu_blocks=128)
-    engine = Engine(path, PytorchEngineConfig(**dict(cfg, **kw)))
-    try:
-        return generate_all(engine, prompts, greedy(NEW_TOKENS))
-    finally:
-        engine.close()
+    return engine_tokens(path, prompts, NEW_TOKENS, **dict(CONFIG, **kw))
 
 
 @pytest.mark.parametrize('name', ['window', 'plain'])
@@ -95,7 +62,7 @@ def test_starcoder2_decodes_as_transformers(name, models):
     assert get_model_class(cfg) is Starcoder2ForCausalLM
     assert (cfg.sliding_window, cfg.attention_bias, cfg.tie_word_embeddings) == (
         (WINDOW, True, True) if name == 'window' else (None, False, False))
-    prompts = _prompts(seed)
+    prompts = random_prompts(seed)
     want = hf_greedy(path, prompts, NEW_TOKENS)
     assert len({t for seq in want for t in seq}) > 8  # not a degenerate repeat
     assert _tokens(path, prompts) == want
@@ -115,13 +82,8 @@ def test_starcoder2_decodes_as_transformers(name, models):
 def test_starcoder2_window_bites(models, tmp_path):
     """The same weights with the window past every sequence decode otherwise in transformers."""
     path, seed = models('window')
-    other = str(tmp_path / 'full')
-    shutil.copytree(path, other)
-    with open(os.path.join(other, 'config.json')) as f:
-        saved = json.load(f)
-    with open(os.path.join(other, 'config.json'), 'w') as f:
-        json.dump(dict(saved, sliding_window=4096), f)
-    prompts = _prompts(seed)
+    other = edited_copy(path, str(tmp_path / 'full'), sliding_window=4096)
+    prompts = random_prompts(seed)
     assert hf_greedy(other, prompts, NEW_TOKENS) != hf_greedy(path, prompts, NEW_TOKENS)
 
 
@@ -129,28 +91,15 @@ def test_starcoder2_tp2_equals_transformers(models):
     """Two ranks on gloo: each holds one KV head with its query heads, half of c_fc's rows and c_proj's
     columns (c_proj's bias added once, after the sum)."""
     path, seed = models('window')
-    prompts = _prompts(seed)
+    prompts = random_prompts(seed)
     assert _tokens(path, prompts, tp=2) == hf_greedy(path, prompts, NEW_TOKENS)
-
-
-@pytest.fixture
-def emulated_npu():
-    """tests/npu_emulation's torch_npu active for one test (as test_ascend_emulated's ``npu``)."""
-    import sys
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'npu_emulation')
-    sys.path.insert(0, here)
-    try:
-        import activate
-    finally:
-        sys.path.remove(here)
-    yield activate
 
 
 def test_starcoder2_on_the_emulated_ascend_device(models, emulated_npu):
     """The ascend device's layer_norm and npu_gelu (tanh) and its windowed attention, in a model, on the
     torch_npu emulation: transformers' tokens (computed before the emulation is switched on)."""
     path, seed = models('window')
-    prompts = _prompts(seed)
+    prompts = random_prompts(seed)
     want = hf_greedy(path, prompts, NEW_TOKENS)
     emulated_npu.activate()
     try:
