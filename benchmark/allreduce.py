@@ -30,8 +30,10 @@ def _rank(rank: int, world: int, port: int, sizes, reps: int, dtype_name: str):
     rows = []
     for size in sizes:
         n = size // torch.empty(0, dtype=dtype).element_size()
-        # small integers: every order of summation gives the exact sum
-        x = torch.randint(-8, 8, (n, ), device='cuda').to(dtype) * (rank + 1)
+        # small integers (the same draw on every rank, scaled by rank + 1): every order of summation gives the
+        # exact sum
+        gen = torch.Generator(device='cuda').manual_seed(size)
+        x = torch.randint(-8, 8, (n, ), device='cuda', generator=gen).to(dtype) * (rank + 1)
         want = x / (rank + 1) * sum(r + 1 for r in range(world))
         row = [size]
         for name, fn in (('nccl', nccl), ('one-shot', peer)):
