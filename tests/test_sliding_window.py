@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 
 import pytest
 from engine_utils import generate_all, greedy
-from helpers import build_tiny_custom, hf_greedy
+from helpers import build_tiny_custom, hf_greedy, random_prompts
 
 from lmdeploy.engine.engine import Engine
 from lmdeploy.engine.model_config import layer_window, load_model_config
@@ -38,9 +37,12 @@ SPECS = {
 }
 
 
+SEED = int.from_bytes(os.urandom(4), 'little')  # new prompts each run, the same for every test of the run
+
+
 def _prompts():
-    rng = random.Random(int.from_bytes(os.urandom(4), 'little'))
-    return [[rng.randrange(20, 49152) for _ in range(n)] for n in (3, 17, 41)]
+    """Prompts of 3, 17 and 41 random tokens (the run's: transformers' answers are reused across tests)."""
+    return random_prompts(SEED)
 
 
 def _without_window(src: str, dst: str) -> str:
