@@ -20,7 +20,7 @@ def _rank(rank: int, world: int, port: int, sizes, reps: int, dtype_name: str):
     dist.init_process_group('nccl', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world,
                             device_id=torch.device('cuda', rank))
     dtype = getattr(torch, dtype_name)
-    peer = PeerAllReduce()
+    peer = PeerAllReduce(dist.group.WORLD)
     peer.max_bytes = max(sizes)
 
     def nccl(x):

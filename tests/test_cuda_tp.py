@@ -4,7 +4,13 @@ Random-weight models of a Llama-3-8B shape and a Qwen2-7B shape (q/k/v biases; i
 split 14/2 on two GPUs and 7/1 on four), full width, ``LMDEPLOY_TP_LAYERS`` layers (default 4): the greedy tokens
 of a batch of prompts at tp=N equal tp=1's, or where they diverge the logits' relative error at every step up to
 and including the divergence is under 1e-2 (the ranks sum their shards' bf16 partial results, in another order
-than one GPU's GEMM). With the 16-bit, int8 and int4 KV caches, each against tp=1 with the same cache.
+than one GPU's GEMM). With the 16-bit, int8 and int4 KV caches, each against tp=1 with the same cache (int4's
+rounding turns those small differences into logits up to ~3e-2 apart on the shortest prompt, whose tokens
+still agree: the printed errors show it).
+
+The first tp engine of the process sums small messages in one shot through peer buffers
+(lmdeploy/devices/cuda/peer_all_reduce.py); later ones, whose process group reuses the first one's name, through
+NCCL.
 
 Skipped without 2 GPUs (tp=4 without 4); the CPU's tensor parallelism (gloo) is tests/test_tensor_parallel.py's.
 
@@ -115,5 +121,5 @@ def test_tp_equals_tp1_on_gpus(model_dir, tp, quant_policy):
     print(f'\n[tp on GPUs] {shape}, tp={tp}, quant_policy={quant_policy}: (tokens of {NEW} equal to tp=1, '
           f'max logits rel err up to the first difference) per prompt: '
           + ', '.join(f'({s}, {e:.2e})' for s, e in rows))
-    for same, err in rows:
-        assert err < 1e-2, rows
+    for same, err in rows:  # equal tokens, or logits that agree up to where they part
+        assert same == NEW or err < 1e-2, rows

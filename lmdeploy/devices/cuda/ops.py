@@ -50,10 +50,11 @@ class CudaOps(ReferenceSampling, DeviceOps):
     def all_reduce(self, x):
         """Small messages (a decode step's) in one shot through peer buffers (peer_all_reduce.py), the rest
         through NCCL."""
+        import torch.distributed as dist
         peer = self.__dict__.get('_peer_all_reduce')
-        if peer is None:
+        if peer is None or peer.world is not dist.group.WORLD:  # made for this process group, not an earlier one
             from .peer_all_reduce import PeerAllReduce
-            peer = self._peer_all_reduce = PeerAllReduce()
+            peer = self._peer_all_reduce = PeerAllReduce(dist.group.WORLD)
         out = peer(x)
         return out if out is not None else super().all_reduce(x)
 

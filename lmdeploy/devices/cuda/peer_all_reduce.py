@@ -30,10 +30,13 @@ _DTYPES = (torch.bfloat16, torch.float32)  # those torch's one-shot kernel sums
 
 
 class PeerAllReduce:
-    """One device's one-shot all-reduce over the default process group. Made on the first call (every rank
-    makes its first all-reduce call at the same point of the same step, so the buffers' rendezvous lines up)."""
+    """One device's one-shot all-reduce over process group ``world`` (the default group of the ranks: an
+    engine that starts after another one closed has a new group, and a new one of these). Its buffers are made
+    on the first call (every rank makes its first all-reduce call at the same point of the same step, so the
+    buffers' rendezvous lines up)."""
 
-    def __init__(self):
+    def __init__(self, world):
+        self.world = world
         self.max_bytes = int(os.environ.get('LMDEPLOY_ONE_SHOT_BYTES', DEFAULT_MAX_BYTES))
         self.enabled = os.environ.get('LMDEPLOY_ALLREDUCE', 'auto') != 'nccl' and self.max_bytes > 0
         self._ready: Optional[bool] = None
@@ -64,15 +67,22 @@ class PeerAllReduce:
 
     def _setup(self) -> bool:
         """Make the buffers (one per dtype) on every rank; True on every rank where all ranks could, False on
-        every rank otherwise."""
-        import torch.distributed as dist
+        every rank otherwise. The ranks first agree that every one can try (a rank that skips the buffers'
+        rendezvous would leave the others waiting in it)."""
+        self._group = self.world.group_name
+        # torch keeps a group's symmetric-memory store by the group's name for the life of the process, and the
+        # default group's name comes back when an engine starts after another one closed (tests, notebooks):
+        # the new ranks would meet at the old group's store. Such a group sums through NCCL.
+        if not _all_ranks(self.world, self._group not in _USED_NAMES):
+            logger.info('one-shot all-reduce: process group %r was named before in this process; NCCL sums '
+                        'every message', self._group)
+            return False
         ok = True
         try:
             os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'] = '1'  # peer loads only (see the module's note)
             import torch.distributed._symmetric_memory as symm_mem
-            self._group = dist.group.WORLD.group_name
-            if hasattr(symm_mem, 'enable_symm_mem_for_group') and not symm_mem.is_symm_mem_enabled_for_group(
-                    self._group):
+            _USED_NAMES.add(self._group)
+            if not symm_mem.is_symm_mem_enabled_for_group(self._group):
                 symm_mem.enable_symm_mem_for_group(self._group)
             dev = torch.device('cuda', torch.cuda.current_device())
             for dtype in _DTYPES:
@@ -84,14 +94,23 @@ class PeerAllReduce:
         except Exception as e:  # an old torch, a GPU without peer access, a sandbox without handle exchange
             logger.warning('one-shot all-reduce unavailable (%s: %s); NCCL sums every message', type(e).__name__, e)
             ok = False
-        flags = torch.tensor([int(ok)], device=torch.device('cuda', torch.cuda.current_device()))
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        ready = bool(flags.item())
+        ready = _all_ranks(self.world, ok)
         if ready:
             logger.info('one-shot all-reduce through peer buffers for messages up to %d KB', self.max_bytes >> 10)
         else:
             self._buffers.clear()
         return ready
+
+
+_USED_NAMES = set()  # process groups whose symmetric memory this process set up, by name
+
+
+def _all_ranks(world, flag: bool) -> bool:
+    """True where ``flag`` is True on every rank of ``world`` (a collective)."""
+    import torch.distributed as dist
+    t = torch.tensor([int(flag)], device=torch.device('cuda', torch.cuda.current_device()))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=world)
+    return bool(t.item())
 
 
 def _copy_out_op():
