@@ -163,7 +163,7 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         want = [int(x[0].argmax()), 17, 0, int(x[3].argmax())]
         return got == want, f'indices {got}' + ('' if got == want else f' != expected {want}')
 
-    def _paged_setup(kv_lens, H=4, Hkv=2, D=32, S=4, num_blocks=16, policy=0):
+    def _paged_setup(kv_lens, H=4, Hkv=2, D=32, S=4, num_blocks=None, policy=0):
         """Random per-sequence K/V written through fill_kv_cache into shuffled blocks; returns the K/V
         attention must see (after the cache's quantize-then-dequantize, devices/cache.py; int4's K through
         the Hadamard basis and back), the cache, the tables. A quantized cache of the standard tensors (stored
@@ -171,6 +171,7 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         K in another summation order may round a code the other way, a whole int4 step, and attention is
         checked against what it was given."""
         from .cache import dequantize, hadamard, quantize, rotates_k, standard_spec, unpack_int4
+        num_blocks = num_blocks or max(16, sum(-(-n // S) for n in kv_lens) + 4)
         perm = torch.randperm(num_blocks, generator=g).tolist()
         max_blocks = max((n + S - 1) // S for n in kv_lens)
         tables = torch.zeros(len(kv_lens), max_blocks, dtype=torch.int32)
@@ -216,9 +217,10 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
                 ks = [x @ h for x in ks]
         return ks, vs, cache, tables.to(dev), fill_ok
 
-    def _attend_ref(q, k, v, scale, n_visible, window=None, softcap=None):
+    def _attend_ref(q, k, v, scale, n_visible, window=None, softcap=None, alibi=None):
         """q [H, D] of one position, k/v [L, Hkv, D]: softmax over the first n_visible keys (the last
-        ``window`` of them), scores soft-capped as cap * tanh(s / cap)."""
+        ``window`` of them), scores soft-capped as cap * tanh(s / cap), then ALiBi's slope_h * (j - p) added
+        (``alibi``: the H slopes; the query sits at p = n_visible - 1)."""
         H, Hkv = q.shape[0], k.shape[1]
         first = 0 if window is None else max(0, n_visible - window)
         out = torch.empty_like(q)
@@ -227,26 +229,37 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
             s = (kh @ q[h]) * scale
             if softcap is not None:
                 s = softcap * torch.tanh(s / softcap)
+            if alibi is not None:
+                s = s + alibi[h] * (torch.arange(first, n_visible, dtype=s.dtype) - (n_visible - 1))
             p = torch.exp(s - s.max())
             out[h] = (p / p.sum()) @ vh
         return out
 
-    def paged_decode_attention(policy=0, D=32, window=None, softcap=None, kv_lens=(5, 11, 1), q_scale=1.0):
+    def _variant_args(window, softcap, alibi):
+        """The op's keyword arguments for the variant (none for plain attention)."""
+        extra = {} if window is None and softcap is None else dict(sliding_window=window, logit_softcap=softcap)
+        if alibi is not None:
+            extra['alibi_slopes'] = torch.tensor(alibi, dtype=torch.float32, device=dev)
+        return extra
+
+    def paged_decode_attention(policy=0, D=32, window=None, softcap=None, kv_lens=(5, 11, 1), q_scale=1.0,
+                               alibi=None):
         kv_lens = list(kv_lens)
         H = 4
         ks, vs, cache, tables, fill_ok = _paged_setup(kv_lens, H=H, D=D, policy=policy)
         q = q64(randn(len(kv_lens), H, D, scale=q_scale))
         scale = 1 / math.sqrt(D)
         lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
-        ref = torch.stack([_attend_ref(q[b], ks[b], vs[b], scale, n, window, softcap) for b, n in enumerate(kv_lens)])
+        ref = torch.stack([_attend_ref(q[b], ks[b], vs[b], scale, n, window, softcap, alibi)
+                           for b, n in enumerate(kv_lens)])
         longest_first = torch.tensor(sorted(range(len(kv_lens)), key=lambda b: -kv_lens[b]), device=dev)
-        extra = {} if window is None and softcap is None else dict(sliding_window=window, logit_softcap=softcap)
+        extra = _variant_args(window, softcap, alibi)
         return _all_ok(*(_compare('paged_decode_attention', ops.paged_decode_attention(
             on_dev(q), cache, tables, lens, scale, max(kv_lens), order, **extra), ref, dtype)
                          for order in (None, longest_first)), fill_ok)  # a work-order hint: same results
 
     def paged_prefill_attention(policy=0, D=32, window=None, softcap=None, kv_lens=(9, 4), q_lens=(3, 4),
-                                q_scale=1.0):
+                                q_scale=1.0, alibi=None):
         kv_lens, q_lens = list(kv_lens), list(q_lens)  # the first continues a cached prefix (chunked prefill)
         H = 4
         ks, vs, cache, tables, fill_ok = _paged_setup(kv_lens, H=H, D=D, policy=policy)
@@ -254,14 +267,14 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         starts = [sum(q_lens[:b]) for b in range(len(q_lens))]
         scale = 1 / math.sqrt(D)
         i32 = dict(dtype=torch.int32, device=dev)
-        extra = {} if window is None and softcap is None else dict(sliding_window=window, logit_softcap=softcap)
+        extra = _variant_args(window, softcap, alibi)
         out = ops.paged_prefill_attention(on_dev(q), cache, tables, torch.tensor(starts, **i32),
                                           torch.tensor(q_lens, **i32), torch.tensor(kv_lens, **i32), scale,
                                           max(q_lens), max(kv_lens), **extra)
         ref = torch.empty_like(q)
         for b, (st, ql, kl) in enumerate(zip(starts, q_lens, kv_lens)):
             for i in range(ql):
-                ref[st + i] = _attend_ref(q[st + i], ks[b], vs[b], scale, kl - ql + i + 1, window, softcap)
+                ref[st + i] = _attend_ref(q[st + i], ks[b], vs[b], scale, kl - ql + i + 1, window, softcap, alibi)
         return _all_ok(_compare('paged_prefill_attention', out, ref, dtype), fill_ok)
 
     # sliding window (4 tokens, shorter than most contexts: blocks wholly outside it, chunks that cross it) and
@@ -274,6 +287,13 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
             paged_prefill_attention, windowed['prefill'])
         cap = dict(softcap=5.0, q_scale=3.0) if softcap else {}
         return _all_ok(*(fn(policy, D=d, window=4, **cap, **shapes) for d in (64, 128, 256)))
+
+    # ALiBi (Baichuan-13B's slopes for 4 heads, 2^-2 to 2^-8, and contexts long enough that the far keys' bias
+    # outweighs their scores), without a window as its models use it
+    def attention_alibi(op, policy):
+        fn = paged_decode_attention if op == 'decode' else paged_prefill_attention
+        shapes = dict(kv_lens=(5, 70, 1, 33)) if op == 'decode' else dict(kv_lens=(70, 6, 33), q_lens=(37, 6, 2))
+        return _all_ok(*(fn(policy, D=d, alibi=[2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8], **shapes) for d in (64, 128)))
 
     def apply_token_bitmask():
         logits = randn(3, 70, scale=3).float()
@@ -346,6 +366,8 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
             cache = '' if policy == 0 else f',int{policy}'
             found += [(f'paged_{op}_attention[{kind}{cache}]', lambda o=op, p=policy, c=capped: attention_variant(
                 o, p, c)) for op in ('decode', 'prefill') for kind, capped in (('window', False), ('softcap', True))]
+            found += [(f'paged_{op}_attention[alibi{cache}]', lambda o=op, p=policy: attention_alibi(o, p))
+                      for op in ('decode', 'prefill')]
     from .layers import REFERENCE_IMPLS  # every layer kind in every weight format
     found += [(f'layer:{kind}[{fmt}]', lambda k=kind, f=fmt: check_layer_impl(ops, k, f, dtype))
               for kind, fmt in sorted(REFERENCE_IMPLS)]

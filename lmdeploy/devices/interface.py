@@ -211,7 +211,8 @@ class DeviceOps:
                                 q_start_loc: torch.Tensor, q_seqlens: torch.Tensor, kv_seqlens: torch.Tensor,
                                 scale: float, max_q_len: int, max_kv_len: int,
                                 out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
-                                logit_softcap: Optional[float] = None) -> torch.Tensor:
+                                logit_softcap: Optional[float] = None,
+                                alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal attention of new tokens over the whole paged context.
 
         q [T, H, D] packs B sequences: sequence b owns rows
@@ -236,7 +237,10 @@ class DeviceOps:
         included: transformers' Mistral / Qwen2 / Gemma2 mask). ``logit_softcap``
         (optional, c > 0): each score s = scale * q.k becomes c * tanh(s / c)
         before the mask and the softmax (Gemma2's attn_logit_softcapping).
-        None: neither (full causal attention, raw scores). With a window, a
+        ``alibi_slopes`` (optional, [H] float32): ALiBi position biases, the
+        score of query position p for context position j gaining
+        ``alibi_slopes[h] * (j - p)`` (after the cap; Baichuan-13B, Falcon-RW).
+        None: none of these (full causal attention, raw scores). With a window, a
         block table entry of a block wholly before every query's window may
         be -1 (freed by the engine): such blocks must not be read.
         """
@@ -246,7 +250,8 @@ class DeviceOps:
                                kv_seqlens: torch.Tensor, scale: float,
                                max_kv_len: int, order: Optional[torch.Tensor] = None,
                                out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
-                               logit_softcap: Optional[float] = None) -> torch.Tensor:
+                               logit_softcap: Optional[float] = None,
+                               alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One new token per sequence: q [B, H, D] attends to all
         ``kv_seqlens[b]`` cached tokens. Same meaning as the prefill op with
         every q_seqlen equal to 1. ``order`` (optional, [B] integers) is a
@@ -254,8 +259,8 @@ class DeviceOps:
         the rows in that order to balance its work; results do not depend
         on it. A row with ``kv_seqlens[b] == 0`` (padding) gets zeros.
         ``out`` ([B, H, D], optional): written in place of a new tensor and
-        returned. ``sliding_window`` / ``logit_softcap`` as in the prefill op
-        (the query sits at position ``kv_seqlens[b] - 1``)."""
+        returned. ``sliding_window`` / ``logit_softcap`` / ``alibi_slopes`` as in
+        the prefill op (the query sits at position ``kv_seqlens[b] - 1``)."""
         raise NotImplementedError
 
     # -------------------------------------------------------------- sampling

@@ -94,26 +94,39 @@ class ReferenceOps(DeviceOps):
         return self._read(cache, which, block_table[:n].long().clamp(min=0)).flatten(0, 1)[:length]
 
     @staticmethod
-    def _attend(q, k, v, scale, allowed, cache: KVCache, logit_softcap=None):
-        """q [B, H, Q, D], k/v [B, Hkv, L, D], allowed [B, 1, Q, L] bool.
-        Math in float32; GQA by sharing each KV head across its query group;
-        q rotated as the cache's K is (devices/cache.py). Soft-capped scores
-        are written out (SDPA has no cap); the cap is not blind to a shift of
-        every score, so int4's centred keys get their mean back first."""
+    def _attend(q, k, v, scale, allowed, cache: KVCache, logit_softcap=None, bias=None):
+        """q [B, H, Q, D], k/v [B, Hkv, L, D], allowed [B, 1, Q, L] bool; ``bias`` (optional, float32, broadcast
+        to [B, H, Q, L]) added to the scores (ALiBi). Math in float32; GQA by sharing each KV head across its
+        query group; q rotated as the cache's K is (devices/cache.py). Soft-capped scores are written out
+        (SDPA has no cap); the cap is not blind to a shift of every score, so int4's centred keys get their
+        mean back first."""
         qf = q.float()
         if rotates_k(cache.quant_policy, q.shape[-1]):
             qf = qf @ hadamard(q.shape[-1], q.device)
         if logit_softcap is None:
-            return F.scaled_dot_product_attention(qf, k.float(), v.float(), attn_mask=allowed, scale=scale,
-                                                  enable_gqa=True).to(q.dtype)
+            mask = allowed if bias is None else bias.masked_fill(~allowed, float('-inf'))
+            out = F.scaled_dot_product_attention(qf, k.float(), v.float(), attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
+            return (out if bias is None else torch.nan_to_num(out)).to(q.dtype)
         group = q.shape[1] // k.shape[1]
         if cache.k_mean is not None:
             k = k.float() + cache.k_mean[None, :, None, :]
         kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
         s = (qf @ kf.transpose(-1, -2)) * scale
         s = torch.tanh(s / logit_softcap) * logit_softcap
+        if bias is not None:
+            s = s + bias
         p = s.masked_fill(~allowed, float('-inf')).softmax(-1)
         return torch.nan_to_num(p @ vf).to(q.dtype)  # (a row that sees nothing: a padding row)
+
+    @staticmethod
+    def _alibi(slopes, q_pos, kv_len):
+        """[H, Q, L] float32: slope_h * (j - p) for query positions ``q_pos`` [Q] (or [B, Q]: [B, H, Q, L])."""
+        if slopes is None:
+            return None
+        j = torch.arange(kv_len, device=q_pos.device, dtype=torch.float32)
+        dist = j - q_pos.float()[..., None]  # [..., Q, L]
+        return slopes.float().view(-1, 1, 1) * dist.unsqueeze(-3)
 
     @staticmethod
     def _visible(q_pos, kv_len, sliding_window):
@@ -125,7 +138,7 @@ class ReferenceOps(DeviceOps):
         return allowed
 
     def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
-                                max_kv_len, out=None, sliding_window=None, logit_softcap=None):
+                                max_kv_len, out=None, sliding_window=None, logit_softcap=None, alibi_slopes=None):
         out = torch.empty_like(q) if out is None else out
         for b, (start, qlen, kvlen) in enumerate(zip(q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist())):
             if qlen == 0:
@@ -141,13 +154,14 @@ class ReferenceOps(DeviceOps):
             # query row i sits at position kvlen - qlen + i and sees positions <= it (within the window)
             q_pos = torch.arange(kvlen - qlen, kvlen, device=q.device)
             allowed = self._visible(q_pos, kvlen, sliding_window)
+            bias = self._alibi(alibi_slopes, q_pos, kvlen)
             o = self._attend(q[start:start + qlen].transpose(0, 1)[None], k, v, scale, allowed[None, None], cache,
-                             logit_softcap)
+                             logit_softcap, None if bias is None else bias[None])
             out[start:start + qlen] = o[0].transpose(0, 1)
         return out
 
     def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None,
-                               sliding_window=None, logit_softcap=None):
+                               sliding_window=None, logit_softcap=None, alibi_slopes=None):
         """Batched over sequences: gather every block in the tables, mask the
         tail. All rows at once, so ``order`` changes nothing here."""
         n = (max_kv_len + cache.block_size - 1) // cache.block_size
@@ -162,8 +176,9 @@ class ReferenceOps(DeviceOps):
         zero = torch.zeros((), dtype=v.dtype, device=v.device)
         k = torch.where(seen[:, :, None, None], k, zero)
         v = torch.where(seen[:, :, None, None], v, zero)
+        bias = self._alibi(alibi_slopes, (kv_seqlens - 1)[:, None], k.shape[1])  # [B, H, 1, L]
         o = self._attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale, seen[:, None, None, :],
-                         cache, logit_softcap)[:, :, 0]
+                         cache, logit_softcap, bias)[:, :, 0]
         o = torch.where((kv_seqlens > 0)[:, None, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
         return o if out is None else out.copy_(o)
 

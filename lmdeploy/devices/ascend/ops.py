@@ -220,13 +220,15 @@ class AscendOps(ReferenceSampling, DeviceOps):
         return self._dequantized_blocks(cache, block_tables, kv_seqlens.clamp(min=1).tolist(), dtype)
 
     def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
-                                max_kv_len, out=None, sliding_window=None, logit_softcap=None):
-        if sliding_window is not None or logit_softcap is not None:
-            # the fused attention documents no soft cap, and its band mode (sparse_mode 4) is not in the
-            # emulation the tests run: the reference's composition of torch ops, on the NPU
+                                max_kv_len, out=None, sliding_window=None, logit_softcap=None, alibi_slopes=None):
+        if sliding_window is not None or logit_softcap is not None or alibi_slopes is not None:
+            # the fused attention documents no soft cap, its band mode (sparse_mode 4) is not in the emulation
+            # the tests run, and an ALiBi bias would be a dense [H, Q, L] mask: the reference's composition of
+            # torch ops, on the NPU
             std, tables = self._composed(cache, block_tables, kv_seqlens, q.dtype)
             return _REFERENCE.paged_prefill_attention(q, std, tables, q_start_loc, q_seqlens, kv_seqlens, scale,
-                                                      max_q_len, max_kv_len, out, sliding_window, logit_softcap)
+                                                      max_q_len, max_kv_len, out, sliding_window, logit_softcap,
+                                                      alibi_slopes)
         out = torch.empty_like(q) if out is None else out
         starts, q_lens, kv_lens = q_start_loc.tolist(), q_seqlens.tolist(), kv_seqlens.tolist()
         keep = [b for b, n in enumerate(q_lens) if n > 0]  # empty sequences own no rows
@@ -252,11 +254,11 @@ class AscendOps(ReferenceSampling, DeviceOps):
         return out
 
     def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None,
-                               sliding_window=None, logit_softcap=None):
-        if sliding_window is not None or logit_softcap is not None:  # (as the prefill)
+                               sliding_window=None, logit_softcap=None, alibi_slopes=None):
+        if sliding_window is not None or logit_softcap is not None or alibi_slopes is not None:  # (as the prefill)
             std, tables = self._composed(cache, block_tables, kv_seqlens, q.dtype)
             return _REFERENCE.paged_decode_attention(q, std, tables, kv_seqlens, scale, max_kv_len, None, out,
-                                                     sliding_window, logit_softcap)
+                                                     sliding_window, logit_softcap, alibi_slopes)
         if self._recording is not None:
             self._recording.append(kv_seqlens)
         batch = q.shape[0]

@@ -105,17 +105,18 @@ class CudaOps(ReferenceSampling, DeviceOps):
                                          cache.v_scale_zero, cache.k_mean, rows=cache.rows)
 
     def paged_prefill_attention(self, q, cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
-                                max_kv_len, out=None, sliding_window=None, logit_softcap=None):
+                                max_kv_len, out=None, sliding_window=None, logit_softcap=None, alibi_slopes=None):
         return self._k_attention.paged_prefill_attention(q, cache.k, cache.v, block_tables, q_start_loc, q_seqlens,
                                                          kv_seqlens, scale, max_q_len, max_kv_len, out=out,
                                                          k_scale_zero=cache.k_scale_zero,
                                                          v_scale_zero=cache.v_scale_zero, sliding_window=sliding_window,
-                                                         logit_softcap=logit_softcap, k_mean=cache.k_mean)
+                                                         logit_softcap=logit_softcap, k_mean=cache.k_mean,
+                                                         alibi_slopes=alibi_slopes)
 
     def paged_decode_attention(self, q, cache, block_tables, kv_seqlens, scale, max_kv_len, order=None, out=None,
-                               sliding_window=None, logit_softcap=None):
+                               sliding_window=None, logit_softcap=None, alibi_slopes=None):
         rows = self.compiled_from[self._compiled.choice_key('paged_decode_attention', cache.quant_policy)]
-        if rows is not None and q.shape[0] in rows:
+        if rows is not None and q.shape[0] in rows and alibi_slopes is None:  # (the compiled kernels: no ALiBi)
             done = self._compiled.paged_decode_attention(q, cache, block_tables, kv_seqlens, scale, max_kv_len,
                                                          self._num_sms, order, out, sliding_window=sliding_window,
                                                          logit_softcap=logit_softcap)
@@ -125,7 +126,8 @@ class CudaOps(ReferenceSampling, DeviceOps):
                                                         max_kv_len, self._num_sms, order, out=out,
                                                         k_scale_zero=cache.k_scale_zero,
                                                         v_scale_zero=cache.v_scale_zero, sliding_window=sliding_window,
-                                                        logit_softcap=logit_softcap, k_mean=cache.k_mean)
+                                                        logit_softcap=logit_softcap, k_mean=cache.k_mean,
+                                                        alibi_slopes=alibi_slopes)
 
     # -------------------------------------------------------------- sampling (the rest: ReferenceSampling)
     def argmax(self, logits):

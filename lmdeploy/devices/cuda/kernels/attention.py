@@ -152,7 +152,8 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
                  acc, acc2, scale_log2, stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
                  ASM: tl.constexpr, MASKED: tl.constexpr = True, softcap_log2=0.0, q_shift=0.0,
-                 SOFTCAP: tl.constexpr = False, EMPTY_ROWS: tl.constexpr = False):
+                 SOFTCAP: tl.constexpr = False, EMPTY_ROWS: tl.constexpr = False, bias=0.0,
+                 ALIBI: tl.constexpr = False):
     """Fold one tile of context tokens into the online softmax: gather K/V
     through the block table, score, rescale the running max/sum/output.
 
@@ -174,7 +175,8 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
     ``SOFTCAP``: scores c tanh(s / c), ``scale_log2`` then being scale / c and
     ``softcap_log2`` c log2(e) (``q_shift``: int4's mean key back first).
     ``EMPTY_ROWS``: a row may have seen no token yet (a sliding window's
-    first tile), whose running max stays -inf without making NaN."""
+    first tile), whose running max stays -inf without making NaN. ``ALIBI``:
+    ``bias`` [rows, tokens] (log2 domain, _alibi_bias) added to the scores."""
     off = page * stride_cn + in_block * stride_cs + kvh * stride_ch
     if QUANT != 0:
         offs_c = tl.arange(0, BLOCK_HALF)
@@ -205,12 +207,12 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
         s = s * k_scale[None, :] + q_sum[:, None] * k_zero[None, :]
     if SOFTCAP:
         s = _softcap((s + q_shift[:, None]) * scale_log2) * softcap_log2
-        if MASKED:
-            s = tl.where(allowed, s, float('-inf'))
-    elif MASKED:
-        s = tl.where(allowed, s * scale_log2, float('-inf'))
     else:
         s = s * scale_log2
+    if ALIBI:
+        s = s + bias
+    if MASKED:
+        s = tl.where(allowed, s, float('-inf'))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     if EMPTY_ROWS:
         m_use = tl.where(m_new > float('-inf'), m_new, 0.0)
@@ -238,6 +240,12 @@ def _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
 
 
 @triton.jit
+def _alibi_bias(slope, offs_n, q_pos):
+    """ALiBi's [rows, tokens] score bias slope * (j - p), log2 domain (``slope``: [rows], times log2 e)."""
+    return slope[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
+
+
+@triton.jit
 def _tile_pages(table, start_n, n_valid, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The cache block of each token of the tile at ``start_n`` (a multiple of ``BLOCK_N``) and its place
     there: one block-table load where the tile lies inside one block."""
@@ -257,7 +265,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr, PACK: tl.constexpr = False,
                     window=0, softcap_log2=0.0, mean_ptr=None, SLIDING: tl.constexpr = False,
-                    SOFTCAP: tl.constexpr = False, CENTRED: tl.constexpr = False):
+                    SOFTCAP: tl.constexpr = False, CENTRED: tl.constexpr = False, alibi_ptr=None,
+                    ALIBI: tl.constexpr = False):
     """One program: BLOCK_M query rows of one head of sequence ``b`` (with
     ``PACK``: BLOCK_M / GROUP tokens of each of the GROUP heads of one KV
     head, row r being token r // GROUP of head r % GROUP, so that each K/V
@@ -269,7 +278,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
     that reach the diagonal (or the context's end) take them. ``SLIDING``:
     row p sees positions above p - ``window`` only; tiles below every
     row's window are skipped, those some row's window starts in masked.
-    ``SOFTCAP``: soft-capped scores (_attend_tile)."""
+    ``SOFTCAP``: soft-capped scores (_attend_tile). ``ALIBI``: each head's
+    slope at ``alibi_ptr`` (times log2 e), position biases (_alibi_bias)."""
     BLOCK_T: tl.constexpr = BLOCK_M // GROUP if PACK else BLOCK_M  # query tokens a program takes
     b = tl.program_id(1)
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)
@@ -302,6 +312,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
         table = tables_ptr + b.to(tl.int64) * stride_bt
         all_valid = tl.full([BLOCK_N], 1, tl.int1)
         q_shift = _mean_shift(q, q2, mean_ptr, kvh, HEAD_DIM, BLOCK_HALF, CENTRED) if SOFTCAP else 0.0
+        slope = tl.load(alibi_ptr + (h + tl.zeros([BLOCK_M], dtype=tl.int32))) if ALIBI else 0.0
         open_start = 0
         if SLIDING:
             # from the tile of the first row's window start; every row sees all of a tile from the last row's
@@ -312,19 +323,21 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
                 n_valid = offs_n > first_pos - window  # (what no row sees is not read: its block may be gone)
                 allowed = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
                 page, in_block = _tile_pages(table, start_n, n_valid, BLOCK_SIZE, BLOCK_N)
+                bias = _alibi_bias(slope, offs_n, q_pos) if ALIBI else 0.0
                 m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
                                                    n_valid, allowed, kvh, m_i, l_i, acc, acc2, scale_log2,
                                                    stride_cn, stride_cs, stride_ch, stride_zn, stride_zs, stride_zh,
                                                    HEAD_DIM, BLOCK_D, BLOCK_HALF, QUANT, ASM, True, softcap_log2,
-                                                   q_shift, SOFTCAP, True)
+                                                   q_shift, SOFTCAP, True, bias, ALIBI)
             open_start = full
         for start_n in range(open_start, open_end, BLOCK_N):
             page, in_block = _tile_pages(table, start_n, all_valid, BLOCK_SIZE, BLOCK_N)
+            bias = _alibi_bias(slope, start_n + tl.arange(0, BLOCK_N), q_pos) if ALIBI else 0.0
             m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
                                                all_valid, None, kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
                                                stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM,
                                                BLOCK_D, BLOCK_HALF, QUANT, ASM, False, softcap_log2, q_shift, SOFTCAP,
-                                               SLIDING)
+                                               SLIDING, bias, ALIBI)
         for start_n in range(open_end, kv_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_end
@@ -334,11 +347,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, out_ptr, tables_ptr
             if SLIDING:
                 allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
             page, in_block = _tile_pages(table, start_n, n_valid, BLOCK_SIZE, BLOCK_N)
+            bias = _alibi_bias(slope, offs_n, q_pos) if ALIBI else 0.0
             m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block,
                                                n_valid, allowed, kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
                                                stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM,
                                                BLOCK_D, BLOCK_HALF, QUANT, ASM, True, softcap_log2, q_shift, SOFTCAP,
-                                               SLIDING)
+                                               SLIDING, bias, ALIBI)
         _store_rows(out_ptr + (q_start + offs_m) * stride_ot + h * stride_oh, acc, acc2, l_i, m_valid, HEAD_DIM,
                     BLOCK_D, BLOCK_HALF, QUANT)
 
@@ -425,13 +439,16 @@ def _rotate_query(q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _variant(scale: float, sliding_window, logit_softcap, k_mean):
-    """(the scores' factor, the kernels' window and soft-cap arguments): none without either, so the
+def _variant(scale: float, sliding_window, logit_softcap, k_mean, alibi_slopes=None):
+    """(the scores' factor, the kernels' window, soft-cap and ALiBi arguments): none without them, so the
     default kernels compile as they did. A soft-capped score is c tanh(scale s / c) (log2 domain: the
-    factor scale / c inside, c log2(e) outside); over int4's centred keys it takes q . mean back first."""
+    factor scale / c inside, c log2(e) outside); over int4's centred keys it takes q . mean back first.
+    ALiBi's slopes go in times log2(e) (float32)."""
     extra = {}
     if sliding_window is not None:
         extra.update(window=int(sliding_window), SLIDING=True)
+    if alibi_slopes is not None:
+        extra.update(alibi_ptr=(alibi_slopes.float() * _LOG2E).contiguous(), ALIBI=True)
     if logit_softcap is None:
         return scale * _LOG2E, extra
     extra.update(softcap_log2=float(logit_softcap) * _LOG2E, SOFTCAP=True)
@@ -442,10 +459,10 @@ def _variant(scale: float, sliding_window, logit_softcap, k_mean):
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_seqlens, kv_seqlens, scale, max_q_len,
                             max_kv_len, tiles=None, out=None, k_scale_zero=None, v_scale_zero=None,
-                            sliding_window=None, logit_softcap=None, k_mean=None):
+                            sliding_window=None, logit_softcap=None, k_mean=None, alibi_slopes=None):
     """``tiles``: (block_m, block_n, warps, stages[, pack]) instead of prefill_tiles' (for sweeps); heads are
     packed only where a KV head's query heads are a power of two that divides block_m. ``sliding_window``,
-    ``logit_softcap``: the interface's (``k_mean``: the int4 cache's, devices/cache.py)."""
+    ``logit_softcap``, ``alibi_slopes``: the interface's (``k_mean``: the int4 cache's, devices/cache.py)."""
     t, h, d = q.shape
     hkv = k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
@@ -459,7 +476,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
         block_d, max_q_len, group, consts['QUANT'], smem)
     pack = bool(pack) and _packs(group, block_m)
     grid = (hkv if pack else h, q_seqlens.shape[0], triton.cdiv(max_q_len, block_m // group if pack else block_m))
-    scale_log2, extra = _variant(scale, sliding_window, logit_softcap, k_mean)
+    scale_log2, extra = _variant(scale, sliding_window, logit_softcap, k_mean, alibi_slopes)
     _prefill_kernel[grid](qk, k_cache, v_cache, ksz, vsz, out, block_tables, q_start_loc, q_seqlens, kv_seqlens,
                           scale_log2, qk.stride(0), qk.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                           k_cache.stride(1), k_cache.stride(2), *zstrides, block_tables.stride(0), h, GROUP=group,
@@ -502,7 +519,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    ORDERED: tl.constexpr, QUANT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
                    window=0, softcap_log2=0.0, mean_ptr=None, SLIDING: tl.constexpr = False,
-                   SOFTCAP: tl.constexpr = False, CENTRED: tl.constexpr = False):
+                   SOFTCAP: tl.constexpr = False, CENTRED: tl.constexpr = False, alibi_ptr=None,
+                   ALIBI: tl.constexpr = False):
     """One program: the GROUP query heads sharing KV head ``kvh`` of
     sequence ``b``, over one slice of the context. Programs start in launch
     order, so with ``order`` the longest sequences' programs (all their
@@ -512,7 +530,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
     (splits.py): the programs of the others return at once, and a sequence
     of one slice is written out here, without the merge. ``SLIDING``: the
     slices cut the window's tiles only (from ``_window_start``), the tokens
-    before it masked in its first tile; ``SOFTCAP``: as _attend_tile."""
+    before it masked in its first tile; ``SOFTCAP``, ``ALIBI``: as the prefill's."""
     pdl.wait_then_release(PDL)
     pid = tl.program_id(0)
     split = pid % num_splits
@@ -539,16 +557,20 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
     acc2 = tl.zeros([BLOCK_G, BLOCK_HALF if QUANT != 0 else 1], dtype=tl.float32)
     table = tables_ptr + b * stride_bt
     q_shift = _mean_shift(q, q2, mean_ptr, kvh, HEAD_DIM, BLOCK_HALF, CENTRED) if SOFTCAP else 0.0
+    slope = tl.load(alibi_ptr + heads, mask=g_valid, other=0.0) if ALIBI else 0.0
+    q_pos = kv_len - 1 + tl.zeros([BLOCK_G], dtype=tl.int32)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < end
         if SLIDING:  # (tokens before the window are not read: their block may be gone)
             n_valid = n_valid & (offs_n >= kv_len - window)
         page, in_block = _tile_pages(table, start_n, n_valid, BLOCK_SIZE, BLOCK_N)  # (slices start on tiles)
+        bias = _alibi_bias(slope, offs_n, q_pos) if ALIBI else 0.0
         m_i, l_i, acc, acc2 = _attend_tile(q, q2, q_sum, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, page, in_block, n_valid,
                                            n_valid[None, :], kvh, m_i, l_i, acc, acc2, scale_log2, stride_cn,
                                            stride_cs, stride_ch, stride_zn, stride_zs, stride_zh, HEAD_DIM, BLOCK_D,
-                                           BLOCK_HALF, QUANT, ASM, True, softcap_log2, q_shift, SOFTCAP)
+                                           BLOCK_HALF, QUANT, ASM, True, softcap_log2, q_shift, SOFTCAP, False, bias,
+                                           ALIBI)
     if count == 1:  # the whole context
         _store_rows(out_ptr + b * stride_ob + heads * stride_oh, acc, acc2, l_i, g_valid, HEAD_DIM, BLOCK_D,
                     BLOCK_HALF, QUANT)
@@ -615,7 +637,7 @@ def _decode_tiles(q: torch.Tensor, quant: int) -> Tuple[int, int]:
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms: int = 132,
                            order=None, out=None, k_scale_zero=None, v_scale_zero=None, tiles=None,
-                           sliding_window=None, logit_softcap=None, k_mean=None):
+                           sliding_window=None, logit_softcap=None, k_mean=None, alibi_slopes=None):
     """``tiles``: (context tokens a tile, tiles in flight, warps) instead of decode_tiles' (for sweeps).
     ``sliding_window``, ``logit_softcap``: the interface's (``k_mean``: the int4 cache's); a window bounds
     the context the slices are cut for (reads and slices stay within it, however long the sequence)."""
@@ -631,7 +653,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
     if sliding_window is not None:  # (the window's tokens and the tile its first one falls in)
         max_kv_len = min(max_kv_len, int(sliding_window) + block_n)
     splits = num_decode_splits(bsz, hkv, max_kv_len, num_sms)
-    scale_log2, extra = _variant(scale, sliding_window, logit_softcap, k_mean)
+    scale_log2, extra = _variant(scale, sliding_window, logit_softcap, k_mean, alibi_slopes)
     # float32 even when unused (one slice writes straight to out): a pointer of out's dtype here would be
     # another compiled variant, which a prefill step's few short decode rows could need mid-run
     part = torch.empty((bsz, h, splits, d + 1) if splits > 1 else (1, 1, 1, 1), dtype=torch.float32,
