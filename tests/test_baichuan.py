@@ -129,20 +129,6 @@ def test_baichuan2_tp2_equals_transformers(reference, tmp_path):
     assert _engine_tokens(converted, _prompts(), tp=2) == want
 
 
-def test_baichuan_13b_alibi_is_refused(tmp_path):
-    from lmdeploy.devices import get_device
-    from lmdeploy.engine.nn.build import building
-    cfg = dict(architectures=['BaichuanForCausalLM'], model_type='baichuan', hidden_size=5120, intermediate_size=13696,
-               num_attention_heads=40, num_hidden_layers=40, vocab_size=125696, model_max_length=4096,
-               rms_norm_eps=1e-6)
-    (tmp_path / 'config.json').write_text(json.dumps(cfg))
-    model_cfg = load_model_config(str(tmp_path))
-    assert model_cfg.max_position_embeddings == 4096
-    with pytest.raises(ValueError, match='hidden_size 5120 .*ALiBi'):
-        with torch.device('meta'), building(get_device('cpu')):
-            get_model_class(model_cfg)(model_cfg)
-
-
 def test_baichuan2_builtin_chat_template():
     """``--chat-template baichuan2``: Baichuan2's build_chat_input (generation_utils.py) puts the system text first,
     user_token_id 195 (<reserved_106>) before each user turn and assistant_token_id 196 (<reserved_107>) before

@@ -11,7 +11,7 @@ the three packings of ``query_key_value`` (transformers' FalconAttention._split_
 
 Tiny random models from transformers' FalconConfig (hidden 64, 2 layers, heads of 16, ffn 128, erf GELU),
 randomized as the tests' tied Llama (LayerNorm weights ~1, biases ~0, the final norm x5 over a small tied
-embedding). ALiBi configs are refused when read.
+embedding). ALiBi (falcon-rw): tests/test_alibi_models.py.
 """
 from __future__ import annotations
 
@@ -97,7 +97,6 @@ def test_falcon_on_the_emulated_ascend_device(models, emulated_npu):
 
 
 @pytest.mark.parametrize('changes,match', [
-    (dict(alibi=True), "'alibi' is true"),
     (dict(apply_residual_connection_post_layernorm=True), 'apply_residual_connection_post_layernorm'),
     (dict(multi_query=False, num_kv_heads=2), "'num_kv_heads' must equal num_attention_heads"),
 ])

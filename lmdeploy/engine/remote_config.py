@@ -27,8 +27,8 @@ missing or malformed raises ValueError naming the checkpoint's own field.
 * Falcon (``model_type: falcon``, transformers' FalconConfig): ``ffn_hidden_size`` (4 x hidden), the KV heads
   by layout (``new_decoder_architecture``: ``num_kv_heads``; else one with ``multi_query``, all heads
   without), ``layer_norm_epsilon`` (1e-5), ``bias`` on every linear map, a tied embedding by default;
-  the older names ``n_embed`` / ``n_head`` / ``n_layer`` / ``n_head_kv`` read too. ``alibi`` is refused (the
-  ops implement rotary only), as is ``apply_residual_connection_post_layernorm``.
+  the older names ``n_embed`` / ``n_head`` / ``n_layer`` / ``n_head_kv`` read too; ``alibi`` (falcon-rw) is the
+  model's (models/falcon.py). ``apply_residual_connection_post_layernorm`` is refused.
 """
 from __future__ import annotations
 
@@ -105,9 +105,6 @@ def starcoder2_fields(cfg: Dict[str, Any], path: str) -> Dict[str, Any]:
 def falcon_fields(cfg: Dict[str, Any], path: str) -> Dict[str, Any]:
     from .model_config import ConfigFields
     f = ConfigFields(cfg, path)
-    if f.flag('alibi', False):
-        raise f.error('alibi', 'is true: Falcon checkpoints with ALiBi (falcon-rw) are not supported, only rotary '
-                      'ones (alibi: false)')
     if f.flag('apply_residual_connection_post_layernorm', False):
         raise f.error('apply_residual_connection_post_layernorm', 'is true: not supported (only false, as '
                       "transformers' Falcon has it)")

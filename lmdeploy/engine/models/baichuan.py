@@ -11,9 +11,10 @@ normalises the head's rows (``F.normalize(weight)``) at its first forward in inf
 as they load, in float32, then stored in the model's dtype (each row on its own, so a rank's rows need no
 other's). Baichuan-7B's head is a plain linear map.
 
-Baichuan2-13B and Baichuan-13B (hidden_size 5120; the same architecture name) replace rotary with ALiBi, an
-attention bias the paged attention ops do not take yet: refused. Which is which is known by size only (no
-config field says it); vLLM and LMDeploy tell them apart the same way.
+Baichuan2-13B and Baichuan-13B (hidden_size 5120; the same architecture name) replace rotary with ALiBi
+(models/alibi.py: the bias m_h (j - p) added to the scaled scores, as their modeling files add slopes times key
+positions to the mask). Which is which is known by size only (no config field says it); vLLM and LMDeploy tell
+them apart the same way.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from ..model_config import ModelConfig
 from ..nn.loading import CheckpointTensor
+from .alibi import AlibiAttention, drop_rotary
 from .llama import LlamaForCausalLM
 from .phi3 import split_rows
 
@@ -51,11 +53,12 @@ class BaichuanForCausalLM(LlamaForCausalLM):
     norm_head = True  # Baichuan2's NormHead
 
     def __init__(self, cfg: ModelConfig):
-        if cfg.hidden_size == ALIBI_HIDDEN_SIZE:
-            raise ValueError(f'{cfg.architecture or "Baichuan"} with hidden_size {ALIBI_HIDDEN_SIZE} (Baichuan-13B, '
-                             f'Baichuan2-13B) uses ALiBi position biases, which are not supported yet; the 7B '
-                             f'models (rotary) are')
+        alibi = cfg.hidden_size == ALIBI_HIDDEN_SIZE
+        if alibi:
+            self.attention_cls = AlibiAttention
         super().__init__(cfg)
+        if alibi:
+            drop_rotary(self)
 
     def checkpoint_names(self, weights: Iterable[Tuple[str, CheckpointTensor]]) -> Iterator[Tuple[str, object]]:
         """W_pack into q_proj, k_proj and v_proj; the head's rows normalised (Baichuan2)."""

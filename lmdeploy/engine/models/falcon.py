@@ -16,8 +16,8 @@ parallel or one after the other, with one of three packings of ``query_key_value
     multi_query                all query heads, then one k head, then one v head
     neither                    per head: its q, k, v (G = 1 of the layout above)
 
-ALiBi checkpoints (falcon-rw) are refused when the config is read (engine/remote_config.py, which also reads
-Falcon's field names).
+``alibi`` (falcon-rw): no rotary; ALiBi biases scaled with the scores, as transformers' SDPA path does
+(models/alibi.py). engine/remote_config.py reads Falcon's field names.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from torch import nn
 from ..model_config import ConfigFields, ModelConfig
 from ..nn.layer_norm import LayerNorm
 from ..nn.loading import CheckpointTensor
+from .alibi import ScaledAlibiAttention, drop_rotary
 from .internlm2 import unpack_wqkv
 from .llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from .phi3 import split_rows
@@ -83,7 +84,7 @@ class FalconModel(LlamaModel):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         x = self.embed(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, ctx.rope_lens)
+        cos, sin = self.cos_sin(positions, ctx)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         return self.norm(x)
@@ -98,6 +99,14 @@ RENAMES = (('transformer.word_embeddings.', 'model.embed_tokens.'), ('transforme
 class FalconForCausalLM(LlamaForCausalLM):
     model_cls = FalconModel
     stacked_params = [('qkv_proj', 'q_proj', 'q'), ('qkv_proj', 'k_proj', 'k'), ('qkv_proj', 'v_proj', 'v')]
+
+    def __init__(self, cfg: ModelConfig):
+        alibi = ConfigFields(cfg.raw, 'config.json').flag('alibi', False)
+        if alibi:
+            self.attention_cls = ScaledAlibiAttention
+        super().__init__(cfg)
+        if alibi:
+            drop_rotary(self)
 
     def checkpoint_names(self, weights: Iterable[Tuple[str, CheckpointTensor]]) -> Iterator[Tuple[str, object]]:
         """Falcon's tensors under this model's names, query_key_value unpacked into q_proj, k_proj, v_proj."""

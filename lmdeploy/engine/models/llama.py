@@ -99,9 +99,15 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def cos_sin(self, positions: torch.Tensor, ctx: StepContext):
+        """The rotary tables of the step's positions; (None, None) for a model without rotary (ALiBi)."""
+        if self.rotary_emb is None:
+            return None, None
+        return self.rotary_emb.cos_sin(positions, ctx.rope_lens)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x = self.embed(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, ctx.rope_lens)
+        cos, sin = self.cos_sin(positions, ctx)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)

@@ -1,8 +1,10 @@
 """Paged attention layer: rotates q and k (RoPE), writes the step's K/V into
-the cache, then attends (within the layer's sliding window, scores soft-capped, where its model says)."""
+the cache, then attends (within the layer's sliding window, scores soft-capped, position-biased by ALiBi instead
+of rotated, where its model says)."""
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -15,9 +17,11 @@ class PagedAttention(nn.Module):
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
-                 scale: Optional[float] = None):
+                 scale: Optional[float] = None, alibi_slopes: Optional[Sequence[float]] = None):
         """``sliding_window``: a query sees its last W positions only; ``logit_softcap``: scores c tanh(s / c)
-        (devices/interface.py); ``scale``: the scores' factor (default 1 / sqrt(head_dim))."""
+        (devices/interface.py); ``scale``: the scores' factor (default 1 / sqrt(head_dim)); ``alibi_slopes``:
+        this layer's heads' ALiBi slopes (scores + slope (j - p)), for a model that rotates nothing (its
+        forward passes no cos / sin)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
@@ -28,6 +32,9 @@ class PagedAttention(nn.Module):
         self.variant = {k: v for k, v in (('sliding_window', sliding_window), ('logit_softcap', logit_softcap))
                         if v is not None}
         self.ops = device_ops()
+        # (a plain list: the model is built on the meta device, where a buffer's values would not survive)
+        self.alibi = None if alibi_slopes is None else [float(m) for m in alibi_slopes]
+        self._alibi_on = None  # {'alibi_slopes': the slopes on the step's device}, made at the first (eager) step
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
@@ -39,10 +46,19 @@ class PagedAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                ctx: StepContext) -> torch.Tensor:
         ops, cache = self.ops, ctx.kv_caches[self.layer_idx]
-        q, k = ops.rotary_fill_kv(q, k, v, cos, sin, cache, ctx.slot_mapping)
+        if cos is None:  # (ALiBi: nothing rotates)
+            ops.fill_kv_cache(k, v, cache, ctx.slot_mapping)
+        else:
+            q, k = ops.rotary_fill_kv(q, k, v, cos, sin, cache, ctx.slot_mapping)
+        variant = self.variant
+        if self.alibi is not None:
+            if self._alibi_on is None:
+                slopes = torch.tensor(self.alibi, dtype=torch.float32, device=q.device)
+                self._alibi_on = dict(self.variant, alibi_slopes=slopes)
+            variant = self._alibi_on
         if ctx.is_decode:
             out = ops.paged_decode_attention(q, cache, ctx.block_tables, ctx.kv_seqlens, self.scale, ctx.max_kv_len,
-                                             ctx.decode_order, **self.variant)
+                                             ctx.decode_order, **variant)
         else:
             # the leading one-token rows as a decode batch, then the prompt rows (q_start_loc holds their rows in
             # q) over them: in a recorded step the decode batch is padded past the real one-token rows, and its
@@ -51,8 +67,19 @@ class PagedAttention(nn.Module):
             out = torch.empty_like(q)
             if nd:
                 ops.paged_decode_attention(q[:nd], cache, ctx.block_tables[:nd], ctx.kv_seqlens[:nd], self.scale,
-                                           ctx.max_kv_len, ctx.decode_order, out=out[:nd], **self.variant)
+                                           ctx.max_kv_len, ctx.decode_order, out=out[:nd], **variant)
             ops.paged_prefill_attention(q, cache, ctx.block_tables[nd:], ctx.q_start_loc[nd:],
                                         ctx.q_seqlens[nd:], ctx.kv_seqlens[nd:], self.scale, ctx.max_q_len,
-                                        ctx.max_kv_len, out=out, **self.variant)
+                                        ctx.max_kv_len, out=out, **variant)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+
+def alibi_slopes(num_heads: int) -> List[float]:
+    """ALiBi's head slopes (Press et al.): for n a power of two the geometric sequence 2^(-8 i / n), i = 1..n;
+    otherwise those of the largest power of two below n, then every other slope of twice that many (as
+    BLOOM, Falcon-RW and Baichuan-13B make them)."""
+    def powers_of_two(n: int) -> List[float]:
+        return [2.0**(-8.0 * i / n) for i in range(1, n + 1)]
+
+    closest = 2**int(math.floor(math.log2(num_heads)))
+    return powers_of_two(closest) + powers_of_two(2 * closest)[0::2][:num_heads - closest]
