@@ -1,8 +1,10 @@
-"""``lmdeploy lite auto_awq MODEL --work-dir OUT``: quantize a model's weights offline (AWQ, 4-bit).
+"""``lmdeploy lite auto_awq|auto_gptq MODEL --work-dir OUT``: quantize a model's weights offline (4-bit).
 
-Writes OUT: safetensors in AutoAWQ's GEMM layout, config.json with ``quantization_config`` (``quant_method:
-awq``, ``version: gemm``, ``bits: 4``, ``group_size``, ``zero_point: true``), and the model's tokenizer, chat
-template and generation config copied; ``lmdeploy serve api_server OUT`` and ``pipeline(OUT)`` load it.
+Writes OUT: safetensors in AutoAWQ's GEMM layout (auto_awq: config.json's ``quantization_config`` is
+``quant_method: awq``, ``version: gemm``, ``bits: 4``, ``group_size``, ``zero_point: true``) or GPTQ's
+checkpoint format "gptq" as AutoGPTQ / GPTQModel write it (auto_gptq: ``quant_method: gptq``, ``bits: 4``,
+``group_size``, ``desc_act``, ``sym``; quantize_config.json too), and the model's tokenizer, chat template and
+generation config copied; ``lmdeploy serve api_server OUT`` and ``pipeline(OUT)`` load it.
 Llama, Mistral, Qwen2 and Qwen3 models. Calibration text: by default Python's own reference topics
 (``pydoc_data.topics``, shipped with every Python, about 113k tokens; no network), or ``--calib-dataset
 PATH``: a local .txt file, or .jsonl with a "text" field a line.
@@ -14,11 +16,35 @@ import sys
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    lite = sub.add_parser('lite', help='quantize a model offline (auto_awq)', description=__doc__,
+    lite = sub.add_parser('lite', help='quantize a model offline (auto_awq, auto_gptq)', description=__doc__,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    cmds = lite.add_subparsers(dest='lite_command', metavar='{auto_awq}')
+    cmds = lite.add_subparsers(dest='lite_command', metavar='{auto_awq,auto_gptq}')
     p = cmds.add_parser('auto_awq', help='AWQ 4-bit weights (group-wise, with zero points) into --work-dir',
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common_args(p)
+    p.add_argument('--search-scale', action=argparse.BooleanOptionalAction, default=True,
+                   help='grid-search each group\'s activation-aware scale exponent (AWQ, 20 points); '
+                   '--no-search-scale fixes it at 0.5 as LMDeploy does without --search-scale (default: on)')
+    _device_arg(p)
+    p.set_defaults(func=run_auto_awq)
+    p = cmds.add_parser('auto_gptq', help='GPTQ 4-bit weights (group-wise, error feedback under the calibration '
+                        'Hessian) into --work-dir', description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common_args(p, per_channel=True)
+    p.add_argument('--sym', action='store_true',
+                   help='symmetric weights (zero point fixed at 8); default: asymmetric, a zero point a group')
+    p.add_argument('--desc-act', action='store_true',
+                   help='act-order: quantize the input columns in order of decreasing activation energy '
+                   '(writes g_idx with desc_act: true)')
+    p.add_argument('--damp-percent', type=float, default=0.01,
+                   help='dampening added to the Hessian\'s diagonal, a fraction of its mean (default: %(default)s)')
+    _device_arg(p)
+    p.set_defaults(func=run_auto_gptq)
+    lite.set_defaults(func=lambda args: _usage(lite))
+    return lite
+
+
+def _common_args(p, per_channel: bool = False):
     p.add_argument('model', metavar='MODEL',
                    help="local Hugging Face model directory; 'default': the embedded SmolLM2-135M-Instruct")
     p.add_argument('--work-dir', required=True, help='output directory (created; files in it are replaced)')
@@ -35,15 +61,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument('--w-bits', type=int, default=4, choices=(4, ), help='weight bits (default: %(default)s)')
     p.add_argument('--w-group-size', type=int, default=128,
                    help='input columns sharing a scale and zero point; must divide every linear layer\'s input '
-                   'size (SmolLM2-135M: 64) (default: %(default)s)')
-    p.add_argument('--search-scale', action=argparse.BooleanOptionalAction, default=True,
-                   help='grid-search each group\'s activation-aware scale exponent (AWQ, 20 points); '
-                   '--no-search-scale fixes it at 0.5 as LMDeploy does without --search-scale (default: on)')
+                   'size (SmolLM2-135M: 64)' + ('; -1: one group a row' if per_channel else '')
+                   + ' (default: %(default)s)')
+
+
+def _device_arg(p):
     p.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'),
                    help="where layers run: 'auto' is cuda when torch sees a GPU, else cpu (default: %(default)s)")
-    p.set_defaults(func=run_auto_awq)
-    lite.set_defaults(func=lambda args: _usage(lite))
-    return lite
 
 
 def _usage(parser) -> int:
@@ -57,6 +81,19 @@ def run_auto_awq(args, stdout=None) -> int:
     result = auto_awq(args.model, args.work_dir, calib_dataset=args.calib_dataset, calib_samples=args.calib_samples,
                       calib_seqlen=args.calib_seqlen, batch_size=args.batch_size, w_bits=args.w_bits,
                       w_group_size=args.w_group_size, search_scale=args.search_scale, device=args.device)
+    return _wrote(args, result, out)
+
+
+def _wrote(args, result: dict, out) -> int:
     print(f'wrote {args.work_dir}: {result["layers"]} layers, group size {result["group_size"]}, '
           f'{result["calib_tokens"]} calibration tokens, on {result["device"]}, {result["seconds"]:.0f} s', file=out)
     return 0
+
+
+def run_auto_gptq(args, stdout=None) -> int:
+    from lmdeploy.lite import auto_gptq
+    result = auto_gptq(args.model, args.work_dir, calib_dataset=args.calib_dataset,
+                       calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, batch_size=args.batch_size,
+                       w_bits=args.w_bits, w_group_size=args.w_group_size, sym=args.sym, desc_act=args.desc_act,
+                       damp_percent=args.damp_percent, device=args.device)
+    return _wrote(args, result, stdout or sys.stdout)

@@ -3,10 +3,16 @@
 * :func:`auto_awq` (``lmdeploy lite auto_awq MODEL --work-dir OUT``): AWQ 4-bit weights with a zero point and
   a scale per group of input columns, activation-aware scales searched on calibration text, saved in AutoAWQ's
   GEMM layout (``quant_method: awq``, ``version: gemm``) that :mod:`lmdeploy.devices.quant_formats` loads.
+* :func:`auto_gptq` (``lmdeploy lite auto_gptq MODEL --work-dir OUT``): GPTQ 4-bit weights (column by column
+  with the rounding error carried onto the columns still to come, under the calibration inputs' Hessian),
+  asymmetric or ``sym``, optionally in act-order (``desc_act``), saved in GPTQ's checkpoint format "gptq"
+  (``quant_method: gptq``) as AutoGPTQ / GPTQModel write it.
 
-Modules: :mod:`.calib` (calibration text, no network), :mod:`.awq` (the layer-by-layer search and
-quantization), :mod:`.pack` (the AWQ GEMM packing and the saved directory). Nothing here is imported by
-``import lmdeploy``; this package itself imports neither torch nor transformers until a function runs.
+Modules: :mod:`.calib` (calibration text, no network), :mod:`.common` (what both share: loading, calibration
+inputs, running a layer, saving), :mod:`.awq` (the layer-by-layer search and quantization), :mod:`.gptq`
+(GPTQ), :mod:`.pack` (group quantization, the AWQ GEMM and GPTQ packings and the saved directory). Nothing
+here is imported by ``import lmdeploy``; this package itself imports neither torch nor transformers until a
+function runs.
 """
 from __future__ import annotations
 
@@ -17,4 +23,10 @@ def auto_awq(*args, **kwargs):
     return run(*args, **kwargs)
 
 
-__all__ = ['auto_awq']
+def auto_gptq(*args, **kwargs):
+    """See :func:`lmdeploy.lite.gptq.auto_gptq`."""
+    from .gptq import auto_gptq as run
+    return run(*args, **kwargs)
+
+
+__all__ = ['auto_awq', 'auto_gptq']

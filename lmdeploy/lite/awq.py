@@ -25,20 +25,15 @@ round-to-nearest with no scaling at all).
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
 from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .pack import MAX_Q, awq_tensors, quantize
+from .common import LINEARS, Prepared, check_group_size, check_model, run_layer  # noqa: F401 (re-exported)
+from .common import progress as layer_progress
+from .pack import MAX_Q, awq_tensors, quantization_config, quantize
 
-SUPPORTED_ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM')
-LINEARS = ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj', 'mlp.gate_proj',
-           'mlp.up_proj', 'mlp.down_proj')
 N_GRID = 20
 CLIP_STEPS = 10
 # linears whose weights may be clipped, and the cached input each reads (q and k are not: attention scores
@@ -46,47 +41,6 @@ CLIP_STEPS = 10
 CLIPPED = {'self_attn.v_proj': 'self_attn.q_proj', 'self_attn.o_proj': 'self_attn.o_proj',
            'mlp.gate_proj': 'mlp.gate_proj', 'mlp.up_proj': 'mlp.gate_proj', 'mlp.down_proj': 'mlp.down_proj'}
 LOSS_ROWS = 8192  # tokens per chunk of a loss evaluation
-
-
-class _Captured(Exception):
-    pass
-
-
-def check_model(model_path: str) -> dict:
-    """config.json of a supported architecture, or ValueError naming it."""
-    cfg_path = os.path.join(model_path, 'config.json')
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f'{model_path!r} has no config.json (give a local Hugging Face model directory)')
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    if cfg.get('quantization_config'):
-        raise ValueError(f'{model_path} is already quantized ({cfg["quantization_config"].get("quant_method")!r}); '
-                         'auto_awq takes a float checkpoint')
-    archs = cfg.get('architectures') or [cfg.get('model_type')]
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f'auto_awq: architecture {arch!r} is not supported; supported: '
-                         f'{", ".join(SUPPORTED_ARCHITECTURES)}')
-    return cfg
-
-
-def check_group_size(layer: torch.nn.Module, group: int, prefix: str = ''):
-    for name in LINEARS:
-        lin = layer.get_submodule(name)
-        if lin.in_features % group:
-            raise ValueError(f'{prefix}{name} has {lin.in_features} input features, not a multiple of '
-                             f'--w-group-size {group}; choose a group size that divides it (e.g. '
-                             f'{_divisor(lin.in_features, group)})')
-        if lin.out_features % 8:
-            raise ValueError(f'{prefix}{name} has {lin.out_features} output features, not a multiple of 8 '
-                             '(AWQ packs 8 output columns an int32)')
-
-
-def _divisor(n: int, below: int) -> int:
-    for g in (64, 32, 16, 8):
-        if g < below and n % g == 0:
-            return g
-    return n
 
 
 def _mse(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -210,57 +164,6 @@ def _groups(layer, inputs: Dict[str, torch.Tensor]) -> List[_Group]:
     return groups
 
 
-def _device(device: str) -> torch.device:
-    if device in (None, 'auto'):
-        return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-    if device.startswith('cuda') and not torch.cuda.is_available():
-        raise ValueError('--device cuda: torch sees no CUDA device here (use --device cpu)')
-    return torch.device(device)
-
-
-def _progress(n: int, enabled: bool):
-    """An iterator over range(n) that shows progress: tqdm's bar where tqdm is installed, else a line a layer
-    on stderr."""
-    if not enabled:
-        return range(n)
-    try:
-        from tqdm import tqdm
-        return tqdm(range(n), desc='auto_awq', unit='layer', file=sys.stderr)
-    except ImportError:
-        def lines():
-            start = time.monotonic()
-            for i in range(n):
-                yield i
-                print(f'auto_awq: layer {i + 1}/{n} done ({time.monotonic() - start:.0f} s)', file=sys.stderr,
-                      flush=True)
-        return lines()
-
-
-def _capture_first_inputs(model, layers, tokens: torch.Tensor, batch_size: int, device):
-    """[(hidden_states, kwargs)] per batch of calibration windows, as the first decoder layer receives them."""
-    batches = []
-
-    def hook(module, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop('hidden_states')
-        for key in ('cache', 'past_key_value', 'past_key_values'):
-            kwargs.pop(key, None)
-        kwargs['use_cache'] = False
-        batches.append((hidden, kwargs))
-        raise _Captured
-
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for i in range(0, len(tokens), batch_size):
-            try:
-                model.model(input_ids=tokens[i:i + batch_size].to(device), use_cache=False)
-            except _Captured:
-                pass
-    finally:
-        handle.remove()
-    return batches
-
-
 @torch.no_grad()
 def auto_awq(model: Optional[str],
              work_dir: str,
@@ -279,46 +182,9 @@ def auto_awq(model: Optional[str],
     """Quantize ``model`` (a local Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model) into
     ``work_dir``: AWQ 4-bit weights in AutoAWQ's GEMM layout. Returns a summary: the layers' chosen alphas per
     group and the seconds taken. ``n_grid``: alphas tried, 0, 1 / n_grid, ... (AWQ's 20; tests use fewer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from lmdeploy.default_model import resolve_model_path
-
-    from .calib import calib_tokens
-    from .pack import save_model
-    start = time.monotonic()
-    model_path = resolve_model_path(model)
-    cfg = check_model(model_path)
-    if w_bits != 4:
-        raise ValueError(f'--w-bits {w_bits}: only 4-bit weights are written')
-    if w_group_size < 1:
-        raise ValueError(f'--w-group-size {w_group_size}: a positive number of input columns')
-    if batch_size < 1:
-        raise ValueError(f'--batch-size {batch_size}: at least 1')
-    if os.path.abspath(work_dir) == os.path.abspath(model_path):
-        raise ValueError('--work-dir is the model directory itself; choose another')
-    dev = _device(device)
-    save_dtype = getattr(torch, cfg.get('torch_dtype') or cfg.get('dtype') or 'float16', torch.float16)
-    if not isinstance(save_dtype, torch.dtype) or not save_dtype.is_floating_point:
-        save_dtype = torch.float16
-    # cpu: float32 (bf16 matmuls are slow and coarse there); cuda: the checkpoint's 16-bit dtype
-    compute_dtype = torch.float32 if dev.type == 'cpu' else (save_dtype if save_dtype != torch.float32
-                                                            else torch.float16)
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute_dtype)
-    hf.eval()
-    layers = hf.model.layers
-    for i, layer in enumerate(layers):
-        check_group_size(layer, w_group_size, prefix=f'model.layers.{i}.')
-    tokens = calib_tokens(tokenizer, calib_dataset, calib_samples, calib_seqlen)
-
-    hf.model.embed_tokens.to(dev)
-    if getattr(hf.model, 'rotary_emb', None) is not None:
-        hf.model.rotary_emb.to(dev)
-    layers[0].to(dev)
-    batches = _capture_first_inputs(hf, layers, tokens, batch_size, dev)
-    hf.model.embed_tokens.to('cpu')
-
+    prep = Prepared(model, work_dir, 'auto_awq', calib_dataset, calib_samples, calib_seqlen, batch_size, w_bits,
+                    w_group_size, device)
+    dev, layers, batches = prep.device, prep.layers, prep.batches
     if search_scale:
         alphas = [i / n_grid for i in range(n_grid)]
     else:
@@ -326,23 +192,13 @@ def auto_awq(model: Optional[str],
     packed: Dict[str, torch.Tensor] = {}
     chosen: List[Dict[str, float]] = []
     rtn = alphas == [0.0]  # no scaling: nothing to measure
-    for i in _progress(len(layers), progress):
+    for i in layer_progress(len(layers), progress, 'auto_awq'):
         layer = layers[i].to(dev)
         inputs: Dict[str, List[torch.Tensor]] = {n: [] for n in ('self_attn.q_proj', 'self_attn.o_proj',
                                                                  'mlp.gate_proj', 'mlp.down_proj')}
         if rtn:
             batches = []  # no layer needs inputs
-        handles = [layer.get_submodule(n).register_forward_hook(
-            lambda m, args, out, n=n: inputs[n].append(args[0].reshape(-1, args[0].shape[-1])))
-            for n in inputs]
-        try:
-            outs = []
-            for hidden, kwargs in batches:
-                out = layer(hidden, **kwargs)
-                outs.append(out[0] if isinstance(out, tuple) else out)
-        finally:
-            for h in handles:
-                h.remove()
+        outs = run_layer(layer, batches, {n: v.append for n, v in inputs.items()})
         batches = [(o, kw) for o, (_, kw) in zip(outs, batches)]
         xs = {n: torch.cat(v) for n, v in inputs.items() if v}
         inputs.clear()
@@ -372,14 +228,5 @@ def auto_awq(model: Optional[str],
             lin.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # its float copy is done
         layers[i] = layer.to('cpu')
 
-    tensors = {}
-    tied = bool(getattr(hf.config, 'tie_word_embeddings', False))
-    quantized = {f'model.layers.{i}.{n}.weight' for i in range(len(layers)) for n in LINEARS}
-    for name, t in hf.state_dict().items():
-        if name in quantized or (tied and name == 'lm_head.weight'):
-            continue
-        tensors[name] = t.to('cpu', save_dtype) if t.is_floating_point() else t.cpu()
-    tensors.update(packed)
-    save_model(model_path, work_dir, tensors, w_group_size)
-    return {'layers': len(layers), 'alphas': chosen, 'seconds': time.monotonic() - start,
-            'calib_tokens': int(tokens.numel()), 'group_size': w_group_size, 'device': str(dev)}
+    prep.save(work_dir, packed, quantization_config(w_group_size))
+    return prep.summary(w_group_size, alphas=chosen)
