@@ -192,6 +192,9 @@ class PytorchEngineConfig:
     # tp > 1: how the other ranks run: 'mp' (processes of this machine) or 'ray' (Ray actors, on the machines
     # of a Ray cluster); None: 'mp'
     distributed_executor_backend: Optional[str] = None
+    # load a tokenizer the checkpoint ships as code (InternLM2, ChatGLM, Baichuan: tokenizer_config.json's
+    # auto_map), as LMDeploy does; False refuses such a checkpoint (lmdeploy/tokenizer.py)
+    trust_remote_code: bool = True
     # accepted for LMDeploy compatibility; no effect here
     num_cpu_blocks: int = 0
     thread_safe: bool = False
@@ -230,6 +233,8 @@ class PytorchEngineConfig:
         _check(self.warmup in (None, True, False), name + 'warmup', f'must be None, True or False, got {self.warmup!r}')
         _check(self.quant_policy in (0, 4, 8), name + 'quant_policy',
                f'must be 0, 4 or 8, got {self.quant_policy!r}')
+        _check(self.trust_remote_code in (True, False), name + 'trust_remote_code',
+               f'must be True or False, got {self.trust_remote_code!r}')
         _check(self.distributed_executor_backend in (None, 'mp', 'ray'), name + 'distributed_executor_backend',
                f"must be None, 'mp' or 'ray', got {self.distributed_executor_backend!r}")
 

@@ -88,6 +88,9 @@ def add_engine_args(parser: argparse.ArgumentParser):
     g.add_argument('--max-prefill-token-num', type=int, default=d['max_prefill_token_num'],
                    help='most prompt tokens prefilled in one step (default: %(default)s)')
     g.add_argument('--eager-mode', action='store_true', help='disable graph capture (CUDA graphs)')
+    g.add_argument('--trust-remote-code', action=argparse.BooleanOptionalAction, default=True,
+                   help="run a tokenizer the checkpoint ships as code (InternLM2, ChatGLM, Baichuan) "
+                   '(default: yes, as LMDeploy)')
     g.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=None,
                    help='run the engine loop in a process of its own (default: yes for the API server, '
                    'no for the other commands)')
@@ -132,6 +135,7 @@ def build_engine_config(args) -> PytorchEngineConfig:
                                max_prefill_token_num=args.max_prefill_token_num,
                                num_gpu_blocks=getattr(args, 'num_gpu_blocks', _ENGINE_DEFAULTS['num_gpu_blocks']),
                                engine_process=getattr(args, 'engine_process', None),
+                               trust_remote_code=getattr(args, 'trust_remote_code', True),
                                distributed_executor_backend=getattr(args, 'distributed_executor_backend', None))
 
 

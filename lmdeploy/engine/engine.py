@@ -329,10 +329,11 @@ class Engine:
     def _grammar_set(self):
         """The grammars of this model's tokenizer (loaded once, on the first constrained request)."""
         if self._grammars is None:
-            from transformers import AutoTokenizer
+            from lmdeploy.tokenizer import load_tokenizer
 
             from .grammar import Grammars
-            self._grammars = Grammars(AutoTokenizer.from_pretrained(self.model_path), self.model_config.vocab_size)
+            self._grammars = Grammars(load_tokenizer(self.model_path, self.config.trust_remote_code),
+                                      self.model_config.vocab_size)
         return self._grammars
 
     # ------------------------------------------------------------- commands

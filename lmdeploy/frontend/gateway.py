@@ -184,14 +184,14 @@ class Gateway:
                  engine_process: bool = False):
         """engine_process: where the engine runs when ``backend_config.engine_process`` is None: in a
         child process (:class:`~lmdeploy.engine.process.EngineProcess`) or on a thread of this one."""
-        from transformers import AutoTokenizer
+        from lmdeploy.tokenizer import load_tokenizer
         self.model_path = model_path
         self.model_name = model_name or model_path.rstrip('/').split('/')[-1]
         # a directory without config.json fails here with a clear message, not in the tokenizer
         model_config = load_model_config(model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self._grammars: Optional[Grammars] = None
         config = backend_config or PytorchEngineConfig()
+        self.tokenizer = load_tokenizer(model_path, config.trust_remote_code)
+        self._grammars: Optional[Grammars] = None
         if config.engine_process if config.engine_process is not None else engine_process:
             from lmdeploy.engine.process import EngineProcess
             self.engine = EngineProcess(model_path, config, model_config)
