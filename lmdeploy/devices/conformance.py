@@ -463,12 +463,32 @@ def _check_layer_impl(ops, kind: str, weight_format: str, dtype, config) -> Tupl
     x_ref = x if not x.dtype.is_floating_point else x.to(dtype).to(torch.float64)
     want = run(ref_impl, ref, x_ref)
     ok, detail = _compare(f'{kind}[{weight_format}]', run(impl, mine, x_in), want, dtype)
+    if ok and kind in ('linear', 'lm_head'):
+        ok, detail = _check_against_float(ref_impl, ref, x_ref, want, weight_format)
     if ok and kind == 'linear':  # the fused gate|up path of the same layer
         half = want.shape[-1] // 2
         got2 = impl.apply_silu_and_mul(mine, x_in)
         want2 = torch.nn.functional.silu(want[:, :half]) * want[:, half:]
         ok, detail = _compare(f'{kind}[{weight_format}] + silu_and_mul', got2, want2, dtype)
     return ok, detail
+
+
+def _check_against_float(ref_impl, ref, x, want, weight_format: str) -> Tuple[bool, str]:
+    """The reference's linear (float64 input) against a float64 computation of the same map: its weight
+    dequantized (``dequantized``, or the dense ``weight``) times its input as the layer quantizes it
+    (``fake_quantized_input``: W8A8's per-token activation quantization; the input itself for weight-only
+    formats), plus the bias. What holds a format's integer (or fp8) GEMM emulation and scales to its
+    definition; the two differ by float64 rounding only."""
+    import torch
+    w = ref_impl.dequantized(ref, torch.float64) if hasattr(ref_impl, 'dequantized') else ref.weight.double()
+    xq = ref_impl.fake_quantized_input(x) if hasattr(ref_impl, 'fake_quantized_input') else x
+    bias = getattr(ref, 'bias', None)
+    want_f = torch.nn.functional.linear(xq, w, None if bias is None else bias.double())
+    err = float((want.double() - want_f).abs().max())
+    scale = float(want_f.abs().max()) or 1.0
+    ok = err <= 1e-9 * scale
+    return ok, (f'{weight_format}: the reference against a float computation of its dequantized weights: max abs '
+                f'err {err:.1e} (of outputs up to {scale:.1e})')
 
 
 def check_names(ops=None) -> List[str]:

@@ -78,6 +78,12 @@ class LinearImpl:
     def check_config(cls, config: Dict[str, Any]):
         """Raise ValueError, naming the field, for a ``quantization_config`` this format cannot load."""
 
+    @classmethod
+    def format_for(cls, config: Dict[str, Any]) -> str:
+        """The weight format a (checked) ``quantization_config`` of this method loads as: one quant_method may
+        name several (smooth_quant: int8 or fp8 by ``quant_dtype``)."""
+        return cls.format
+
     def example_value(self, layer: nn.Module, name: str, g: torch.Generator) -> Optional[torch.Tensor]:
         """A random value for parameter ``name`` where random bits would not do (an index), for the
         conformance check; None: any value of its dtype."""
@@ -207,10 +213,13 @@ class ExpertsImpl:
 
 
 from .quant_formats import AwqLinear, GptqLinear  # noqa: E402 (they subclass LinearImpl above)
+from .w8a8 import W8A8Fp8Linear, W8A8Int8Linear  # noqa: E402
 
 # the checkpoint's quantization_config["quant_method"] -> weight format
 FORMATS: Dict[str, str] = {'int8_per_channel': Int8ChannelLinear.format, 'awq': AwqLinear.format,
-                           'gptq': GptqLinear.format}
+                           'gptq': GptqLinear.format,
+                           # SmoothQuant W8A8: int8 or fp8 by quantization_config.quant_dtype (format_for)
+                           'smooth_quant': W8A8Int8Linear.format}
 
 # (layer kind, weight format) -> the reference's implementation. Kinds: 'linear' (fused q|k|v and gate|up
 # included), 'lm_head' (a linear map to the vocabulary, kept apart so a device can give its own: a
@@ -220,6 +229,8 @@ REFERENCE_IMPLS: Dict[Tuple[str, str], Any] = {
     ('linear', Int8ChannelLinear.format): Int8ChannelLinear,
     ('linear', AwqLinear.format): AwqLinear,
     ('linear', GptqLinear.format): GptqLinear,
+    ('linear', W8A8Int8Linear.format): W8A8Int8Linear,
+    ('linear', W8A8Fp8Linear.format): W8A8Fp8Linear,
     ('lm_head', DENSE): DenseLinear,
     ('embedding', DENSE): EmbeddingImpl,
     ('norm', DENSE): NormImpl,
@@ -235,5 +246,6 @@ def weight_format(quantization_config: Optional[Dict[str, Any]]) -> str:
     if method not in FORMATS:
         raise ValueError(f'config.json: quantization_config.quant_method {method!r} is not supported; supported: '
                          f'{sorted(FORMATS)} (or no quantization_config: plain weights)')
-    REFERENCE_IMPLS[('linear', FORMATS[method])].check_config(quantization_config)
-    return FORMATS[method]
+    cls = REFERENCE_IMPLS[('linear', FORMATS[method])]
+    cls.check_config(quantization_config)
+    return cls.format_for(quantization_config)

@@ -1,0 +1,133 @@
+"""W8A8 weight formats (SmoothQuant, as ``lmdeploy lite smooth_quant`` writes them): 8-bit weights *and*
+8-bit activations.
+
+config.json: ``quantization_config = {"quant_method": "smooth_quant", "quant_dtype": "int8" | "fp8", ...}``
+(``quant_dtype`` also accepts ``"float8_e4m3fn"`` / ``"fp8_e4m3"`` for fp8; other fields written by ``lite``:
+``weight_scheme: "per_channel_symmetric"``, ``activation_scheme: "per_token_dynamic"``, ``smooth_alpha``; only
+``quant_dtype`` and ``activation_scheme`` are read). Each decoder linear holds
+
+* ``weight`` [out, in]: int8 (values -127..127) or float8_e4m3fn, one symmetric scale per output row,
+* ``weight_scale`` float32 [out]: W[o, i] = weight[o, i] * weight_scale[o] (bias, if any, stays float),
+
+and at apply time the input is quantized per token (row), dynamically and symmetrically:
+a_scale[t] = max_i |x[t, i]| / QMAX (QMAX 127 for int8, 448 for e4m3), x_q = round(x / a_scale) clamped to
++-127 (int8) or x / a_scale cast to e4m3 (fp8, round to nearest even, saturating at 448). The output is then
+what an integer (or fp8) GEMM computes: acc[t, o] = sum_i x_q[t, i] * weight[o, i] accumulated exactly, times
+a_scale[t] * weight_scale[o]. This reference accumulates in float64, which is exact for both: an int8 product
+is at most 127^2 (sums stay far below 2^53), and an e4m3 product has 8 significant bits between 2^-18 and 2^18,
+so any sum of them fits 53 bits. The smoothing factors (SmoothQuant) are already folded into the preceding
+norms' weights and the weights' columns by ``lite``: nothing of them is left to apply here.
+
+Under tensor parallelism a rank quantizes the part of a token's input it holds with its own scale (a row-
+parallel layer's input columns): finer than one rank's, and what a fused kernel on that rank would do.
+
+These are the formats' definition that a fast kernel (cuBLASLt / Triton int8 GEMM, ``torch._scaled_mm``)
+would be held to; there is none yet, so every device (cuda included) runs this reference.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .layers import LinearImpl, add_param
+
+FP8_DTYPE = torch.float8_e4m3fn
+INT8_MAX = 127.0
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+QUANT_DTYPES = {'int8': 'int8', 'fp8': 'fp8', 'float8_e4m3fn': 'fp8', 'fp8_e4m3': 'fp8', 'float8': 'fp8'}
+
+
+def _quant_dtype(config) -> str:
+    value = config.get('quant_dtype', 'int8')
+    key = QUANT_DTYPES.get(str(value).lower())
+    if key is None:
+        raise ValueError(f'config.json: quantization_config.quant_dtype = {value!r} is not supported for '
+                         f"quant_method 'smooth_quant'; 'int8' or 'fp8' (e4m3)")
+    return key
+
+
+def quantize_per_token(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(x_q, a_scale [tokens, 1]) of a 2-D input: dynamic symmetric per-row quantization, computed in float32
+    (float64 for a float64 input). x_q is int8 or float8_e4m3fn."""
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(ct)
+    qmax = FP8_MAX if fp8 else INT8_MAX
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / qmax
+    y = xf / scale
+    if fp8:
+        return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return y.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def quantize_per_channel(w: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(weight_q [out, in] int8 / e4m3, weight_scale float32 [out]) of a float weight, one symmetric scale a
+    row (what ``lite smooth_quant`` writes)."""
+    wf = w.double()
+    qmax = FP8_MAX if fp8 else INT8_MAX
+    scale = (wf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / qmax).float().double()
+    y = wf / scale
+    q = y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE) if fp8 else y.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale.squeeze(1).float()
+
+
+class W8A8Linear(LinearImpl):
+    """SmoothQuant W8A8 (``quant_method: smooth_quant``), int8 or fp8 e4m3 by ``quant_dtype``: see the
+    module's docstring. Subclasses fix the dtype; :meth:`format_for` picks one from the config."""
+    method = 'smooth_quant'
+    fp8 = False
+
+    @classmethod
+    def check_config(cls, config):
+        _quant_dtype(config)
+        scheme = config.get('activation_scheme', 'per_token_dynamic')
+        if scheme not in ('per_token_dynamic', 'dynamic'):
+            raise ValueError(f'config.json: quantization_config.activation_scheme = {scheme!r} is not supported '
+                             "for quant_method 'smooth_quant'; only 'per_token_dynamic' (static activation "
+                             'scales are not)')
+        modules = config.get('modules_to_not_convert')
+        if modules:
+            raise ValueError(f'config.json: quantization_config.modules_to_not_convert = {modules!r} is not '
+                             "supported for quant_method 'smooth_quant' (layers kept in float do not load yet)")
+
+    @classmethod
+    def format_for(cls, config) -> str:
+        return W8A8Fp8Linear.format if _quant_dtype(config) == 'fp8' else W8A8Int8Linear.format
+
+    def create_weights(self, layer, in_features, out_features, bias):
+        add_param(layer, 'weight', torch.empty(out_features, in_features,
+                                               dtype=FP8_DTYPE if self.fp8 else torch.int8),
+                  input_dim=1, keep_dtype=True)
+        add_param(layer, 'weight_scale', torch.empty(out_features, dtype=torch.float32), keep_dtype=True)
+        super().create_weights(layer, in_features, out_features, bias)
+
+    def dequantized(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        """W [out, in] = weight * weight_scale (what the float check multiplies the fake-quantized input by)."""
+        return (layer.weight.double() * layer.weight_scale.double()[:, None]).to(dtype)
+
+    def fake_quantized_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the layer sees it: quantized per token and dequantized again (in x's dtype)."""
+        q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]), self.fp8)
+        return (q.to(scale.dtype) * scale).to(x.dtype).reshape(x.shape)
+
+    def apply(self, layer, x, with_bias=True):
+        shape = x.shape
+        q, a_scale = quantize_per_token(x.reshape(-1, shape[-1]), self.fp8)
+        acc = q.double() @ layer.weight.double().t()  # exact: see the module's docstring
+        out = (acc * a_scale.double() * layer.weight_scale.double()).to(x.dtype)
+        if with_bias and layer.bias is not None:
+            out = out + layer.bias.to(x.dtype)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+class W8A8Int8Linear(W8A8Linear):
+    """SmoothQuant W8A8 int8: int8 weights per output channel, int8 activations per token."""
+    format = 'w8a8_int8'
+    example_configs = ({'quant_method': 'smooth_quant', 'quant_dtype': 'int8'}, )
+
+
+class W8A8Fp8Linear(W8A8Linear):
+    """SmoothQuant W8A8 fp8 (e4m3): e4m3 weights per output channel, e4m3 activations per token."""
+    format = 'w8a8_fp8'
+    fp8 = True
+    example_configs = ({'quant_method': 'smooth_quant', 'quant_dtype': 'fp8'}, )
