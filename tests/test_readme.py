@@ -124,8 +124,8 @@ def test_readme_names_every_command_and_every_named_command_exists():
     leaves = {p for p in paths if p.count(' ') == 2 or p in ('lmdeploy chat', 'lmdeploy generate',
                                                                 'lmdeploy check_env', 'lmdeploy list')}
     assert leaves == {'lmdeploy serve api_server', 'lmdeploy serve proxy', 'lmdeploy serve gradio',
-                      'lmdeploy chat', 'lmdeploy generate', 'lmdeploy lite auto_awq', 'lmdeploy check_env',
-                      'lmdeploy list'}
+                      'lmdeploy chat', 'lmdeploy generate', 'lmdeploy lite auto_awq', 'lmdeploy lite auto_gptq',
+                      'lmdeploy check_env', 'lmdeploy list'}
     for path in leaves:
         assert f'`{path}' in README or f'\n{path}' in README, f'the README never shows {path!r}'
     for span in _inline_code():

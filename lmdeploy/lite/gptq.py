@@ -96,8 +96,9 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group: int, sym: bool = Fals
                   damp: float = DAMP_PERCENT, block: int = BLOCK) -> Tuple[torch.Tensor, ...]:
     """GPTQ of W [out, in] under H [in, in] (see the module's docstring); ``group`` -1: one group a row.
     Returns q uint8 [out, in] (0..15), zeros uint8 [out, groups], scales float16 [out, groups], g_idx int32
-    [in] (the group of each input column) and the dequantized W' [out, in] in float32; W' = (q - z[g_idx]) *
-    s[g_idx]."""
+    [in] (the group of each input column), the dequantized W' [out, in] in float32 (W' = (q - z[g_idx]) *
+    s[g_idx]) and GPTQ's loss: the sum over columns and rows of (w_j - q_j)^2 / (2 U[j, j]^2), the increase
+    of tr((W' - W) H (W' - W)^T) / 2 that each step's correction leaves."""
     out_f, in_f = w.shape
     group = in_f if group == -1 else group
     if in_f % group:
@@ -122,7 +123,7 @@ def _gptq(w, h, group: int, sym: bool, desc_act: bool, damp: float, block: int):
     n_groups = in_f // group
     scales = torch.empty(n_groups, out_f, dtype=torch.float16, device=Wt.device)
     zeros = torch.empty(n_groups, out_f, dtype=torch.float32, device=Wt.device)
-    _columns(Wt, U, scales, zeros, group, sym, 0 if sym else 1, block)
+    loss = _columns(Wt, U, scales, zeros, group, sym, 0 if sym else 1, block)
     # Wt holds the dequantized weights now, (q - z) * s to rounding: q recovered exactly
     g_idx = torch.arange(in_f, device=Wt.device) // group
     s_rows, z_rows = scales.float()[g_idx], zeros[g_idx]
@@ -132,7 +133,7 @@ def _gptq(w, h, group: int, sym: bool, desc_act: bool, damp: float, block: int):
         q, g_idx, s_rows, z_rows = q[inv], g_idx[inv], s_rows[inv], z_rows[inv]
     deq = ((q - z_rows) * s_rows).t().contiguous()
     return (q.t().to(torch.uint8).contiguous(), zeros.t().to(torch.uint8).contiguous(), scales.t().contiguous(),
-            g_idx.to(torch.int32), deq)
+            g_idx.to(torch.int32), deq, loss)
 
 
 def _columns(Wt, U, scales, zeros, group: int, sym: bool, min_zero: int, block: int):
@@ -142,6 +143,7 @@ def _columns(Wt, U, scales, zeros, group: int, sym: bool, min_zero: int, block: 
     in_f = Wt.shape[0]
     diag = U.diagonal().tolist()
     s = z = None
+    loss = 0.0
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)
         Wb = Wt[b0:b1]  # a view: the corrections below land in Wt
@@ -157,8 +159,55 @@ def _columns(Wt, U, scales, zeros, group: int, sym: bool, min_zero: int, block: 
             deq = torch.div(row, s).round_().add_(z).clamp_(0, MAX_Q).sub_(z).mul_(s)
             e = torch.sub(row, deq, out=err[i]).div_(diag[j])
             Wb[i:].addr_(Ub[i, i:], e, alpha=-1)  # row i becomes deq
+        loss += float(err.pow(2).sum()) / 2
         if b1 < in_f:
             Wt[b1:].addmm_(U[b0:b1, b1:].t(), err, alpha=-1)
+    return loss
+
+
+def _inputs_of(layer, batches, name: str) -> List[torch.Tensor]:
+    """What ``layer``'s submodule ``name`` reads, per batch (2-D), the layer run only that far."""
+    got = []
+
+    def record(x):
+        got.append(x)
+        raise Captured
+
+    run_layer(layer, batches, {name: record}, outputs=False)
+    return got
+
+
+def _quantize_layer(layer, batches, quantize) -> List[torch.Tensor]:
+    """Quantize a (Llama-shaped) decoder layer's linears in the order they read their inputs, each on the
+    inputs the already quantized ones give (``quantize(names, inputs)``), and return the layer's outputs.
+    q/k/v and o see the layer run up to them (attention); the rest is computed here from o's input, as the
+    layer computes it: h = hidden + o(a), x = post_attention_layernorm(h), y = act(gate(x)) * up(x),
+    out = h + down(y) (checked against the layer itself on the first batch)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    quantize(STAGES[0], _inputs_of(layer, batches, STAGES[0][0]))
+    o_in = _inputs_of(layer, batches, STAGES[1][0])
+    quantize(STAGES[1], o_in)
+    mids = [hidden.reshape(-1, hidden.shape[-1]) + attn.o_proj(a) for a, (hidden, _) in zip(o_in, batches)]
+    del o_in
+    xs = [layer.post_attention_layernorm(h) for h in mids]
+    quantize(STAGES[2], xs)
+    del xs
+
+    def ys():
+        for h in mids:
+            x = layer.post_attention_layernorm(h)
+            yield mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+    quantize(STAGES[3], ys())
+    outs = [(h + mlp.down_proj(y)).reshape(hidden.shape) for h, y, (hidden, _) in zip(mids, ys(), batches)]
+    if batches:
+        hidden, kwargs = batches[0]
+        ref = layer(hidden, **kwargs)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        if not torch.allclose(ref, outs[0], rtol=1e-3, atol=1e-3 * float(ref.abs().max())):
+            raise RuntimeError('auto_gptq: this decoder layer does not compute h = hidden + o(attn), out = h + '
+                               "mlp(post_attention_layernorm(h)) as Llama's does; it is not supported")
+    return outs
 
 
 def quantization_config(group: int, sym: bool, desc_act: bool, damp: float = DAMP_PERCENT) -> dict:
@@ -192,34 +241,32 @@ def auto_gptq(model: Optional[str],
                     w_group_size, device, rows_packed=True)
     dev, layers, batches = prep.device, prep.layers, prep.batches
     packed: Dict[str, torch.Tensor] = {}
-    errors: List[Dict[str, float]] = []
+    losses: List[Dict[str, float]] = []
     for i in layer_progress(len(layers), progress, 'auto_gptq'):
         layer = layers[i].to(dev)
         prefix = f'model.layers.{i}.'
-        rel = {}
-        for names in STAGES:
+        loss: Dict[str, float] = {}
+
+        def quantize(names, inputs):
+            """GPTQ of the linears ``names`` (one input) on ``inputs`` (an iterable of 2-D batches); their
+            weights become the dequantized ones, which the later stages and layers read."""
             lins = [layer.get_submodule(n) for n in names]
             hess = Hessian(lins[0].in_features, dev)
-
-            def record(x, hess=hess):
+            for x in inputs:
                 hess.add(x)
-                raise Captured  # the rest of the layer is not needed for this stage
-
-            run_layer(layer, batches, {names[0]: record}, outputs=False)
-            h = hess.value()
-            w = torch.cat([lin.weight.data for lin in lins]).float()
-            q, z, s, g_idx, deq = gptq_quantize(w, h, w_group_size, sym, desc_act, damp_percent)
-            d = deq - w
-            rel[names[0].split('.')[-1]] = float((d @ h * d).sum() / (w @ h * w).sum().clamp(min=1e-30))
+            w = torch.cat([lin.weight.data for lin in lins])
+            q, z, s, g_idx, deq, loss[names[0].split('.')[-1]] = gptq_quantize(w, hess.value(), w_group_size, sym,
+                                                                               desc_act, damp_percent)
             row = 0
             for name, lin in zip(names, lins):
                 rows = slice(row, row + lin.out_features)
                 row += lin.out_features
                 for key, t in gptq_tensors(q[rows].cpu(), z[rows].cpu(), s[rows].cpu(), g_idx.cpu()).items():
                     packed[f'{prefix}{name}.{key}'] = t
-                lin.weight.data = deq[rows].to(lin.weight.dtype)  # what the later stages and layers read
-        errors.append(rel)
-        outs = run_layer(layer, batches)
+                lin.weight.data = deq[rows].to(lin.weight.dtype)
+
+        outs = _quantize_layer(layer, batches, quantize)
+        losses.append(loss)
         batches = [(o, kw) for o, (_, kw) in zip(outs, batches)]
         for name in (n for names in STAGES for n in names):
             layer.get_submodule(name).weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
@@ -228,4 +275,4 @@ def auto_gptq(model: Optional[str],
     prep.save(work_dir, packed, qconfig)
     with open(os.path.join(work_dir, 'quantize_config.json'), 'w') as f:  # where AutoGPTQ / GPTQModel look
         json.dump(qconfig, f, indent=2)
-    return prep.summary(w_group_size, errors=errors, desc_act=desc_act, sym=sym)
+    return prep.summary(w_group_size, losses=losses, desc_act=desc_act, sym=sym)

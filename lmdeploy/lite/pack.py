@@ -1,5 +1,5 @@
-"""4-bit group quantization and AutoAWQ's GEMM layout, as :class:`lmdeploy.devices.quant_formats.AwqLinear`
-reads it, and the saved model directory.
+"""4-bit group quantization, AutoAWQ's GEMM layout and GPTQ's checkpoint format "gptq", as
+:class:`lmdeploy.devices.quant_formats.AwqLinear` / ``GptqLinear`` read them, and the saved model directory.
 
 A linear's weight W [out, in] becomes, per group of ``group`` input columns and per output row, a scale s
 (float16) and an integer zero point z in 0..15: q = clamp(round(W / s) + z, 0, 15), W ~ (q - z) * s, with s =
@@ -7,7 +7,7 @@ A linear's weight W [out, in] becomes, per group of ``group`` input columns and 
 
 Packed (the GEMM layout): ``qweight`` int32 [in, out / 8] (q transposed, 8 output columns an int32),
 ``qzeros`` int32 [in / group, out / 8] the same way, ``scales`` float16 [in / group, out]; nibble k (bits 4k to
-4k + 3) of an int32 holds column ``AWQ_ORDER[k]`` of its block of 8.
+4k + 3) of an int32 holds column ``AWQ_ORDER[k]`` of its block of 8. GPTQ's packing: :func:`gptq_tensors`.
 """
 from __future__ import annotations
 
