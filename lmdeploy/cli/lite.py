@@ -16,9 +16,9 @@ import sys
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    lite = sub.add_parser('lite', help='quantize a model offline (auto_awq, auto_gptq)', description=__doc__,
+    lite = sub.add_parser('lite', help='quantize a model offline (auto_awq, auto_gptq, smooth_quant)', description=__doc__,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    cmds = lite.add_subparsers(dest='lite_command', metavar='{auto_awq,auto_gptq}')
+    cmds = lite.add_subparsers(dest='lite_command', metavar='{auto_awq,auto_gptq,smooth_quant}')
     p = cmds.add_parser('auto_awq', help='AWQ 4-bit weights (group-wise, with zero points) into --work-dir',
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common_args(p)
@@ -40,6 +40,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help='dampening added to the Hessian\'s diagonal, a fraction of its mean (default: %(default)s)')
     _device_arg(p)
     p.set_defaults(func=run_auto_gptq)
+    _add_smooth_quant(cmds)
     lite.set_defaults(func=lambda args: _usage(lite))
     return lite
 
@@ -97,3 +98,50 @@ def run_auto_gptq(args, stdout=None) -> int:
                        w_bits=args.w_bits, w_group_size=args.w_group_size, sym=args.sym, desc_act=args.desc_act,
                        damp_percent=args.damp_percent, device=args.device)
     return _wrote(args, result, stdout or sys.stdout)
+
+
+SMOOTH_QUANT_DOC = """``lmdeploy lite smooth_quant MODEL --work-dir OUT --quant-dtype int8|fp8``: SmoothQuant W8A8.
+
+Calibrates each decoder linear group's per-input-channel activation maxima, folds the smoothing factors
+s = max|X| ** alpha / max|W| ** (1 - alpha) into the preceding RMSNorm (q/k/v, gate/up) or linear (down after
+up, o after v) and the weights' columns, then quantizes every decoder linear per output channel (int8, or fp8
+e4m3); activations are quantized per token when the model runs. config.json's quantization_config:
+``quant_method: smooth_quant``, ``quant_dtype: int8|fp8`` (lmdeploy/devices/w8a8.py). Embedding and lm_head
+stay float. Llama, Mistral, Qwen2 and Qwen3 models; calibration text as for auto_awq.
+"""
+
+
+def _add_smooth_quant(cmds):
+    p = cmds.add_parser('smooth_quant', help='SmoothQuant W8A8 (int8 or fp8 weights and activations) into '
+                        '--work-dir', description=SMOOTH_QUANT_DOC,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('model', metavar='MODEL',
+                   help="local Hugging Face model directory; 'default': the embedded SmolLM2-135M-Instruct")
+    p.add_argument('--work-dir', required=True, help='output directory (created; files in it are replaced)')
+    p.add_argument('--quant-dtype', default='int8', choices=('int8', 'fp8'),
+                   help='weights and activations in int8 or fp8 e4m3 (default: %(default)s)')
+    p.add_argument('--calib-dataset', default=None, metavar='PATH',
+                   help='calibration text: a local .txt file, or .jsonl with a "text" field a line (default: the '
+                   'text of pydoc_data.topics, which ships with Python)')
+    p.add_argument('--calib-samples', type=int, default=128, help='calibration windows (default: %(default)s)')
+    p.add_argument('--calib-seqlen', type=int, default=2048,
+                   help='tokens per calibration window (default: %(default)s)')
+    p.add_argument('--batch-size', type=int, default=1,
+                   help='calibration windows run together (default: %(default)s)')
+    p.add_argument('--smooth-alpha', type=float, default=0.5,
+                   help='migration strength alpha in [0, 1] (default: %(default)s, as SmoothQuant / LMDeploy)')
+    p.add_argument('--no-smooth', dest='smooth', action='store_false',
+                   help='skip the smoothing: plain per-channel / per-token round-to-nearest')
+    _device_arg(p)
+    p.set_defaults(func=run_smooth_quant)
+
+
+def run_smooth_quant(args, stdout=None) -> int:
+    from lmdeploy.lite import smooth_quant
+    r = smooth_quant(args.model, args.work_dir, quant_dtype=args.quant_dtype, calib_dataset=args.calib_dataset,
+                     calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, batch_size=args.batch_size,
+                     smooth_alpha=args.smooth_alpha, smooth=args.smooth, device=args.device)
+    print(f'wrote {args.work_dir}: {r["layers"]} layers, W8A8 {r["quant_dtype"]}, smoothing alpha '
+          f'{r["smooth_alpha"]}, {r["calib_tokens"]} calibration tokens, on {r["device"]}, {r["seconds"]:.0f} s',
+          file=stdout or sys.stdout)
+    return 0

@@ -8,6 +8,10 @@
   asymmetric or ``sym``, optionally in act-order (``desc_act``), saved in GPTQ's checkpoint format "gptq"
   (``quant_method: gptq``) as AutoGPTQ / GPTQModel write it.
 
+* :func:`smooth_quant` (``lmdeploy lite smooth_quant MODEL --work-dir OUT --quant-dtype int8|fp8``): SmoothQuant
+  W8A8, smoothing factors folded into the norms / preceding linears, int8 or fp8 weights per channel
+  (``quant_method: smooth_quant``, :mod:`lmdeploy.devices.w8a8`).
+
 Modules: :mod:`.calib` (calibration text, no network), :mod:`.common` (what both share: loading, calibration
 inputs, running a layer, saving), :mod:`.awq` (the layer-by-layer search and quantization), :mod:`.gptq`
 (GPTQ), :mod:`.pack` (group quantization, the AWQ GEMM and GPTQ packings and the saved directory). Nothing
@@ -29,4 +33,10 @@ def auto_gptq(*args, **kwargs):
     return run(*args, **kwargs)
 
 
-__all__ = ['auto_awq', 'auto_gptq']
+def smooth_quant(*args, **kwargs):
+    """See :func:`lmdeploy.lite.smooth_quant.smooth_quant`."""
+    from .smooth_quant import smooth_quant as run
+    return run(*args, **kwargs)
+
+
+__all__ = ['auto_awq', 'auto_gptq', 'smooth_quant']

@@ -154,9 +154,10 @@ class Prepared:
         self.start = time.monotonic()
         self.model_path = resolve_model_path(model)
         self.cfg = check_model(self.model_path, tool)
-        if w_bits != 4:
+        # w_bits / w_group_size None: not group-wise 4-bit (smooth_quant's per-channel 8-bit), nothing to check
+        if w_bits is not None and w_bits != 4:
             raise ValueError(f'--w-bits {w_bits}: only 4-bit weights are written')
-        if w_group_size < 1 and not (rows_packed and w_group_size == -1):
+        if w_group_size is not None and w_group_size < 1 and not (rows_packed and w_group_size == -1):
             raise ValueError(f'--w-group-size {w_group_size}: a positive number of input columns'
                              + (' (or -1: one group a row)' if rows_packed else ''))
         if batch_size < 1:
@@ -176,7 +177,7 @@ class Prepared:
         hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.compute_dtype)
         hf.eval()
         self.hf, self.layers = hf, hf.model.layers
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers if w_group_size is not None else ()):
             check_group_size(layer, w_group_size, prefix=f'model.layers.{i}.', rows_packed=rows_packed)
         self.tokens = calib_tokens(tokenizer, calib_dataset, calib_samples, calib_seqlen)
         with torch.no_grad():
