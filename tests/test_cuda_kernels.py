@@ -442,7 +442,8 @@ def test_prefill_step_with_decode_rows_through_the_attention_layer():
 
     ref = run('cpu', 0)  # every sequence through the reference prefill op
     # the cuda device's kernels (interpreted, for tensors on the CPU, without a GPU)
-    layer.ops = get_device('cuda') if HAS_CUDA else CudaOps(num_sms=132)
+    with building(get_device('cuda') if HAS_CUDA else CudaOps(num_sms=132)):
+        layer = PagedAttention(0, h, hkv, d)
     out = run(DEV, 3, torch.tensor([2, 0, 1], device=DEV))
     assert rel_err(out, ref) < tol(dtype) * 2
 

@@ -181,8 +181,10 @@ def test_interleaved_order_matches_transformers_rotary():
     the same vectors up to that order, so the same q.k."""
     from transformers.models.glm.modeling_glm import apply_rotary_pos_emb
 
+    from lmdeploy.devices import get_device
     from lmdeploy.devices.reference import ReferenceOps
     from lmdeploy.engine.model_config import RopeConfig
+    from lmdeploy.engine.nn.build import building
     from lmdeploy.engine.nn.rotary import RotaryEmbedding
     d, heads, T = 16, 3, 7
     for partial in (0.5, 0.75, 1.0):
@@ -195,7 +197,8 @@ def test_interleaved_order_matches_transformers_rotary():
         q, k = torch.randn(1, heads, T, d), torch.randn(1, heads, T, d)
         q_hf, k_hf = apply_rotary_pos_emb(q, k, emb.cos()[None], emb.sin()[None])
         order = interleaved_rotary_order(d, r)
-        ours = RotaryEmbedding(d, rope, 128, partial_layout=True)
+        with building(get_device('cpu')):
+            ours = RotaryEmbedding(d, rope, 128, partial_layout=True)
         cos, sin = ours.cos_sin(pos, pos + 1)
         q_rows, k_rows = q[0].transpose(0, 1)[..., order], k[0].transpose(0, 1)[..., order]  # [T, heads, d]
         q_ours, k_ours = ReferenceOps.apply_rotary(None, q_rows, k_rows, cos, sin)

@@ -410,7 +410,49 @@ def _layer_case(kind: str, g):
         def run(impl, layer, x):
             return impl.apply(layer, x, w.to(x.dtype).to(x.device), ids.to(x.device))
         return (5, 32, 24), x, run
+    if kind == 'rotary':  # positions past 1k, rotary on 12 of 16 dims (4 pass through), LongRoPE's factor
+        pos = torch.tensor([0, 1, 5, 1029, 77], dtype=torch.int64)
+        inv_freq = torch.rand(6, generator=g) * 0.5
+
+        def run(impl, layer, pos):
+            cos, sin = impl.apply(layer, pos, inv_freq.to(pos.device), 16, 1.25)
+            return torch.cat([cos, sin], -1)
+        return (), pos, run
+    if kind == 'attention':
+        return (), torch.randn(7, 4, 16, generator=g, dtype=torch.float64), _attention_layer_run(g)
     return None
+
+
+def _attention_layer_run(g):
+    """One step of an attention layer: sequence 0 continues a cached prefix of 4 tokens with 3 new ones,
+    sequence 1 is a fresh 4-token prompt (4 query heads over 2 KV heads of 16, blocks of 4, rotary tables of
+    random angles): the new K/V written and rotated as the implementation does it, then attended."""
+    import torch
+
+    from .attention_meta import AttentionMeta
+    k, v = (torch.randn(11, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    angles = torch.rand(7, 8, generator=g, dtype=torch.float64) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    tables = torch.tensor([[5, 2], [0, 7]], dtype=torch.int32)  # sequence 0: positions 0-7, 1: 0-3
+    # sequence 0's prefix sits at positions 0-3 (block 5), its new tokens at 4-6 (block 2); sequence 1's at 0-3
+    prefix_slots = [5 * 4 + j for j in range(4)]
+    new_slots = [2 * 4 + j for j in range(3)] + [0 * 4 + j for j in range(4)]
+
+    def run(impl, layer, q):
+        dev, dt = q.device, q.dtype
+        ops = impl.ops
+        cache = ops.kv_cache_spec(2, 16, 4, dt).allocate(8, dev)
+        ops.fill_kv_cache(k[:4].to(dt).to(dev), v[:4].to(dt).to(dev), cache,
+                          torch.tensor(prefix_slots, device=dev))
+        i64 = dict(dtype=torch.int64, device=dev)
+        meta = AttentionMeta(is_decode=False, q_start_loc=torch.tensor([0, 3], **i64),
+                             q_seqlens=torch.tensor([3, 4], **i64), kv_seqlens=torch.tensor([7, 4], **i64),
+                             block_tables=tables.to(dev), slot_mapping=torch.tensor(new_slots, **i64),
+                             max_q_len=4, max_kv_len=7)
+        layer.scale = 0.25
+        return impl.apply(layer, q, k[4:].to(dt).to(dev), v[4:].to(dt).to(dev), cos.float().to(dev),
+                          sin.float().to(dev), meta, cache, {})
+    return run
 
 
 def check_layer_impl(ops, kind: str, weight_format: str, dtype=None) -> Tuple[bool, str]:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from .attention_meta import AttentionMeta
     from .interface import DeviceOps
 
 DENSE = 'dense'
@@ -212,6 +213,83 @@ class ExpertsImpl:
         return out
 
 
+class AttentionImpl:
+    """One layer's paged attention: writes the step's K/V into the layer's cache (rotating q and k on the way
+    where the model passes rotary tables) and attends over each sequence's context. No parameters; what the
+    layer is (heads, ``scale``, its ``variant``: sliding window, soft cap, ALiBi slopes) is the model's, what
+    the step is the ``meta`` (devices/attention_meta.py). A device may give its own (a fused kernel, its own
+    metadata prepared once a step)."""
+    kind = 'attention'
+    format = DENSE
+
+    def __init__(self, ops: 'DeviceOps', config: Optional[Dict[str, Any]] = None):
+        self.ops = ops
+
+    def create_weights(self, layer: nn.Module):
+        """None: attention has no parameters of its own."""
+
+    def process_weights(self, layer: nn.Module):
+        """Once, after loading."""
+
+    def apply(self, layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], meta: 'AttentionMeta', cache,
+              variant: Dict[str, Any]) -> torch.Tensor:
+        """q [T, H, D], k / v [T, Hkv, D] before RoPE (``cos`` None: nothing rotates) -> [T, H, D]."""
+        ops = self.ops
+        if cos is None:
+            ops.fill_kv_cache(k, v, cache, meta.slot_mapping)
+        else:
+            q, k = ops.rotary_fill_kv(q, k, v, cos, sin, cache, meta.slot_mapping)
+        if meta.is_decode:
+            return ops.paged_decode_attention(q, cache, meta.block_tables, meta.kv_seqlens, layer.scale,
+                                              meta.max_kv_len, meta.decode_order, **variant)
+        # the leading one-token rows as a decode batch, then the prompt rows (q_start_loc holds their rows in q)
+        # over them: in a recorded step the decode batch is padded past the real one-token rows, and its padding
+        # rows (no context: zeros) may be prompt rows, which the prefill then writes
+        nd = meta.num_decode
+        out = torch.empty_like(q)
+        if nd:
+            ops.paged_decode_attention(q[:nd], cache, meta.block_tables[:nd], meta.kv_seqlens[:nd], layer.scale,
+                                       meta.max_kv_len, meta.decode_order, out=out[:nd], **variant)
+        ops.paged_prefill_attention(q, cache, meta.block_tables[nd:], meta.q_start_loc[nd:], meta.q_seqlens[nd:],
+                                    meta.kv_seqlens[nd:], layer.scale, meta.max_q_len, meta.max_kv_len, out=out,
+                                    **variant)
+        return out
+
+
+class RotaryImpl:
+    """Rotary tables of a step: cos / sin [T, head_dim] (float32) from the tokens' positions and the inverse
+    frequencies the model's rope type gives (one set [D/2], or one per token [T, D/2]: dynamic NTK, LongRoPE).
+    ``rotary_dim`` < head_dim: the first rotary_dim / 2 pairs rotate, the rest pass through (cos 1, sin 0), the
+    layout of engine/nn/rotary.partial_rotary_order. ``attention_factor`` scales both (LongRoPE's). No
+    parameters; a device may give its own (tables cached per position, as a fused kernel wants them)."""
+    kind = 'rotary'
+    format = DENSE
+
+    def __init__(self, ops: 'DeviceOps', config: Optional[Dict[str, Any]] = None):
+        self.ops = ops
+
+    def create_weights(self, layer: nn.Module):
+        """None: the frequencies are the model's (they depend on the config, not on a checkpoint tensor)."""
+
+    def process_weights(self, layer: nn.Module):
+        """Once, after loading."""
+
+    def apply(self, layer: nn.Module, positions: torch.Tensor, inv_freq: torch.Tensor, head_dim: int,
+              attention_factor: float = 1.0):
+        freqs = positions.float()[:, None] * (inv_freq if inv_freq.dim() == 2 else inv_freq[None, :])
+        if 2 * freqs.shape[-1] != head_dim:  # partial: pass-through dims after the rotating ones, in each half
+            pad = head_dim // 2 - freqs.shape[-1]
+            cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+            cos = torch.cat((cos, torch.ones_like(cos[:, :1]).expand(-1, pad)), dim=-1)
+            sin = torch.cat((sin, torch.zeros_like(sin[:, :1]).expand(-1, pad)), dim=-1)
+            return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        if attention_factor != 1.0:  # LongRoPE's: scales q.k by its square
+            return emb.cos() * attention_factor, emb.sin() * attention_factor
+        return emb.cos(), emb.sin()
+
+
 from .quant_formats import AwqLinear, GptqLinear  # noqa: E402 (they subclass LinearImpl above)
 from .w8a8 import W8A8Fp8Linear, W8A8Int8Linear  # noqa: E402
 
@@ -223,7 +301,8 @@ FORMATS: Dict[str, str] = {'int8_per_channel': Int8ChannelLinear.format, 'awq': 
 
 # (layer kind, weight format) -> the reference's implementation. Kinds: 'linear' (fused q|k|v and gate|up
 # included), 'lm_head' (a linear map to the vocabulary, kept apart so a device can give its own: a
-# vocabulary-sharded or fused-sampling head), 'embedding', 'norm', 'experts' (a mixture of experts' FFNs)
+# vocabulary-sharded or fused-sampling head), 'embedding', 'norm', 'experts' (a mixture of experts' FFNs),
+# 'attention' (paged, with the cache write), 'rotary' (the step's cos / sin tables)
 REFERENCE_IMPLS: Dict[Tuple[str, str], Any] = {
     ('linear', DENSE): DenseLinear,
     ('linear', Int8ChannelLinear.format): Int8ChannelLinear,
@@ -235,6 +314,8 @@ REFERENCE_IMPLS: Dict[Tuple[str, str], Any] = {
     ('embedding', DENSE): EmbeddingImpl,
     ('norm', DENSE): NormImpl,
     ('experts', DENSE): ExpertsImpl,
+    ('attention', DENSE): AttentionImpl,
+    ('rotary', DENSE): RotaryImpl,
 }
 
 

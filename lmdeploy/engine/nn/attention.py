@@ -1,6 +1,6 @@
-"""Paged attention layer: rotates q and k (RoPE), writes the step's K/V into
-the cache, then attends (within the layer's sliding window, scores soft-capped, position-biased by ALiBi instead
-of rotated, where its model says)."""
+"""Paged attention layer: what the model's attention is (heads, scale, sliding window, soft cap, ALiBi slopes
+instead of rotary); the device's attention implementation (devices/layers.py) rotates q and k, writes the step's
+K/V into the cache and attends."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from .build import device_ops
+from .build import device_ops, layer_impl
 from .context import StepContext
 
 
@@ -32,6 +32,8 @@ class PagedAttention(nn.Module):
         self.variant = {k: v for k, v in (('sliding_window', sliding_window), ('logit_softcap', logit_softcap))
                         if v is not None}
         self.ops = device_ops()
+        self.impl = layer_impl('attention', dense=True)  # the device's (devices/layers.py)
+        self.impl.create_weights(self)
         # (a plain list: the model is built on the meta device, where a buffer's values would not survive)
         self.alibi = None if alibi_slopes is None else [float(m) for m in alibi_slopes]
         self._alibi_on = None  # {'alibi_slopes': the slopes on the step's device}, made at the first (eager) step
@@ -45,32 +47,13 @@ class PagedAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                ctx: StepContext) -> torch.Tensor:
-        ops, cache = self.ops, ctx.kv_caches[self.layer_idx]
-        if cos is None:  # (ALiBi: nothing rotates)
-            ops.fill_kv_cache(k, v, cache, ctx.slot_mapping)
-        else:
-            q, k = ops.rotary_fill_kv(q, k, v, cos, sin, cache, ctx.slot_mapping)
         variant = self.variant
         if self.alibi is not None:
             if self._alibi_on is None:
                 slopes = torch.tensor(self.alibi, dtype=torch.float32, device=q.device)
                 self._alibi_on = dict(self.variant, alibi_slopes=slopes)
             variant = self._alibi_on
-        if ctx.is_decode:
-            out = ops.paged_decode_attention(q, cache, ctx.block_tables, ctx.kv_seqlens, self.scale, ctx.max_kv_len,
-                                             ctx.decode_order, **variant)
-        else:
-            # the leading one-token rows as a decode batch, then the prompt rows (q_start_loc holds their rows in
-            # q) over them: in a recorded step the decode batch is padded past the real one-token rows, and its
-            # padding rows (no context: zeros) may be prompt rows, which the prefill then writes
-            nd = ctx.num_decode
-            out = torch.empty_like(q)
-            if nd:
-                ops.paged_decode_attention(q[:nd], cache, ctx.block_tables[:nd], ctx.kv_seqlens[:nd], self.scale,
-                                           ctx.max_kv_len, ctx.decode_order, out=out[:nd], **variant)
-            ops.paged_prefill_attention(q, cache, ctx.block_tables[nd:], ctx.q_start_loc[nd:],
-                                        ctx.q_seqlens[nd:], ctx.kv_seqlens[nd:], self.scale, ctx.max_q_len,
-                                        ctx.max_kv_len, out=out, **variant)
+        out = self.impl.apply(self, q, k, v, cos, sin, ctx, ctx.kv_caches[self.layer_idx], variant)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
 

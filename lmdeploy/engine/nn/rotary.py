@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..model_config import RopeConfig
+from .build import layer_impl
 
 
 def base_inv_freq(dim: int, theta: float) -> torch.Tensor:
@@ -76,6 +77,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int, partial_layout: bool = False):
         super().__init__()
+        self.impl = layer_impl('rotary', dense=True)  # the device's (devices/layers.py)
+        self.impl.create_weights(self)
         self.head_dim = head_dim
         self.rope = rope
         self.max_pos = max_position_embeddings
@@ -123,21 +126,12 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, rope_lens: torch.Tensor):
         """positions [T]; rope_lens [T] (the length its sequence is rotated
-        for, used by dynamic NTK and LongRoPE). Returns cos, sin [T, D] float32."""
+        for, used by dynamic NTK and LongRoPE). Returns cos, sin [T, D] float32 (the device's rotary
+        implementation makes them from this rope type's frequencies: devices/layers.py)."""
         if self.rope.type == 'dynamic':
-            freqs = positions.float()[:, None] * self._dynamic_inv_freq(rope_lens)
+            inv_freq = self._dynamic_inv_freq(rope_lens)
         elif self.rope.type == 'longrope':
-            freqs = positions.float()[:, None] * self._longrope_inv_freq(rope_lens)
+            inv_freq = self._longrope_inv_freq(rope_lens)
         else:
-            freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
-        if self.rotary_dim != self.head_dim:  # partial_rotary_order's layout: pass-through dims cos 1, sin 0
-            af = self.rope.attention_factor
-            pad = (self.head_dim - self.rotary_dim) // 2
-            cos, sin = freqs.cos() * af, freqs.sin() * af
-            cos = torch.cat((cos, torch.ones_like(cos[:, :1]).expand(-1, pad)), dim=-1)
-            sin = torch.cat((sin, torch.zeros_like(sin[:, :1]).expand(-1, pad)), dim=-1)
-            return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        if self.rope.attention_factor != 1.0:  # LongRoPE's: scales q.k by its square
-            return emb.cos() * self.rope.attention_factor, emb.sin() * self.rope.attention_factor
-        return emb.cos(), emb.sin()
+            inv_freq = self._inv_freq_on(positions.device)
+        return self.impl.apply(self, positions, inv_freq, self.head_dim, self.rope.attention_factor)
