@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from .build import device_ops, layer_impl
+from .build import layer_impl
 from .context import StepContext
 
 
@@ -31,7 +31,6 @@ class PagedAttention(nn.Module):
         # passed to the ops only when set, so that a device whose ops predate them still runs other models
         self.variant = {k: v for k, v in (('sliding_window', sliding_window), ('logit_softcap', logit_softcap))
                         if v is not None}
-        self.ops = device_ops()
         self.impl = layer_impl('attention', dense=True)  # the device's (devices/layers.py)
         self.impl.create_weights(self)
         # (a plain list: the model is built on the meta device, where a buffer's values would not survive)
