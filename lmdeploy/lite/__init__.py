@@ -34,8 +34,8 @@ def auto_gptq(*args, **kwargs):
 
 
 def smooth_quant(*args, **kwargs):
-    """See :func:`lmdeploy.lite.smooth_quant.smooth_quant`."""
-    from .smooth_quant import smooth_quant as run
+    """See :func:`lmdeploy.lite.smoothquant.smooth_quant`."""
+    from .smoothquant import smooth_quant as run
     return run(*args, **kwargs)
 
 
