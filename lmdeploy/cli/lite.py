@@ -16,8 +16,8 @@ import sys
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    lite = sub.add_parser('lite', help='quantize a model offline (auto_awq, auto_gptq, smooth_quant)', description=__doc__,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    lite = sub.add_parser('lite', help='quantize a model offline (auto_awq, auto_gptq, smooth_quant)',
+                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmds = lite.add_subparsers(dest='lite_command', metavar='{auto_awq,auto_gptq,smooth_quant}')
     p = cmds.add_parser('auto_awq', help='AWQ 4-bit weights (group-wise, with zero points) into --work-dir',
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
