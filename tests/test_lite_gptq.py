@@ -189,3 +189,27 @@ def test_refusals_and_cli(tmp_path, smollm2_path):
                                           '64', '--desc-act', '--sym', '--calib-samples', '4', '--batch-size', '2'])
     assert (args.desc_act, args.sym, args.w_group_size, args.calib_samples, args.batch_size) == (True, True, 64, 4, 2)
     assert args.func.__name__ == 'run_auto_gptq'
+
+
+def test_cli_writes_a_sym_desc_act_checkpoint(tmp_path, tiny_model_factory):
+    """The command line on a tiny Llama with a JSONL calibration file: --sym --desc-act land in the config and
+    the tensors (symmetric zero points are 8, stored as 7; g_idx in act-order)."""
+    from safetensors.torch import load_file
+
+    from lmdeploy import cli
+    src = tiny_model_factory('llama')
+    path = tmp_path / 'calib.jsonl'
+    path.write_text('\n'.join(json.dumps({'text': f'Sentence number {i} about the weather in town.'})
+                              for i in range(200)) + '\n')
+    out = tmp_path / 'out'
+    rc = cli.main(['lite', 'auto_gptq', src, '--work-dir', str(out), '--calib-dataset', str(path), '--calib-samples',
+                   '4', '--calib-seqlen', '64', '--w-group-size', '16', '--sym', '--desc-act', '--device', 'cpu'])
+    assert rc == 0
+    with open(out / 'config.json') as f:
+        qc = json.load(f)['quantization_config']
+    assert (qc['quant_method'], qc['group_size'], qc['sym'], qc['desc_act']) == ('gptq', 16, True, True)
+    sd = load_file(str(out / 'model.safetensors'))
+    qz = sd['model.layers.0.self_attn.q_proj.qzeros']
+    assert torch.equal(qz, torch.full_like(qz, 0x77777777))  # eight nibbles of 7 (8 - 1)
+    g_idx = sd['model.layers.0.mlp.down_proj.g_idx']
+    assert not torch.equal(g_idx, torch.arange(len(g_idx), dtype=torch.int32) // 16)
