@@ -13,9 +13,10 @@ and at apply time the input is quantized per token (row), dynamically and symmet
 a_scale[t] = max_i |x[t, i]| / QMAX (QMAX 127 for int8, 448 for e4m3), x_q = round(x / a_scale) clamped to
 +-127 (int8) or x / a_scale cast to e4m3 (fp8, round to nearest even, saturating at 448). The output is then
 what an integer (or fp8) GEMM computes: acc[t, o] = sum_i x_q[t, i] * weight[o, i] accumulated exactly, times
-a_scale[t] * weight_scale[o]. This reference accumulates in float64, which is exact for both: an int8 product
-is at most 127^2 (sums stay far below 2^53), and an e4m3 product has 8 significant bits between 2^-18 and 2^18,
-so any sum of them fits 53 bits. The smoothing factors (SmoothQuant) are already folded into the preceding
+a_scale[t] * weight_scale[o]. This reference accumulates int8 in int32 (``torch._int_mm``, an integer GEMM,
+where torch has it for the shape and device: the cpu does; else float64) and e4m3 in float64, both exact: an
+int8 product is at most 127^2 (sums stay far below 2^31 and 2^53), and an e4m3 product has 8 significant bits
+between 2^-18 and 2^18, so any sum of them fits 53 bits. The smoothing factors (SmoothQuant) are already folded into the preceding
 norms' weights and the weights' columns by ``lite``: nothing of them is left to apply here.
 
 Under tensor parallelism a rank quantizes the part of a token's input it holds with its own scale (a row-
@@ -71,6 +72,17 @@ def quantize_per_channel(w: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torc
     return q, scale.squeeze(1).float()
 
 
+def int8_gemm(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_i q[t, i] * w[o, i] exactly, of int8 q [T, in] and w [out, in]: int32 through torch's integer GEMM
+    where it takes the shape on this device (cuda's wants more than 16 rows), else float64."""
+    if hasattr(torch, '_int_mm'):
+        try:
+            return torch._int_mm(q.contiguous(), w.t())
+        except (RuntimeError, NotImplementedError):
+            pass
+    return q.double() @ w.double().t()
+
+
 class W8A8Linear(LinearImpl):
     """SmoothQuant W8A8 (``quant_method: smooth_quant``), int8 or fp8 e4m3 by ``quant_dtype``: see the
     module's docstring. Subclasses fix the dtype; :meth:`format_for` picks one from the config."""
@@ -113,7 +125,8 @@ class W8A8Linear(LinearImpl):
     def apply(self, layer, x, with_bias=True):
         shape = x.shape
         q, a_scale = quantize_per_token(x.reshape(-1, shape[-1]), self.fp8)
-        acc = q.double() @ layer.weight.double().t()  # exact: see the module's docstring
+        # exact: see the module's docstring
+        acc = q.double() @ layer.weight.double().t() if self.fp8 else int8_gemm(q, layer.weight)
         out = (acc * a_scale.double() * layer.weight_scale.double()).to(x.dtype)
         if with_bias and layer.bias is not None:
             out = out + layer.bias.to(x.dtype)
