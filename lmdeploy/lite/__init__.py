@@ -14,9 +14,9 @@
 
 Modules: :mod:`.calib` (calibration text, no network), :mod:`.common` (what both share: loading, calibration
 inputs, running a layer, saving), :mod:`.awq` (the layer-by-layer search and quantization), :mod:`.gptq`
-(GPTQ), :mod:`.pack` (group quantization, the AWQ GEMM and GPTQ packings and the saved directory). Nothing
-here is imported by ``import lmdeploy``; this package itself imports neither torch nor transformers until a
-function runs.
+(GPTQ), :mod:`.smoothquant` (SmoothQuant W8A8), :mod:`.pack` (group quantization, the AWQ GEMM and GPTQ
+packings and the saved directory). Nothing here is imported by ``import lmdeploy``; this package itself
+imports neither torch nor transformers until a function runs.
 """
 from __future__ import annotations
 
