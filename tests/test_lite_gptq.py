@@ -1,6 +1,7 @@
 """``lmdeploy lite auto_gptq`` (lmdeploy/lite/gptq.py): SmolLM2-135M quantized here on the cpu (16 calibration
-windows of 128 tokens from the start of pydoc_data.topics, group size 64: 576 is not a multiple of 128), once in
-column order and once in act-order (``desc_act``), loads through the engine as a GPTQ checkpoint; its perplexity
+windows of 128 tokens from the start of pydoc_data.topics, group size 64: 576 is not a multiple of 128), in
+column order (and with ``LMDEPLOY_TEST_FULL=1`` in act-order, ``desc_act``, too), loads through the engine as a GPTQ
+checkpoint; its perplexity
 on the text's last 1,024 tokens (never calibrated on) lands well below plain round-to-nearest's (the same 4-bit
 groups, rounded with no error feedback) and within a bound of the float model's, and it still answers Paris; the
 GPTQ core beats round-to-nearest on a random linear's calibration inputs; the tensors are GPTQ's checkpoint
@@ -22,6 +23,7 @@ GROUP = 64
 CALIB = dict(calib_samples=16, calib_seqlen=128)
 # measured (README): float 13.38, RTN 17.1 (+28 %), GPTQ 14.9 (+11 %), GPTQ desc_act 14.6 (+9 %)
 MAX_GPTQ_OVER_FLOAT = 1.2
+FULL = os.environ.get('LMDEPLOY_TEST_FULL') == '1'  # also the act-order quantization of SmolLM2 end to end
 
 
 def _eval_windows(tokenizer):
@@ -62,7 +64,7 @@ def quantized(smollm2_path, tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp('lite_gptq')
     kw = dict(w_group_size=GROUP, device='cpu', progress=False, **CALIB)
     plain = auto_gptq(smollm2_path, str(root / 'gptq'), **kw)
-    act = auto_gptq(smollm2_path, str(root / 'gptq_act'), desc_act=True, **kw)
+    act = auto_gptq(smollm2_path, str(root / 'gptq_act'), desc_act=True, **kw) if FULL else None
     return dict(gptq=str(root / 'gptq'), act=str(root / 'gptq_act'), summary=plain, act_summary=act)
 
 
@@ -114,6 +116,8 @@ def test_gptq_output_loads_answers_and_beats_round_to_nearest(quantized, referen
     assert ppl < ppl_float * MAX_GPTQ_OVER_FLOAT, (ppl, ppl_float)
 
 
+@pytest.mark.skipif(not FULL, reason='a second SmolLM2 quantization (~40 s): LMDEPLOY_TEST_FULL=1 (act-order is checked '
+                    'in CI by the core test and the command-line test, and its g_idx loading by test_quant_formats)')
 def test_desc_act_output_loads_with_the_same_quality(quantized, reference_ppl):
     from safetensors.torch import load_file
     with open(os.path.join(quantized['act'], 'config.json')) as f:

@@ -856,7 +856,9 @@ PERSON = {'type': 'object', 'properties': {
 @pytest.mark.parametrize('stream', [False, True])
 def test_json_schema_and_json_mode_always_parse(client, srv, stream):
     """Unmodified openai client, temperature 1.0, 20 seeds: every JSON-schema answer parses and
-    validates (nested object, array, enum, required fields), every JSON-mode answer is a JSON object."""
+    validates (nested object, array, enum, required fields), every JSON-mode answer is a JSON object.
+    Streamed: 8 JSON-schema seeds (the grammar is the same; what streaming adds is the joining of deltas),
+    and JSON mode, whose unbounded answers make the longest pass, only unstreamed."""
     jsonschema = pytest.importorskip('jsonschema')
     pytest.importorskip('xgrammar')
     schema_fmt = {'type': 'json_schema', 'json_schema': {'name': 'person', 'schema': PERSON}}
@@ -879,8 +881,8 @@ def test_json_schema_and_json_mode_always_parse(client, srv, stream):
     # not 28 answers one after another on a CPU); each answer is checked as it would be alone
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(28) as pool:
-        schema_answers = [pool.submit(ask, schema_fmt, seed) for seed in range(20)]
-        mode_answers = [pool.submit(ask, {'type': 'json_object'}, seed, 400) for seed in range(8)]
+        schema_answers = [pool.submit(ask, schema_fmt, seed) for seed in range(8 if stream else 20)]
+        mode_answers = [] if stream else [pool.submit(ask, {'type': 'json_object'}, seed, 400) for seed in range(8)]
     for seed, answer in enumerate(schema_answers):
         text, reason = answer.result()
         assert reason == 'stop', (seed, text)
@@ -895,8 +897,9 @@ def test_json_schema_and_json_mode_always_parse(client, srv, stream):
             assert isinstance(json.loads(text), dict), (seed, text)
         else:
             assert reason == 'length' and text.startswith('{'), (seed, text)
-    print(f'JSON mode: {finished} of 8 answers ended by themselves')
-    assert finished >= 4
+    if mode_answers:
+        print(f'JSON mode: {finished} of 8 answers ended by themselves')
+        assert finished >= 4
     assert_clean(srv)
 
 
