@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paged_cache import reference_filled_cache
-from test_sliding_window_kernels import DEV, DTYPE, HAS_CUDA, REF, paged, rel_err, seeded  # noqa: F401
+from test_sliding_window_kernels import DEV, DTYPE, HAS_CUDA, REF, here_cuda_ops, paged, rel_err, seeded  # noqa: F401
 
 from lmdeploy.devices.cache import KVCache
 from lmdeploy.devices.conformance import check_names, run_self_tests
@@ -86,17 +86,5 @@ ALIBI_CHECKS = [name for name in check_names() if name.endswith('[alibi]')]
 
 @pytest.mark.parametrize('check', ALIBI_CHECKS)
 def test_the_cuda_device_passes_the_alibi_conformance_checks(check):
-    from lmdeploy.devices.cuda.ops import CudaOps
-
-    class Here(CudaOps):  # the interpreter runs on cpu tensors
-        def torch_device(self):
-            return torch.device(DEV)
-
-        def synchronize(self):
-            pass
-
-        def supports_dtype(self, dtype):
-            return dtype == DTYPE
-
-    [result] = run_self_tests('cuda', ops=Here(num_sms=132), only={check})
+    [result] = run_self_tests('cuda', ops=here_cuda_ops(), only={check})
     assert result.passed, result.detail

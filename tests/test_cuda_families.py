@@ -239,10 +239,7 @@ def hf_reference(model, prompts, truth_too: bool):
 
 def engine_run(path, prompts, device: str, dtype: str):
     """Per prompt: (greedy tokens, their step logits) from the Engine, all prompts in one batch."""
-    from engine_utils import submit
-
     from lmdeploy.engine.engine import Engine
-    from lmdeploy.engine.sequence import SamplingParams
     from lmdeploy.messages import PytorchEngineConfig
     session_len = max(len(p) for p in prompts) + NEW + 64
     if device == 'cuda':
@@ -252,15 +249,23 @@ def engine_run(path, prompts, device: str, dtype: str):
         blocks = sum(-(-(len(p) + NEW) // 16) for p in prompts) + 8
         cfg = PytorchEngineConfig(device_type=device, dtype=dtype, session_len=session_len, block_size=16,
                                   num_gpu_blocks=blocks)
-    engine = Engine(path, cfg)
+    return greedy_with_logits(Engine(path, cfg), prompts, NEW)
+
+
+def greedy_with_logits(engine, prompts, new: int):
+    """Per prompt: (``new`` greedy tokens, their step logits), all prompts in one batch of ``engine``, which is
+    checked clean and closed afterwards."""
+    from engine_utils import submit
+
+    from lmdeploy.engine.sequence import SamplingParams
     try:
-        cols = [submit(engine, p, SamplingParams(max_new_tokens=NEW, output_logits='generation')) for p in prompts]
+        cols = [submit(engine, p, SamplingParams(max_new_tokens=new, output_logits='generation')) for p in prompts]
         got = []
         for col in cols:
             col.wait(600)
             assert col.final.error is None, col.final.error
             logits = torch.cat([o.logits for o in col.outputs if o.logits is not None]).float().cpu()
-            assert logits.shape[0] == NEW, logits.shape
+            assert logits.shape[0] == new, logits.shape
             got.append((col.token_ids, logits))
         engine.wait_idle()
         engine.check_invariants()

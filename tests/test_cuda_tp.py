@@ -24,7 +24,7 @@ import random
 import pytest
 import torch
 
-from test_cuda_families import _randomize, rel
+from test_cuda_families import _randomize, greedy_with_logits, rel
 
 NEW = 12
 PROMPT_LENGTHS = (5, 37, 100, 300, 700, 1500)
@@ -63,29 +63,12 @@ def build(shape: str, out: str) -> str:
 
 def run(path: str, tp: int, quant_policy: int, prompts):
     """Per prompt: (greedy tokens, their step logits), all prompts in one batch."""
-    from engine_utils import submit
-
     from lmdeploy.engine.engine import Engine
-    from lmdeploy.engine.sequence import SamplingParams
     from lmdeploy.messages import PytorchEngineConfig
     cfg = PytorchEngineConfig(device_type='cuda', dtype='bfloat16', tp=tp, quant_policy=quant_policy,
                               session_len=max(map(len, prompts)) + NEW + 64, max_batch_size=16,
                               cache_max_entry_count=0.3)
-    engine = Engine(path, cfg)
-    try:
-        cols = [submit(engine, p, SamplingParams(max_new_tokens=NEW, output_logits='generation')) for p in prompts]
-        got = []
-        for col in cols:
-            col.wait(600)
-            assert col.final.error is None, col.final.error
-            logits = torch.cat([o.logits for o in col.outputs if o.logits is not None]).float().cpu()
-            assert logits.shape[0] == NEW, logits.shape
-            got.append((col.token_ids, logits))
-        engine.wait_idle()
-        engine.check_invariants()
-        return got
-    finally:
-        engine.close()
+    return greedy_with_logits(Engine(path, cfg), prompts, NEW)
 
 
 def compare(ref, got):

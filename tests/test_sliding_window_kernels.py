@@ -31,6 +31,23 @@ def seeded():
     torch.manual_seed(int.from_bytes(os.urandom(4), 'little'))
 
 
+def here_cuda_ops():
+    """The cuda device's ops on this process's tensors (on cpu tensors, its kernels in Triton's interpreter)."""
+    from lmdeploy.devices.cuda.ops import CudaOps
+
+    class Here(CudaOps):
+        def torch_device(self):
+            return torch.device(DEV)
+
+        def synchronize(self):
+            pass
+
+        def supports_dtype(self, dtype):
+            return dtype == DTYPE
+
+    return Here(num_sms=132)
+
+
 def rel_err(out, ref):
     out, ref = out.double().cpu(), ref.double().cpu()
     assert torch.isfinite(out).all(), 'non-finite output'
@@ -165,17 +182,5 @@ WINDOW_CHECKS = [name for name in check_names() if ('window' in name or 'softcap
 def test_the_cuda_device_passes_the_window_and_softcap_conformance_checks(check):
     """The device's own entry points (CudaOps: its cache's int4 mean key handed to the kernels) on the
     conformance suite's window / soft-cap checks (head_dim 64, 128 and 256)."""
-    from lmdeploy.devices.cuda.ops import CudaOps
-
-    class Here(CudaOps):  # the interpreter runs on cpu tensors
-        def torch_device(self):
-            return torch.device(DEV)
-
-        def synchronize(self):
-            pass
-
-        def supports_dtype(self, dtype):
-            return dtype == DTYPE
-
-    [result] = run_self_tests('cuda', ops=Here(num_sms=132), only={check})
+    [result] = run_self_tests('cuda', ops=here_cuda_ops(), only={check})
     assert result.passed, result.detail
