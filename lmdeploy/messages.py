@@ -154,6 +154,10 @@ class GenerationConfig:
 DeviceType = str
 
 
+# PytorchEngineConfig.model_format / --model-format (devices/layers.check_model_format)
+MODEL_FORMATS = (None, 'hf', 'awq', 'gptq', 'smooth_quant')
+
+
 @dataclass
 class PytorchEngineConfig:
     """Engine settings (the fields of LMDeploy's ``PytorchEngineConfig``).
@@ -195,6 +199,10 @@ class PytorchEngineConfig:
     # load a tokenizer the checkpoint ships as code (InternLM2, ChatGLM, Baichuan: tokenizer_config.json's
     # auto_map), as LMDeploy does; False refuses such a checkpoint (lmdeploy/tokenizer.py)
     trust_remote_code: bool = True
+    # what the checkpoint's weights are, as LMDeploy's --model-format says it: None or 'hf' (whatever
+    # config.json's quantization_config says), 'awq', 'gptq' or 'smooth_quant' (config.json must say the
+    # same: the engine refuses a checkpoint that does not, before loading anything)
+    model_format: Optional[str] = None
     # accepted for LMDeploy compatibility; no effect here
     num_cpu_blocks: int = 0
     thread_safe: bool = False
@@ -235,6 +243,8 @@ class PytorchEngineConfig:
                f'must be 0, 4 or 8, got {self.quant_policy!r}')
         _check(self.trust_remote_code in (True, False), name + 'trust_remote_code',
                f'must be True or False, got {self.trust_remote_code!r}')
+        _check(self.model_format in MODEL_FORMATS, name + 'model_format',
+               f'must be one of {MODEL_FORMATS}, got {self.model_format!r}')
         _check(self.distributed_executor_backend in (None, 'mp', 'ray'), name + 'distributed_executor_backend',
                f"must be None, 'mp' or 'ray', got {self.distributed_executor_backend!r}")
 
@@ -266,7 +276,7 @@ class TurbomindEngineConfig:
                                    enable_prefix_caching=self.enable_prefix_caching,
                                    quant_policy=self.quant_policy,
                                    max_prefill_token_num=self.max_prefill_token_num,
-                                   device_type=device_type)
+                                   device_type=device_type, model_format=self.model_format)
 
 
 class ResponseType(enum.Enum):

@@ -133,10 +133,11 @@ def _checkpoint(src: str, out: str, dense_out: str, method: str, group: int, sym
         json.dump(cfg, fh)
 
 
-def _decode(path, prompts, n, tp=1):
+def _decode(path, prompts, n, tp=1, model_format=None):
     from lmdeploy.engine.engine import Engine
     from lmdeploy.messages import PytorchEngineConfig
-    eng = Engine(path, PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=256, tp=tp))
+    eng = Engine(path, PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=256, tp=tp,
+                                           model_format=model_format))
     try:
         layer = eng.runner.model.model.layers[0].self_attn.qkv_proj if tp == 1 else None
         got = generate_all(eng, prompts, greedy(n))
@@ -160,7 +161,7 @@ def test_checkpoint_decodes_as_its_dequantized_weights(tiny_model_factory, tmp_p
     _checkpoint(tiny_model_factory(name), quant, dense, method, group, sym, desc_act)
     rng = random.Random()
     prompts = [[rng.randrange(20, 1000) for _ in range(rng.randint(3, 20))] for _ in range(3)]
-    got, layer = _decode(quant, prompts, 10)
+    got, layer = _decode(quant, prompts, 10, model_format=method)  # --model-format agreeing with config.json
     assert type(layer.impl).__name__ == {'awq': 'AwqLinear', 'gptq': 'GptqLinear'}[method]
     assert layer.weight_q.dtype == torch.uint8 and layer.weight_q.shape == (128, 64)  # q|k|v rows, hidden
     assert got == hf_greedy(dense, prompts, 10)
@@ -280,6 +281,27 @@ def test_a_layer_the_group_does_not_divide_is_refused():
         AwqLinear(get_device('cpu'), dict(AWQ, group_size=32)).create_weights(nn.Module(), 48, 64, False)
     with pytest.raises(ValueError, match='output size is 44, not a multiple of 8'):
         GptqLinear(get_device('cpu'), GPTQ).create_weights(nn.Module(), 128, 44, False)
+
+
+def test_a_model_format_config_json_does_not_say_is_refused(tiny_model_factory, tmp_path):
+    """--model-format (LMDeploy's flag) is checked against config.json before anything loads: a float
+    checkpoint named 'awq' would otherwise run unquantized without a word."""
+    from lmdeploy.cli.common import add_engine_args, build_engine_config
+    quant, dense = str(tmp_path / 'awq'), str(tmp_path / 'dense')
+    _checkpoint(tiny_model_factory('llama'), quant, dense, 'awq', 32)
+    with pytest.raises(ValueError, match=r"--model-format gptq .*/config.json says quant_method 'awq'"):
+        _decode(quant, [[30, 40]], 1, model_format='gptq')
+    with pytest.raises(ValueError, match=r'--model-format awq .* has no quantization_config \(plain weights\)'):
+        _decode(dense, [[30, 40]], 1, model_format='awq')
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert build_engine_config(parser.parse_args(['--model-format', 'gptq'])).model_format == 'gptq'
+    with pytest.raises(SystemExit):
+        parser.parse_args(['--model-format', 'int3'])
+    with pytest.raises(ValueError, match='PytorchEngineConfig.model_format'):
+        from lmdeploy.messages import PytorchEngineConfig
+        PytorchEngineConfig(model_format='int3')
 
 
 def test_desc_act_groups_under_two_ranks_are_refused(tiny_model_factory, tmp_path):

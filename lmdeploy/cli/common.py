@@ -15,7 +15,7 @@ import sys
 from typing import Any, Dict, Optional
 
 from lmdeploy.devices.registry import device_choices
-from lmdeploy.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy.messages import MODEL_FORMATS, GenerationConfig, PytorchEngineConfig
 
 BACKENDS = ('pytorch', 'turbomind')
 DTYPES = ('auto', 'float16', 'bfloat16', 'float32')
@@ -91,6 +91,10 @@ def add_engine_args(parser: argparse.ArgumentParser):
     g.add_argument('--trust-remote-code', action=argparse.BooleanOptionalAction, default=True,
                    help="run a tokenizer the checkpoint ships as code (InternLM2, ChatGLM, Baichuan) "
                    '(default: yes, as LMDeploy)')
+    g.add_argument('--model-format', default=None, choices=[f for f in MODEL_FORMATS if f],
+                   help="what the checkpoint's weights are, as LMDeploy's flag says it: 'hf' (as config.json "
+                   "says), 'awq', 'gptq' or 'smooth_quant'; config.json's quantization_config decides how they "
+                   'load, and a checkpoint that says otherwise is refused (default: no claim)')
     g.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=None,
                    help='run the engine loop in a process of its own (default: yes for the API server, '
                    'no for the other commands)')
@@ -136,6 +140,7 @@ def build_engine_config(args) -> PytorchEngineConfig:
                                num_gpu_blocks=getattr(args, 'num_gpu_blocks', _ENGINE_DEFAULTS['num_gpu_blocks']),
                                engine_process=getattr(args, 'engine_process', None),
                                trust_remote_code=getattr(args, 'trust_remote_code', True),
+                               model_format=getattr(args, 'model_format', None),
                                distributed_executor_backend=getattr(args, 'distributed_executor_backend', None))
 
 

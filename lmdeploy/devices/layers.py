@@ -330,3 +330,21 @@ def weight_format(quantization_config: Optional[Dict[str, Any]]) -> str:
     cls = REFERENCE_IMPLS[('linear', FORMATS[method])]
     cls.check_config(quantization_config)
     return cls.format_for(quantization_config)
+
+
+def check_model_format(model_format: Optional[str], quantization_config: Optional[Dict[str, Any]],
+                       where: str = 'config.json') -> None:
+    """LMDeploy's ``--model-format``: the user's word for what the checkpoint holds. config.json's
+    ``quantization_config`` decides how the weights load; a format named here must be the one it names,
+    else the checkpoint is refused before anything loads (a float model served as 'awq', say, would
+    otherwise run unquantized without a word). None and 'hf': no claim."""
+    if model_format in (None, 'hf'):
+        return
+    method = quantization_config.get('quant_method') if isinstance(quantization_config, dict) else None
+    if method == model_format:
+        return
+    says = (f'says quant_method {method!r}' if quantization_config else
+            'has no quantization_config (plain weights)')
+    raise ValueError(f'--model-format {model_format} (PytorchEngineConfig.model_format), but {where} {says}: the '
+                     f'weights load as config.json describes them; drop the flag, or point at a checkpoint '
+                     f'quantized as {model_format} (lmdeploy lite writes them)')

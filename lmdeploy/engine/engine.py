@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
 import queue
 import sys
 import threading
@@ -27,6 +28,7 @@ import torch
 
 from lmdeploy.at_exit import close_at_exit
 from lmdeploy.devices import get_device
+from lmdeploy.devices.layers import check_model_format
 from lmdeploy.messages import PytorchEngineConfig
 
 from .block_manager import BlockManager
@@ -94,6 +96,8 @@ class Engine:
         self.device = get_device(config.device_type)
         self.runtime = self.device.runtime  # its services: step marks, copies to the host
         self.model_config: ModelConfig = model_config or load_model_config(model_path)
+        check_model_format(config.model_format, self.model_config.raw.get('quantization_config'),
+                           os.path.join(model_path, 'config.json'))
         self.block_size = config.block_size
         self.quant_policy = config.quant_policy
         # tp > 1: this process is rank 0 of the tensor-parallel ranks; the others start now and build alongside
