@@ -247,7 +247,8 @@ def test_conformance_suite_on_the_emulated_npu(npu):
     from lmdeploy.devices.conformance import run_self_tests
     results = run_self_tests('ascend')
     assert len(results) >= 11 and all(r.passed for r in results), [r for r in results if not r.passed]
-    assert {'paged_decode_attention[int8]', 'paged_prefill_attention[int8]'} <= {r.op for r in results}
+    assert {'paged_decode_attention[int8]', 'paged_prefill_attention[int8]', 'layer:linear[awq]',
+            'layer:linear[gptq]'} <= {r.op for r in results}
 
 
 def test_int4_kv_quantization_is_refused_at_start_up(npu, smollm2_path):
@@ -509,3 +510,96 @@ def test_chat_on_the_emulated_npu(smollm2_path):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
+
+
+# ---------------------------------------------------------------- W4A16 (AWQ / GPTQ weights)
+@pytest.mark.parametrize('dtype,group', [(torch.float32, 32), (torch.bfloat16, 0), (torch.float16, 64)])
+def test_npu_weight_quant_batchmatmul_int4(npu, dtype, group):
+    """x @ ((w + offset) * scale) with int4 weights through npu_convert_weight_to_int4pack, a scale and
+    offset per group of input rows (0: per channel), against the formula computed directly."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
+    m, k, n = 5, 128, 48
+    w = torch.randint(-8, 8, (k, n), generator=g, dtype=torch.int32)
+    groups = k // group if group else 1
+    scale = (torch.rand(groups, n, generator=g) / 10 + 0.01).to(dtype)
+    offset = torch.randint(-7, 9, (groups, n), generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    got = npu.npu_weight_quant_batchmatmul(x, npu.npu_convert_weight_to_int4pack(w), scale, offset,
+                                           antiquant_group_size=group)
+    rows = torch.arange(k) // group if group else torch.zeros(k, dtype=torch.long)
+    want = x.double() @ ((w.double() + offset.double()[rows]) * scale.double()[rows])
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert float((got.double() - want).abs().max()) <= tol * float(want.abs().max())
+    with pytest.raises(RuntimeError, match='antiquant_scale must be'):
+        npu.npu_weight_quant_batchmatmul(x, npu.npu_convert_weight_to_int4pack(w), scale[:1].repeat(3, 1),
+                                         offset, antiquant_group_size=group or 64)
+    with pytest.raises(RuntimeError, match='int4 range'):
+        npu.npu_convert_weight_to_int4pack(w + 8)
+
+
+def test_awq_and_gptq_layers_run_through_the_npu_op(npu):
+    """The device's AWQ / GPTQ layers pack their weights for npu_weight_quant_batchmatmul (GPTQ act-order:
+    input columns permuted so that each group is a run) and give the reference's outputs."""
+    from torch import nn
+
+    from lmdeploy.devices import get_device
+    from lmdeploy.devices.ascend.w4a16 import AscendAwqLinear, AscendGptqLinear
+    from lmdeploy.devices.quant_formats import AwqLinear, GptqLinear
+    from lmdeploy.devices.reference import ReferenceOps
+    ops = get_device('ascend')
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
+    k, n, group = 128, 64, 32
+    cases = [(AwqLinear, {'quant_method': 'awq', 'bits': 4, 'group_size': group, 'version': 'gemm'}, None),
+             (GptqLinear, {'quant_method': 'gptq', 'bits': 4, 'group_size': group, 'desc_act': True}, 'act'),
+             (GptqLinear, {'quant_method': 'gptq', 'bits': 4, 'group_size': -1}, None)]
+    for ref_cls, config, order in cases:
+        mine, ref = nn.Module(), nn.Module()
+        impl, ref_impl = ops.layer_impl('linear', ref_cls.format, config), ref_cls(ReferenceOps(), config)
+        assert isinstance(impl, (AscendAwqLinear, AscendGptqLinear))
+        impl.create_weights(mine, k, n, True)
+        ref_impl.create_weights(ref, k, n, True)
+        for name, p in ref.named_parameters():
+            if name == 'g_idx':  # act-order: every group has `group` columns, in a random order
+                value = (torch.randperm(k, generator=g) // group).to(torch.int32) if order else \
+                    torch.zeros(k, dtype=torch.int32)
+            elif p.dtype == torch.int32:
+                value = torch.randint(-2**31, 2**31 - 1, p.shape, generator=g, dtype=torch.int32)
+            else:
+                value = torch.rand(p.shape, generator=g) / 20 + 1e-3
+            getattr(mine, name).data = value.clone()
+            getattr(ref, name).data = value.clone()
+        impl.process_weights(mine)
+        ref_impl.process_weights(ref)
+        assert mine.weight_int4.dtype == torch.int32 and mine.weight_int4.shape == (k, n // 8)
+        assert (mine.column_order is not None) == bool(order)
+        x = torch.randn(3, k, generator=g)
+        want = ref_impl.apply(ref, x)
+        got = impl.apply(mine, x)
+        assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()), ref_cls.__name__
+
+
+@pytest.mark.parametrize('method,desc_act', [('awq', False), ('gptq', True)])
+def test_quantized_checkpoint_decodes_as_on_the_cpu(npu, tiny_model_factory, tmp_path, method, desc_act):
+    """A tiny AWQ / GPTQ (act-order) checkpoint: greedy tokens on the emulated NPU (float32, eager, through
+    npu_weight_quant_batchmatmul) equal the cpu device's (the reference's dequantize-and-matmul)."""
+    from engine_utils import generate_all, greedy
+    from test_quant_formats import _checkpoint
+
+    from lmdeploy.engine.engine import Engine
+    from lmdeploy.messages import PytorchEngineConfig
+    quant = str(tmp_path / method)
+    _checkpoint(tiny_model_factory('llama'), quant, str(tmp_path / 'dense'), method, 32, desc_act=desc_act)
+    prompts = [[30, 400, 5000, 77], [900, 12, 31, 3000, 45, 6]]
+    tokens = {}
+    for device in ('cpu', 'ascend'):
+        eng = Engine(quant, PytorchEngineConfig(device_type=device, dtype='float32', session_len=128,
+                                                eager_mode=True))
+        try:
+            if device == 'ascend':
+                layer = eng.runner.model.model.layers[0].self_attn.qkv_proj
+                assert type(layer.impl).__name__.startswith('Ascend') and layer.impl.fused
+            tokens[device] = generate_all(eng, prompts, greedy(12))
+        finally:
+            eng.close()
+    assert tokens['ascend'] == tokens['cpu']

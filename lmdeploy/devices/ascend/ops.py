@@ -17,6 +17,7 @@ from ..cache import KVCache, KVCacheSpec, quantize
 from ..interface import DeviceOps
 from ..reference import ReferenceOps, ReferenceSampling
 from . import runtime
+from .w4a16 import W4A16_IMPLS
 
 # sparse_mode 3 ("rightDownCausal") reads a fixed 2048 x 2048 upper-triangular mask (True: masked) and
 # aligns it to the bottom right of each sequence's (q, kv) square: query row i of q_len new tokens sees
@@ -37,6 +38,7 @@ class AscendOps(ReferenceSampling, DeviceOps):
     name = 'ascend'
     runtime_class = runtime.AscendRuntime  # NPU memory, events, graphs of decode steps, HCCL (runtime.py)
     quant_policies = (0, 8)
+    layer_impls = W4A16_IMPLS  # AWQ / GPTQ through npu_weight_quant_batchmatmul (w4a16.py)
 
     def __init__(self):
         self._npu_ops = runtime.torch_npu()

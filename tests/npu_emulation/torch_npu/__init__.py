@@ -101,6 +101,61 @@ def npu_gelu(input, approximate='none'):
     return torch.nn.functional.gelu(input.float(), approximate=approximate).to(input.dtype)
 
 
+# ------------------------------------------------------------------ weight-quantized matmul (W4A16)
+@_op()
+def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
+    """int32 [k, n] of values in [-8, 7] (contiguous, n a multiple of 8) -> int32 [k, n / 8], eight 4-bit
+    values an int32. The NPU interleaves them in an order of its own ("交叠排放"); only
+    npu_weight_quant_batchmatmul reads the result, so here value j of a group of eight is bits 4j..4j+3
+    (two's complement), and the matmul below unpacks the same way."""
+    _need(weight.dtype == torch.int32 and weight.dim() == 2 and weight.is_contiguous(),
+          'npu_convert_weight_to_int4pack takes a contiguous 2-D int32 tensor')
+    _need(weight.shape[-1] % 8 == 0, 'the last dimension must be a multiple of 8')
+    _need(bool(((weight >= -8) & (weight <= 7)).all()), 'values must be in the int4 range [-8, 7]')
+    nib = (weight & 0xF).view(weight.shape[0], -1, 8).to(torch.int64)
+    packed = (nib << (4 * torch.arange(8, dtype=torch.int64))).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def _unpack_int4(packed):
+    nib = (packed.to(torch.int64).unsqueeze(-1) >> (4 * torch.arange(8, dtype=torch.int64))) & 0xF
+    return torch.where(nib >= 8, nib - 16, nib).reshape(packed.shape[0], -1)
+
+
+@_op()
+def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
+                                 quant_offset=None, bias=None, antiquant_group_size=0, inner_precise=0):
+    """y = x @ ((weight + antiquant_offset) * antiquant_scale) + bias, x [M, K] float16 / bfloat16 (float32
+    accepted here so that emulated runs compare exactly with the cpu device), weight int8 [K, N] or int32
+    [K, N / 8] (int4 through npu_convert_weight_to_int4pack); scale and offset in x's dtype, [1, N] / [N]
+    per channel or [ceil(K / antiquant_group_size), N] per group; the output in x's dtype. Output
+    quantization (quant_scale) is not emulated."""
+    _need(x.dim() == 2 and weight.dim() == 2, 'x [M, K] and weight [K, N] are 2-D')
+    _need(x.dtype in (torch.float16, torch.bfloat16, torch.float32), 'x must be float16 / bfloat16')
+    _need(quant_scale is None and quant_offset is None, 'output quantization is not emulated')
+    if weight.dtype == torch.int32:
+        w = _unpack_int4(weight)
+    else:
+        _need(weight.dtype == torch.int8, 'weight must be int8, or int32 carrying int4')
+        w = weight.to(torch.int64)
+    k, n = w.shape
+    _need(x.shape[1] == k, f'x has K = {x.shape[1]}, weight {k}')
+    groups = -(-k // antiquant_group_size) if antiquant_group_size > 0 else 1
+    want = (groups, n)
+    for name, t in (('antiquant_scale', antiquant_scale), ('antiquant_offset', antiquant_offset)):
+        if t is None:
+            continue
+        _need(t.dtype == x.dtype, f'{name} must have x\'s dtype')
+        _need(tuple(t.reshape(-1, n).shape) == want, f'{name} must be {list(want)} here, got {list(t.shape)}')
+    rows = torch.arange(k) // antiquant_group_size if antiquant_group_size > 0 else torch.zeros(k, dtype=torch.long)
+    wf = w.to(torch.float32)
+    if antiquant_offset is not None:
+        wf = wf + antiquant_offset.reshape(-1, n).float()[rows]
+    wf = (wf * antiquant_scale.reshape(-1, n).float()[rows]).to(x.dtype)
+    y = x @ wf
+    return y if bias is None else y + bias.to(x.dtype)
+
+
 # ------------------------------------------------------------------ KV cache
 _SCATTER_DTYPES = (torch.float32, torch.float16, torch.bool, torch.bfloat16, torch.int64, torch.int8)  # A2, 7.0.0
 
