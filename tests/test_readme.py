@@ -125,7 +125,7 @@ def test_readme_names_every_command_and_every_named_command_exists():
                                                                 'lmdeploy check_env', 'lmdeploy list')}
     assert leaves == {'lmdeploy serve api_server', 'lmdeploy serve proxy', 'lmdeploy serve gradio',
                       'lmdeploy chat', 'lmdeploy generate', 'lmdeploy lite auto_awq', 'lmdeploy lite auto_gptq',
-                      'lmdeploy lite smooth_quant',
+                      'lmdeploy lite smooth_quant', 'lmdeploy lite calibrate',
                       'lmdeploy check_env', 'lmdeploy list'}
     for path in leaves:
         assert f'`{path}' in README or f'\n{path}' in README, f'the README never shows {path!r}'

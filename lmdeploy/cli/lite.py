@@ -16,9 +16,9 @@ import sys
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    lite = sub.add_parser('lite', help='quantize a model offline (auto_awq, auto_gptq, smooth_quant)',
+    lite = sub.add_parser('lite', help='quantize a model offline (auto_awq, auto_gptq, smooth_quant, calibrate)',
                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cmds = lite.add_subparsers(dest='lite_command', metavar='{auto_awq,auto_gptq,smooth_quant}')
+    cmds = lite.add_subparsers(dest='lite_command', metavar='{auto_awq,auto_gptq,smooth_quant,calibrate}')
     p = cmds.add_parser('auto_awq', help='AWQ 4-bit weights (group-wise, with zero points) into --work-dir',
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common_args(p)
@@ -41,11 +41,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     _device_arg(p)
     p.set_defaults(func=run_auto_gptq)
     _add_smooth_quant(cmds)
+    _add_calibrate(cmds)
     lite.set_defaults(func=lambda args: _usage(lite))
     return lite
 
 
-def _common_args(p, per_channel: bool = False):
+def _common_args(p, per_channel: bool = False, weights: bool = True):
     p.add_argument('model', metavar='MODEL',
                    help="local Hugging Face model directory; 'default': the embedded SmolLM2-135M-Instruct")
     p.add_argument('--work-dir', required=True, help='output directory (created; files in it are replaced)')
@@ -59,6 +60,8 @@ def _common_args(p, per_channel: bool = False):
     p.add_argument('--batch-size', type=int, default=1,
                    help='calibration windows run together; more is faster and takes more memory '
                    '(default: %(default)s)')
+    if not weights:
+        return
     p.add_argument('--w-bits', type=int, default=4, choices=(4, ), help='weight bits (default: %(default)s)')
     p.add_argument('--w-group-size', type=int, default=128,
                    help='input columns sharing a scale and zero point; must divide every linear layer\'s input '
@@ -132,15 +135,43 @@ def _add_smooth_quant(cmds):
                    help='migration strength alpha in [0, 1] (default: %(default)s, as SmoothQuant / LMDeploy)')
     p.add_argument('--no-smooth', dest='smooth', action='store_false',
                    help='skip the smoothing: plain per-channel / per-token round-to-nearest')
+    p.add_argument('--calib-stats', default=None, metavar='DIR',
+                   help='a `lmdeploy lite calibrate` work dir: take the activation maxima from its '
+                   'inputs_stats.pt instead of running the calibration windows')
     _device_arg(p)
     p.set_defaults(func=run_smooth_quant)
+
+
+CALIBRATE_DOC = """``lmdeploy lite calibrate MODEL --work-dir OUT``: per-channel statistics of what each decoder
+linear reads (absmax, absmean, max, min, mean over the calibration tokens), layer by layer in float, saved as
+OUT/inputs_stats.pt with OUT/calibration.json; ``lmdeploy lite smooth_quant --calib-stats OUT`` reuses them.
+Llama, Mistral, Qwen2 and Qwen3 models; calibration text as for auto_awq.
+"""
+
+
+def _add_calibrate(cmds):
+    p = cmds.add_parser('calibrate', help='record what each decoder linear reads, per channel, into --work-dir',
+                        description=CALIBRATE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common_args(p, weights=False)
+    _device_arg(p)
+    p.set_defaults(func=run_calibrate)
+
+
+def run_calibrate(args, stdout=None) -> int:
+    from lmdeploy.lite import calibrate
+    r = calibrate(args.model, args.work_dir, calib_dataset=args.calib_dataset, calib_samples=args.calib_samples,
+                  calib_seqlen=args.calib_seqlen, batch_size=args.batch_size, device=args.device)
+    print(f'wrote {args.work_dir}/inputs_stats.pt: {r["layers"]} layers, {r["calib_tokens"]} calibration tokens, '
+          f'on {r["device"]}, {r["seconds"]:.0f} s', file=stdout or sys.stdout)
+    return 0
 
 
 def run_smooth_quant(args, stdout=None) -> int:
     from lmdeploy.lite import smooth_quant
     r = smooth_quant(args.model, args.work_dir, quant_dtype=args.quant_dtype, calib_dataset=args.calib_dataset,
                      calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, batch_size=args.batch_size,
-                     smooth_alpha=args.smooth_alpha, smooth=args.smooth, device=args.device)
+                     smooth_alpha=args.smooth_alpha, smooth=args.smooth, device=args.device,
+                     calib_stats=args.calib_stats)
     print(f'wrote {args.work_dir}: {r["layers"]} layers, W8A8 {r["quant_dtype"]}, smoothing alpha '
           f'{r["smooth_alpha"]}, {r["calib_tokens"]} calibration tokens, on {r["device"]}, {r["seconds"]:.0f} s',
           file=stdout or sys.stdout)

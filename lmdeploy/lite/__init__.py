@@ -12,9 +12,13 @@
   W8A8, smoothing factors folded into the norms / preceding linears, int8 or fp8 weights per channel
   (``quant_method: smooth_quant``, :mod:`lmdeploy.devices.w8a8`).
 
+* :func:`calibrate` (``lmdeploy lite calibrate MODEL --work-dir OUT``): per-channel statistics of what every
+  decoder linear reads on the calibration text (``inputs_stats.pt``), which ``smooth_quant --calib-stats``
+  reuses.
+
 Modules: :mod:`.calib` (calibration text, no network), :mod:`.common` (what both share: loading, calibration
 inputs, running a layer, saving), :mod:`.awq` (the layer-by-layer search and quantization), :mod:`.gptq`
-(GPTQ), :mod:`.smoothquant` (SmoothQuant W8A8), :mod:`.pack` (group quantization, the AWQ GEMM and GPTQ
+(GPTQ), :mod:`.smoothquant` (SmoothQuant W8A8), :mod:`.calibrate` (the statistics), :mod:`.pack` (group quantization, the AWQ GEMM and GPTQ
 packings and the saved directory). Nothing here is imported by ``import lmdeploy``; this package itself
 imports neither torch nor transformers until a function runs.
 """
@@ -39,4 +43,10 @@ def smooth_quant(*args, **kwargs):
     return run(*args, **kwargs)
 
 
-__all__ = ['auto_awq', 'auto_gptq', 'smooth_quant']
+def calibrate(*args, **kwargs):
+    """See :func:`lmdeploy.lite.calibrate.calibrate`."""
+    from .calibrate import calibrate as run
+    return run(*args, **kwargs)
+
+
+__all__ = ['auto_awq', 'auto_gptq', 'smooth_quant', 'calibrate']

@@ -180,6 +180,7 @@ class Prepared:
         for i, layer in enumerate(self.layers if w_group_size is not None else ()):
             check_group_size(layer, w_group_size, prefix=f'model.layers.{i}.', rows_packed=rows_packed)
         self.tokens = calib_tokens(tokenizer, calib_dataset, calib_samples, calib_seqlen)
+        self.calib_tokens = int(self.tokens.numel())  # what the summary reports (smooth_quant --calib-stats: theirs)
         with torch.no_grad():
             hf.model.embed_tokens.to(dev)
             if getattr(hf.model, 'rotary_emb', None) is not None:
@@ -204,5 +205,5 @@ class Prepared:
 
     def summary(self, group_size: int, **extra) -> dict:
         return {'layers': len(self.layers), 'seconds': time.monotonic() - self.start,
-                'calib_tokens': int(self.tokens.numel()), 'group_size': group_size, 'device': str(self.device),
+                'calib_tokens': self.calib_tokens, 'group_size': group_size, 'device': str(self.device),
                 **extra}

@@ -111,20 +111,33 @@ def _check_dtype(quant_dtype: str) -> str:
 def calibrate_and_smooth(model: Optional[str], work_dir: str, calib_dataset: Optional[str] = None,
                          calib_samples: int = 128, calib_seqlen: int = 2048, batch_size: int = 1,
                          smooth_alpha: float = 0.5, smooth: bool = True, device: str = 'auto',
-                         progress: bool = True) -> Prepared:
+                         progress: bool = True, calib_stats: Optional[str] = None) -> Prepared:
     """The float model loaded and, with ``smooth``, smoothed layer by layer on the calibration text (in place:
-    the same function in float). ``prep.spreads``: per layer and group, the factors' max / min."""
+    the same function in float). ``prep.spreads``: per layer and group, the factors' max / min.
+    ``calib_stats``: a ``lite calibrate`` work dir whose recorded maxima are used instead of running the
+    calibration windows (the float model's, as here: smoothing leaves the function unchanged)."""
     if not 0 <= smooth_alpha <= 1:
         raise ValueError(f'--smooth-alpha {smooth_alpha}: between 0 and 1')
-    prep = Prepared(model, work_dir, 'smooth_quant', calib_dataset, calib_samples, calib_seqlen, batch_size, None,
-                    None, device)
+    prep = Prepared(model, work_dir, 'smooth_quant', calib_dataset, calib_samples if calib_stats is None else 1,
+                    calib_seqlen, batch_size, None, None, device)
     dev, layers, batches = prep.device, prep.layers, prep.batches
     cfg = prep.hf.config
     num_kv_heads = getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads
+    recorded = None
+    if calib_stats is not None:
+        from .calibrate import calibrated_tokens, load_absmax
+        sizes = {n: layers[0].get_submodule(n).in_features for n in RECORDED}
+        recorded = load_absmax(calib_stats, len(layers), RECORDED, sizes)
+        prep.calib_tokens = calibrated_tokens(calib_stats)
     prep.spreads = []
     prep.smooth_alpha = smooth_alpha if smooth else None
     for i in layer_progress(len(layers) if smooth else 0, progress, 'smooth_quant'):
         layer = layers[i].to(dev)
+        if recorded is not None:
+            prep.spreads.append(smooth_layer(layer, {k: v.to(dev) for k, v in recorded[i].items()}, smooth_alpha,
+                                             num_kv_heads))
+            layers[i] = layer.to('cpu')
+            continue
         act_max: Dict[str, torch.Tensor] = {}
 
         def hook(name):
@@ -169,11 +182,13 @@ def smooth_quant(model: Optional[str],
                  smooth_alpha: float = 0.5,
                  smooth: bool = True,
                  device: str = 'auto',
-                 progress: bool = True) -> dict:
+                 progress: bool = True,
+                 calib_stats: Optional[str] = None) -> dict:
     """Quantize ``model`` (a local Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model) into
     ``work_dir`` as SmoothQuant W8A8 (``quant_dtype`` 'int8' or 'fp8'): see the module's docstring. Returns a
-    summary (layers, seconds, calibration tokens, the smoothing factors' spread per layer and group)."""
+    summary (layers, seconds, calibration tokens, the smoothing factors' spread per layer and group).
+    ``calib_stats``: a ``lite calibrate`` work dir to take the activation maxima from (no calibration pass)."""
     _check_dtype(quant_dtype)
     prep = calibrate_and_smooth(model, work_dir, calib_dataset, calib_samples, calib_seqlen, batch_size,
-                                smooth_alpha, smooth, device, progress)
+                                smooth_alpha, smooth, device, progress, calib_stats)
     return write_quantized(prep, work_dir, quant_dtype)
