@@ -737,3 +737,27 @@ def sigint_as_in_a_terminal():
     KeyboardInterrupt; a terminal's user has it at its default."""
     import signal
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def here_cuda_ops(dtype=None, device=None):
+    """The cuda device's ops on this process's tensors: on cpu tensors (no GPU), its Triton kernels in the
+    interpreter (the test module sets TRITON_INTERPRET before importing triton). ``dtype``: the one its
+    conformance checks run in (default float16 on a GPU, float32 on the cpu)."""
+    import torch
+
+    from lmdeploy.devices.cuda.ops import CudaOps
+    on_gpu = torch.cuda.is_available()
+    dev = torch.device(device or ('cuda' if on_gpu else 'cpu'))
+    dtype = dtype or (torch.float16 if on_gpu else torch.float32)
+
+    class Here(CudaOps):
+        def torch_device(self):
+            return dev
+
+        def synchronize(self):
+            pass
+
+        def supports_dtype(self, dt):
+            return dt == dtype
+
+    return Here(num_sms=132)

@@ -40,7 +40,8 @@ def kernel_specs(cap: int):
     """(kernel, pointer element types, scalar overrides, constexprs, options)
     as the wrappers launch them for a Llama-3-8B-shaped model: head_dim 128,
     32 query and 8 KV heads, hidden 4096, block size 64."""
-    from lmdeploy.devices.cuda.kernels import activation, argmax, attention, kv_cache, linear, norm, rotary, sample
+    from lmdeploy.devices.cuda.kernels import (activation, argmax, attention, kv_cache, linear, norm, rotary, sample,
+                                               w4a16, w8a8_quant)
     smem = shared_memory_of(cap)
     act = 'bf16' if cap >= 80 else 'fp16'  # Volta and Turing run float16 (no bfloat16)
     pdl = cap >= 90
@@ -120,13 +121,29 @@ def kernel_specs(cap: int):
         (sample._sample_slices_kernel, {'x_ptr': 'fp32', 'seed_ptr': 'i64', 'offset_ptr': 'i64', 'val_ptr': 'fp32',
                                         'idx_ptr': 'i32'}, {}, dict(CHUNK=sample.CHUNK, BLOCK=1024, PDL=pdl),
          dict(num_warps=4)),
+    ] + [  # W4A16 (AWQ / GPTQ, group 128): a decode step's split-K tiles into the float32 workspace, a prefill's
+        (w4a16._w4a16_kernel, {'qw_ptr': 'i32', 'g_ptr': 'i32', 'out_ptr': 'fp32' if cfg.split > 1 else act}, {},
+         dict(GROUP=128, HAS_GIDX=False, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+              BLOCK_K=cfg.block_k, GROUP_M=8, RESHAPE=True, PRECISION='tf32'),
+         dict(num_warps=cfg.warps, num_stages=cfg.stages))
+        for cfg in (w4a16.choose(1, 4096, 4096, 128, 132), w4a16.choose(4096, 4096, 4096, 128, 132))
+    ] + [
+        (w4a16._sum_splits_kernel, {'ws_ptr': 'fp32'}, {}, dict(HAS_BIAS=True, BLOCK=1024), dict(num_warps=4)),
+        # W8A8: the per-token quantization (fp8 where e4m3 exists, sm89 on) and the int8 GEMM's epilogue
+        (w8a8_quant._epilogue_kernel, {'acc_ptr': 'i32', 'as_ptr': 'fp32', 'ws_ptr': 'fp32'}, {},
+         dict(HAS_BIAS=True, BM=32, BN=128, PDL=pdl), dict(num_warps=4)),
+    ] + [
+        (w8a8_quant._quant_kernel, {'q_ptr': 'fp8e4nv' if fp8 else 'i8', 's_ptr': 'fp32'}, {},
+         dict(QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=2048, PDL=pdl), dict(num_warps=8))
+        for fp8 in ((False, True) if cap >= 89 else (False, ))
     ], act
 
 
 def label(fn, constexprs: dict) -> str:
     """A compiled variant's name in the results: the kernel and the constexprs that tell its variants apart."""
     return fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items()
-                                 if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP', 'TANH'))
+                                 if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP', 'TANH',
+                                          'FP8'))
 
 
 def compile_all(cap: int, specs=None, act=None) -> dict:

@@ -11,6 +11,7 @@ if not HAS_CUDA:
     os.environ.setdefault('TRITON_INTERPRET', '1')
 import triton  # noqa: E402,F401  (a test dependency: these tests must not skip silently)
 
+from helpers import here_cuda_ops  # noqa: E402
 from lmdeploy.devices import get_device  # noqa: E402
 from lmdeploy.devices.conformance import run_self_tests  # noqa: E402
 from lmdeploy.devices.cuda.kernels import activation, norm  # noqa: E402
@@ -68,17 +69,5 @@ def test_gelu_refuses_other_approximations():
 
 @pytest.mark.parametrize('check', ['gelu[none]', 'gelu[tanh]', 'layer_norm'])
 def test_cuda_ops_pass_the_conformance_checks(check):
-    from lmdeploy.devices.cuda.ops import CudaOps
-
-    class Here(CudaOps):  # the interpreter runs on cpu tensors
-        def torch_device(self):
-            return torch.device(DEV)
-
-        def synchronize(self):
-            pass
-
-        def supports_dtype(self, dtype):
-            return dtype == (torch.float16 if HAS_CUDA else torch.float32)
-
-    [result] = run_self_tests('cuda', ops=Here(num_sms=132), only={check})
+    [result] = run_self_tests('cuda', ops=here_cuda_ops(), only={check})
     assert result.passed, result.detail

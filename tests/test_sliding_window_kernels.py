@@ -13,6 +13,7 @@ if not HAS_CUDA:
     os.environ.setdefault('TRITON_INTERPRET', '1')
 import triton  # noqa: E402,F401
 
+from helpers import here_cuda_ops  # noqa: E402
 from paged_cache import reference_filled_cache  # noqa: E402
 
 from lmdeploy.devices import get_device  # noqa: E402
@@ -29,23 +30,6 @@ DTYPE = torch.float16 if HAS_CUDA else torch.float32
 @pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(int.from_bytes(os.urandom(4), 'little'))
-
-
-def here_cuda_ops():
-    """The cuda device's ops on this process's tensors (on cpu tensors, its kernels in Triton's interpreter)."""
-    from lmdeploy.devices.cuda.ops import CudaOps
-
-    class Here(CudaOps):
-        def torch_device(self):
-            return torch.device(DEV)
-
-        def synchronize(self):
-            pass
-
-        def supports_dtype(self, dtype):
-            return dtype == DTYPE
-
-    return Here(num_sms=132)
 
 
 def rel_err(out, ref):

@@ -22,8 +22,9 @@ norms' weights and the weights' columns by ``lite``: nothing of them is left to 
 Under tensor parallelism a rank quantizes the part of a token's input it holds with its own scale (a row-
 parallel layer's input columns): finer than one rank's, and what a fused kernel on that rank would do.
 
-These are the formats' definition that a fast kernel (cuBLASLt / Triton int8 GEMM, ``torch._scaled_mm``)
-would be held to; there is none yet, so every device (cuda included) runs this reference.
+These are the formats' definition that a fast kernel is held to: the cuda device's (devices/cuda/w8a8.py:
+a Triton per-token quantize, ``torch._int_mm`` / ``torch._scaled_mm``) quantizes the input to the same values;
+other devices run this reference.
 """
 from __future__ import annotations
 

@@ -13,12 +13,17 @@ import torch.nn.functional as F
 from ..interface import DeviceOps
 from ..reference import ReferenceSampling
 from .runtime import CudaRuntime
+from .w4a16 import W4A16_IMPLS
+from .w8a8 import W8A8_IMPLS
 
 
 class CudaOps(ReferenceSampling, DeviceOps):
     name = 'cuda'
     runtime_class = CudaRuntime  # memory, events, graphs, NCCL (runtime.py)
     quant_policies = (0, 4, 8)  # KV int8 / int4: quantized in the fill kernels, dequantized in attention
+    # AWQ / GPTQ through the W4A16 kernel (w4a16.py), SmoothQuant W8A8 through 8-bit GEMMs (w8a8.py); the rest:
+    # the reference's
+    layer_impls = {**W4A16_IMPLS, **W8A8_IMPLS}
 
     def __init__(self, num_sms: Optional[int] = None):
         """``num_sms``: the GPU's multiprocessor count (default: asked of the current GPU; tests that run the

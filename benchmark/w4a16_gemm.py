@@ -1,0 +1,154 @@
+"""The W4A16 kernel (devices/cuda/kernels/w4a16.py) against bf16 cuBLAS on Llama-3-8B's linear shapes.
+
+For each shape (group 128) and row count M: the cuda GPTQ layer (CudaGptqLinear: the reference's unpacking,
+then the repack) checked against the reference layer's apply (GptqLinear: dequantize, then F.linear), and
+the time of one call of the kernel (the table's configuration, and the same with the other way of unpacking
+the int32s) next to ``F.linear`` with a bf16 weight of the same shape, timed as CUDA graph replays over
+enough copies of the weights that L2 holds none of them (a decode step reads each layer's from memory).
+GB/s: the weight bytes read (packed values, scales and zeros for W4A16) over the time, for M <= 16.
+
+    PYTHONPATH=. python3 benchmark/w4a16_gemm.py
+    PYTHONPATH=. python3 benchmark/w4a16_gemm.py --m 1 16 --shapes qkv down --desc-act
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmdeploy.devices.cuda.kernels import w4a16
+from lmdeploy.devices.cuda.ops import CudaOps
+from lmdeploy.devices.quant_formats import GptqLinear
+from lmdeploy.devices.reference import ReferenceOps
+
+SHAPES = [('qkv', 6144, 4096), ('o', 4096, 4096), ('gate_up', 28672, 4096), ('down', 4096, 14336)]
+GROUP = 128
+COPY_BYTES = 1 << 30  # weights walked per replay at small M (well past the 50 MB of L2)
+
+
+def gptq_layers(ops, n, k, desc_act, gen):
+    """(cuda impl, its layer, reference impl, its layer) of one random GPTQ checkpoint (bf16 scales)."""
+    config = {'quant_method': 'gptq', 'bits': 4, 'group_size': GROUP, 'desc_act': desc_act, 'sym': False}
+    impl, ref_impl = ops.layer_impl('linear', 'gptq', config), GptqLinear(ReferenceOps(), config)
+    mine, ref = nn.Module(), nn.Module()
+    for i, layer in ((impl, mine), (ref_impl, ref)):
+        i.create_weights(layer, k, n, False)
+    groups = k // GROUP
+    values = {'qweight': torch.randint(-2**31, 2**31, (k // 8, n), generator=gen, dtype=torch.int32),
+              'qzeros': torch.randint(-2**31, 2**31, (groups, n // 8), generator=gen, dtype=torch.int32),
+              'scales': (torch.rand(groups, n, generator=gen) * 0.004 + 0.001).bfloat16(),
+              'g_idx': (torch.arange(k) // GROUP).int()}
+    if desc_act:
+        values['g_idx'] = values['g_idx'][torch.randperm(k, generator=gen)]
+    for layer in (mine, ref):
+        for name, v in values.items():
+            getattr(layer, name).data = v.cuda()
+    impl.process_weights(mine)
+    ref_impl.process_weights(ref)
+    return impl, mine, ref_impl, ref
+
+
+def time_us(calls, reps=None):
+    """Microseconds per call of ``calls`` (a list of thunks), replayed as one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:  # warm-up (compiles) outside the graph
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    once = time.perf_counter() - t0
+    reps = reps or max(3, min(200, int(0.05 / max(once, 1e-6))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / reps / len(calls)
+
+
+def copies_for(m, nbytes):
+    """Weight copies a replay walks: ~1 GB at decode sizes; past L2 (50 MB) twice over where M > 64 (the GEMM
+    mostly compute bound, fewer copies keep the run short)."""
+    if m > 64:
+        return max(2, min(8, (128 << 20) // nbytes + 1))
+    return max(2, min(64, COPY_BYTES // nbytes))
+
+
+def bench_shape(ops, name, n, k, ms, desc_act, gen):
+    impl, mine, ref_impl, ref = gptq_layers(ops, n, k, desc_act, gen)
+    qw, s, z = mine.w4_qweight, mine.w4_scales, mine.w4_zeros
+    w4_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
+    for m in ms:
+        try:
+            x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
+            got, want = impl.apply(mine, x), ref_impl.apply(ref, x)
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            cfg = w4a16.choose(m, n, k, mine.w4_group, ops._num_sms)
+            n_w4 = copies_for(m, w4_bytes)
+            packs = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(n_w4 - 1)]
+            n_bf = copies_for(m, n * k * 2)
+            dense = [torch.randn(n, k, device='cuda', dtype=torch.bfloat16) / k**0.5 for _ in range(n_bf)]
+            t_bf = time_us([lambda w=w: F.linear(x, w) for w in dense])
+            del dense
+            t_w4 = {}
+            for reshape in (True, False):
+                perm = mine.w4_perm
+                t_w4[reshape] = time_us([
+                    lambda p=p, r=reshape: w4a16.w4a16_linear(x if perm is None else x.index_select(1, perm), *p,
+                                                              mine.w4_group, mine.w4_gidx, None, ops._num_sms,
+                                                              reshape=r) for p in packs])
+            del packs
+            bw = f'{w4_bytes / t_w4[True] / 1e3:8.0f} {n * k * 2 / t_bf / 1e3:8.0f}' if m <= 16 else ' ' * 17
+            print(f'{name:8s} {m:5d} {err:9.2e} {t_w4[True]:9.1f} {t_w4[False]:9.1f} {t_bf:9.1f} '
+                  f'{t_bf / t_w4[True]:6.2f} {bw}  {tuple(cfg)}', flush=True)
+        except Exception as e:  # one failing configuration must not stop the table
+            print(f'{name:8s} {m:5d} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}',
+                  flush=True)
+            traceback.print_exc(limit=2)
+        finally:
+            torch.cuda.empty_cache()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--m', type=int, nargs='+', default=[1, 4, 16, 64, 256, 1024, 4096])
+    p.add_argument('--shapes', nargs='+', default=[s[0] for s in SHAPES])
+    p.add_argument('--desc-act', action='store_true', help='GPTQ desc_act (x gathered by the permutation)')
+    args = p.parse_args()
+    ops = CudaOps()
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.time()
+    print(f'{torch.cuda.get_device_name()}, {ops._num_sms} SMs, torch {torch.__version__}, triton '
+          f'{__import__("triton").__version__}, group {GROUP}, desc_act {args.desc_act}')
+    print('err: max |w4a16 - reference apply| / max |reference|; us: per call (CUDA graph replays, weights not in L2'
+          ' for M <= 64); GB/s: weight bytes read per second (M <= 16)')
+    print(f"{'shape':8s} {'M':>5s} {'err':>9s} {'w4a16 us':>9s} {'gather us':>9s} {'bf16 us':>9s} {'speedup':>6s} "
+          f"{'w4 GB/s':>8s} {'bf16GB/s':>8s}  config (block_m, block_n, block_k, split, warps, stages)")
+    for name, n, k in SHAPES:
+        if name not in args.shapes:
+            continue
+        try:
+            bench_shape(ops, name, n, k, args.m, args.desc_act, gen)
+        except Exception as e:
+            print(f'{name:8s} FAILED to build: {type(e).__name__}: {e}', flush=True)
+            traceback.print_exc(limit=3)
+        torch.cuda.empty_cache()
+    print(f'({time.time() - t0:.0f} s; "gather us": the kernel unpacking by per-row loads instead of a reshape)')
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,144 @@
+"""SmoothQuant W8A8 linears on one GPU: the cuda device's int8 and fp8 implementations (devices/cuda/w8a8.py:
+per-token quantize kernel + torch's 8-bit GEMM + scales) against the reference's apply (devices/w8a8.py, the
+formats' definition: max |err| / max |ref|) and, in time per call, against bf16 ``F.linear``.
+
+Llama-3-8B's block linears at M = 1 .. 4096 rows. Each candidate runs over ~1 GB of weight copies inside one
+CUDA graph, as a decode step reads its weights (none of them from L2), replayed until ~50 ms have passed.
+
+    PYTHONPATH=. python3 benchmark/w8a8_gemm.py
+    PYTHONPATH=. python3 benchmark/w8a8_gemm.py --m 1 256 --shapes qkv down
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench_utils import SHAPES
+
+import lmdeploy.devices.layers  # noqa: F401,E402  (before devices.w8a8, which it imports)
+from lmdeploy.devices.w8a8 import W8A8Fp8Linear, W8A8Int8Linear, quantize_per_channel  # noqa: E402
+
+
+def _layer(impl, w_q, w_scale):
+    layer = nn.Module()
+    impl.create_weights(layer, w_q.shape[1], w_q.shape[0], False)
+    layer.weight.data, layer.weight_scale.data = w_q, w_scale
+    impl.process_weights(layer)
+    return layer
+
+
+def time_us(fn, items, budget_s=0.05) -> float:
+    """Microseconds of ``fn(item)`` per item, as replays of one CUDA graph over all ``items`` (eager with events
+    where capture fails)."""
+    def run():
+        for it in items:
+            fn(it)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # warm up (Triton compiles, cuBLAS picks) off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        step = graph.replay
+    except Exception as e:  # noqa: BLE001
+        print(f'    (graph capture failed, timing eagerly: {type(e).__name__}: {str(e)[:100]})')
+        torch.cuda.synchronize()
+        step = run
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    reps = int(min(200, max(3, budget_s / max(time.perf_counter() - t0, 1e-6))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * len(items))
+
+
+def max_rel(got, want) -> float:
+    return float((got.double() - want.double()).abs().max() / want.double().abs().max())
+
+
+def main():
+    from lmdeploy.devices.cuda.ops import CudaOps
+    from lmdeploy.devices.cuda.w8a8 import CudaW8A8Fp8Linear, CudaW8A8Int8Linear
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--m', type=int, nargs='+', default=[1, 16, 64, 256, 1024, 4096])
+    parser.add_argument('--shapes', nargs='+', default=['qkv', 'o', 'gate_up', 'down'])
+    parser.add_argument('--weight-mb', type=int, default=1024, help='bytes of weight copies walked per replay')
+    args = parser.parse_args()
+    ops = CudaOps()
+    cap = torch.cuda.get_device_capability()
+    print(f'{torch.cuda.get_device_name()} (sm{cap[0]}{cap[1]}), torch {torch.__version__}')
+    print('us per call (CUDA graph replays over weight copies); err: max |impl - reference| / max |reference|')
+    head = (f"{'shape':>8} {'N':>6} {'K':>6} {'M':>5} | {'bf16':>8} | {'int8':>8} {'x bf16':>6} {'err':>8} | "
+            f"{'fp8':>8} {'x bf16':>6} {'err':>8}")
+    print(head)
+    print('-' * len(head))
+    t_start = time.time()
+    dev = 'cuda'
+    for name, n, k in [s for s in SHAPES if s[0] in args.shapes]:
+        g = torch.Generator(device=dev).manual_seed(0)
+        w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) / k**0.5
+        copies = max(1, (args.weight_mb << 20) // (n * k))
+        bf16_ws = [w.clone() for _ in range(max(1, copies // 2))]
+        impls = {}
+        for fmt, cls, ref_cls in (('int8', CudaW8A8Int8Linear, W8A8Int8Linear),
+                                  ('fp8', CudaW8A8Fp8Linear, W8A8Fp8Linear)):
+            try:
+                w_q, w_s = quantize_per_channel(w, fmt == 'fp8')
+                impl, ref = cls(ops), ref_cls(ops)
+                layers = [_layer(impl, w_q.clone(), w_s.clone()) for _ in range(copies)]
+                impls[fmt] = (impl, ref, layers)
+            except Exception as e:  # noqa: BLE001
+                print(f'{name}: {fmt} weights failed: {type(e).__name__}: {e}')
+        for m in args.m:
+            x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+            row = f'{name:>8} {n:>6} {k:>6} {m:>5} |'
+            try:
+                t_bf16 = time_us(lambda wt: F.linear(x, wt), bf16_ws)
+                row += f' {t_bf16:8.1f} |'
+            except Exception as e:  # noqa: BLE001
+                t_bf16 = float('nan')
+                row += f" {'failed':>8} |"
+                print(f'    bf16 {name} M={m}: {type(e).__name__}: {str(e)[:200]}')
+            for fmt in ('int8', 'fp8'):
+                if fmt not in impls:
+                    row += f" {'-':>8} {'-':>6} {'-':>8} |"
+                    continue
+                impl, ref, layers = impls[fmt]
+                try:
+                    if not layers[0].w8a8_fast:
+                        row += f" {'ref':>8} {'-':>6} {'-':>8} |"  # (fp8 below sm89: the reference runs)
+                        continue
+                    err = max_rel(impl.apply(layers[0], x), ref.apply(layers[0], x))
+                    t = time_us(lambda layer: impl.apply(layer, x), layers)
+                    row += f' {t:8.1f} {t_bf16 / t:6.2f} {err:8.1e} |'
+                except Exception as e:  # noqa: BLE001
+                    row += f" {'failed':>8} {'-':>6} {'-':>8} |"
+                    print(f'    {fmt} {name} M={m}: {type(e).__name__}: {str(e)[:200]}')
+            print(row.rstrip(' |'), flush=True)
+        fp8 = impls.get('fp8')
+        if fp8 is not None and fp8[0]._rowwise:
+            paths = {str(key[1]): 'row-wise _scaled_mm' if ok else 'unit-scaled _scaled_mm + epilogue'
+                     for key, ok in fp8[0]._rowwise.items()}
+            print(f'    fp8 GEMM path: {paths}')
+        del impls, bf16_ws, w
+        torch.cuda.empty_cache()
+    print(f'done in {time.time() - t_start:.0f} s')
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,121 @@
+"""SmoothQuant W8A8 on NVIDIA GPUs: the activation quantized per token by one Triton kernel
+(kernels/w8a8_quant.py), the 8-bit GEMM by torch (cuBLASLt / CUTLASS), the scales applied after it.
+
+* int8: ``torch._int_mm`` (int32 out), then a Triton epilogue (a_scale * weight_scale, cast, bias): one pass
+  over the int32 result. cuda's _int_mm wants more than 16 rows, so a decode step's x_q is padded to 17
+  rows by the quantize kernel itself (zero rows, no extra launch): the GEMM streams the weight either way,
+  so 17 rows cost what 1 does, and no second (small-M) GEMM kernel needs keeping right.
+* fp8 (sm89+): ``torch._scaled_mm`` with row-wise scales (a_scale [M, 1], weight_scale [1, N]) and the bias in
+  its epilogue, out in the activation dtype: one GEMM. Where torch's row-wise kernel refuses the dtype
+  (CUTLASS's takes bf16 only, fp16 in newer torch; cuBLAS's, sm90 with cuBLAS 12.9+, more) and for float32
+  activations (torch takes no bias with a float32 out), a unit-scaled GEMM to float32 and the int8 path's
+  epilogue instead. Below sm89 (no e4m3 tensor cores) the reference runs.
+
+Both GEMMs take the weight as the reference stores it: ``weight`` [out, in] row-major, passed as its
+transposed view (a column-major [in, out]), the layout cuBLASLt's int8 / fp8 kernels want for their second
+operand (``TN``); nothing is copied. Shapes the GEMMs refuse on cuda (in / out not multiples of 8 for int8,
+16 for fp8) and float64 inputs run the reference. On cpu tensors (Triton's interpreter in the tests) the same
+path runs on torch's cpu GEMMs.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layers import LinearImpl  # noqa: F401  (devices.layers first: it imports devices.w8a8 itself)
+from ..w8a8 import W8A8Fp8Linear, W8A8Int8Linear
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _kernels():
+    from .kernels import w8a8_quant
+    return w8a8_quant
+
+
+class _CudaW8A8:
+    """The shared part: process_weights decides once per layer whether the fast path applies."""
+    align = 8
+
+    def _fast_ok(self, layer) -> bool:
+        out_f, in_f = layer.weight.shape
+        if not layer.weight.is_cuda:  # torch's cpu GEMMs (the interpreter's tests) take any shape
+            return True
+        return in_f % self.align == 0 and out_f % self.align == 0
+
+    def process_weights(self, layer):
+        super().process_weights(layer)
+        layer.weight.data = layer.weight.data.contiguous()
+        layer.weight_scale.data = layer.weight_scale.data.float().contiguous()
+        layer.w8a8_fast = self._fast_ok(layer)
+
+    def _use_fast(self, layer, x) -> bool:
+        return getattr(layer, 'w8a8_fast', False) and x.dtype in _DTYPES
+
+
+class CudaW8A8Int8Linear(_CudaW8A8, W8A8Int8Linear):
+    """int8 x int8 -> int32 (torch._int_mm), then the scales: see the module's docstring."""
+
+    def apply(self, layer, x, with_bias=True):
+        if not self._use_fast(layer, x):
+            return super().apply(layer, x, with_bias)
+        k = _kernels()
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        q, a_scale = k.quantize_per_token(x2, fp8=False, min_rows=17)
+        acc = torch._int_mm(q, layer.weight.t())
+        out = k.scale_epilogue(acc, a_scale, layer.weight_scale, layer.bias if with_bias else None, x.dtype,
+                               rows=x2.shape[0])
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+class CudaW8A8Fp8Linear(_CudaW8A8, W8A8Fp8Linear):
+    """e4m3 x e4m3 with row-wise scales (torch._scaled_mm): see the module's docstring."""
+    align = 16
+    rowwise = True  # False: always the unit-scaled GEMM and the epilogue (the tests take that path too)
+
+    def __init__(self, ops, config=None):
+        super().__init__(ops, config)
+        self._rowwise = {}  # (device, dtype) -> whether torch's row-wise scaled GEMM takes it (tried once)
+
+    def _fast_ok(self, layer) -> bool:
+        w = layer.weight
+        if w.is_cuda and torch.cuda.get_device_capability(w.device) < (8, 9):
+            return False
+        return super()._fast_ok(layer)
+
+    def apply(self, layer, x, with_bias=True):
+        if not self._use_fast(layer, x):
+            return super().apply(layer, x, with_bias)
+        k = _kernels()
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] == 0:
+            return x.new_empty(*shape[:-1], layer.weight.shape[0])
+        q, a_scale = k.quantize_per_token(x2, fp8=True)
+        bias = layer.bias if with_bias else None
+        w_t = layer.weight.t()
+        key = (x.device, x.dtype)
+        out = None
+        if self.rowwise and x.dtype != torch.float32 and self._rowwise.get(key, True):
+            try:
+                out = torch._scaled_mm(q, w_t, scale_a=a_scale, scale_b=layer.weight_scale.view(1, -1),
+                                       bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+                self._rowwise[key] = True
+            except (RuntimeError, ValueError, NotImplementedError):  # refused before any launch
+                self._rowwise[key] = False
+        if out is None:
+            one = self._one(x.device)
+            acc = torch._scaled_mm(q, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
+            out = k.scale_epilogue(acc, a_scale, layer.weight_scale, bias, x.dtype)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _one(self, device):
+        ones = self.__dict__.setdefault('_ones', {})
+        if device not in ones:
+            ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        return ones[device]
+
+
+# CudaOps.layer_impls' entries of this module
+W8A8_IMPLS = {('linear', CudaW8A8Int8Linear.format): CudaW8A8Int8Linear,
+              ('linear', CudaW8A8Fp8Linear.format): CudaW8A8Fp8Linear}

@@ -1,0 +1,177 @@
+"""The cuda device's SmoothQuant W8A8 path (devices/cuda/w8a8.py, kernels/w8a8_quant.py) against the reference
+(devices/w8a8.py), through Triton's interpreter without a GPU: the per-token quantize kernel bit for bit, the
+scale epilogue against torch, the layers' apply (torch's cpu int8 / fp8 GEMMs) and the conformance checks."""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault('TRITON_INTERPRET', '1')
+import triton  # noqa: E402,F401  (a test dependency: these tests must not skip silently)
+
+from helpers import here_cuda_ops  # noqa: E402
+import lmdeploy.devices.layers  # noqa: E402,F401  (before devices.w8a8, which it imports)
+from lmdeploy.devices.conformance import run_self_tests  # noqa: E402
+from lmdeploy.devices.cuda.kernels import w8a8_quant  # noqa: E402
+from lmdeploy.devices.reference import ReferenceOps  # noqa: E402
+from lmdeploy.devices.w8a8 import W8A8Fp8Linear, W8A8Int8Linear, quantize_per_channel, quantize_per_token  # noqa: E402
+
+DEV = 'cuda' if HAS_CUDA else 'cpu'
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(int.from_bytes(os.urandom(4), 'little'))
+
+
+def _inputs(m, k, dtype):
+    """Rows of different magnitudes, one with a large outlier, one of tiny values (none all zero)."""
+    x = torch.randn(m, k) * (torch.rand(m, 1) * 10 + 0.1)
+    x[0, k // 3] = 300.0
+    x[1] = torch.randn(k) * 1e-3 + 1e-3
+    return x.to(dtype).to(DEV)
+
+
+def _same_bits(got, want):
+    if got.dtype == torch.float8_e4m3fn:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    assert torch.equal(got.cpu(), want.cpu()), f'{int((got != want).sum())} values differ'
+
+
+@pytest.mark.parametrize('fp8', [False, True], ids=['int8', 'fp8'])
+@pytest.mark.parametrize('dtype', DTYPES, ids=str)
+def test_quantize_matches_the_reference_bit_for_bit(dtype, fp8):
+    # (rows, cols, block): one block, a row in several blocks (the loop); both padded to 17 rows (cuda's _int_mm)
+    for m, k, block in ((5, 48, 2048), (3, 200, 64)):
+        x = _inputs(m, k, dtype)
+        q, scale = w8a8_quant.quantize_per_token(x, fp8, min_rows=17, block=block)
+        want_q, want_scale = quantize_per_token(x.cpu(), fp8)
+        assert q.shape == (max(m, 17), k) and scale.shape == (max(m, 17), 1) and scale.dtype == torch.float32
+        _same_bits(scale[:m], want_scale)
+        _same_bits(q[:m], want_q)
+        assert not q[m:].float().any(), 'padding rows must be zeros'
+
+
+@pytest.mark.parametrize('fp8', [False, True], ids=['int8', 'fp8'])
+def test_quantize_rounds_ties_to_even_and_saturates(fp8):
+    """Rows whose scale is exactly 1 (amax = QMAX), holding values halfway between two codes."""
+    if fp8:  # e4m3: 1 + 1/16 between 1 and 1.125, 17 between 16 and 18, 2^-10 and 3 * 2^-10 among subnormals
+        row = [448.0, 1.0625, 1.1875, 17.0, 19.0, -17.0, 2.0 ** -10, 3 * 2.0 ** -10, -2.0 ** -10, 0.0, -0.0, 1.99]
+    else:
+        row = [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 0.0, 3.49, -3.51]
+    x = torch.tensor([row], dtype=torch.float32, device=DEV)
+    q, scale = w8a8_quant.quantize_per_token(x, fp8)
+    want_q, want_scale = quantize_per_token(x.cpu(), fp8)
+    assert float(scale) == 1.0
+    _same_bits(q, want_q)
+
+
+@pytest.mark.parametrize('acc_dtype', [torch.int32, torch.float32], ids=str)
+@pytest.mark.parametrize('dtype', DTYPES, ids=str)
+def test_scale_epilogue_matches_torch(dtype, acc_dtype):
+    m, n, rows = 19, 72, 17  # the last two rows: _int_mm's padding, not written
+    if acc_dtype == torch.int32:
+        acc = torch.randint(-2**20, 2**20, (m, n), dtype=torch.int32)
+    else:
+        acc = torch.randn(m, n) * 1e4
+    a_scale = torch.rand(m, 1) / 100 + 1e-4
+    w_scale = torch.rand(n) / 100 + 1e-4
+    bias = torch.randn(n).to(dtype)
+    for b in (None, bias):
+        got = w8a8_quant.scale_epilogue(acc.to(DEV), a_scale.to(DEV), w_scale.to(DEV),
+                                        None if b is None else b.to(DEV), dtype, rows=rows)
+        # the same float32 products in the same order, rounded once, then the bias added in dtype
+        prod = acc[:rows].float() * a_scale[:rows] * w_scale
+        want = prod.to(dtype)
+        if b is not None:
+            want = want + b
+        if dtype == torch.bfloat16 and not HAS_CUDA:
+            # the interpreter casts float32 to bf16 by truncation (a GPU rounds to nearest even): each of the (one
+            # or two) casts may be one bf16 ulp off
+            size = prod.abs() + (0 if b is None else b.float().abs())
+            err = (got.cpu().float() - want.float()).abs()
+            assert bool((err <= 2 * torch.finfo(dtype).eps * size).all())
+        else:
+            _same_bits(got, want)
+
+
+def _layer(impl_cls, in_f, out_f, dtype, g):
+    """A layer of random float weights quantized as ``lite smooth_quant`` writes them, and a bias."""
+    from torch import nn
+    layer = nn.Module()
+    impl = impl_cls(ReferenceOps()) if impl_cls in (W8A8Int8Linear, W8A8Fp8Linear) else impl_cls(here_cuda_ops())
+    impl.create_weights(layer, in_f, out_f, True)
+    w, w_scale = quantize_per_channel(torch.randn(out_f, in_f, generator=g), impl.fp8)
+    layer.weight.data, layer.weight_scale.data = w.to(DEV), w_scale.to(DEV)
+    layer.bias.data = torch.randn(out_f, generator=g).to(dtype).to(DEV)
+    impl.process_weights(layer)
+    return impl, layer
+
+
+def _scaled_mm_runs() -> bool:
+    try:
+        a = torch.ones(16, 16, device=DEV).to(torch.float8_e4m3fn)
+        one = torch.ones((), device=DEV)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16], ids=str)  # (float32: the conformance checks)
+@pytest.mark.parametrize('fmt', ['int8', 'fp8', 'fp8-unit-scaled'])
+def test_linear_apply_matches_the_reference(fmt, dtype):
+    """The cuda impl's apply (quantize kernel, torch's 8-bit GEMM, epilogue) against the reference's apply on
+    the same layer: equal up to the output's last rounding (the reference scales in float64). fp8-unit-scaled:
+    the path taken where torch's row-wise scaled GEMM refuses the dtype."""
+    from lmdeploy.devices.cuda.w8a8 import CudaW8A8Fp8Linear, CudaW8A8Int8Linear
+    fp8 = fmt != 'int8'
+    if fp8 and not _scaled_mm_runs():
+        pytest.skip(f'torch._scaled_mm does not run on {DEV} in torch {torch.__version__}')
+    g = torch.Generator().manual_seed(7)
+    ref, ref_layer = _layer(W8A8Fp8Linear if fp8 else W8A8Int8Linear, 64, 48, dtype, g)
+    mine, layer = _layer(CudaW8A8Fp8Linear if fp8 else CudaW8A8Int8Linear, 64, 48, dtype, g)
+    layer.weight.data, layer.weight_scale.data, layer.bias.data = ref_layer.weight, ref_layer.weight_scale, \
+        ref_layer.bias
+    assert layer.w8a8_fast
+    if fmt == 'fp8-unit-scaled':
+        mine.rowwise = False
+    for m, with_bias in ((1, True), (20, False)):  # padded to 17 rows for the int8 GEMM / not
+        x = _inputs(max(m, 2), 64, dtype)[:m].reshape(m, 1, 64)
+        got = mine.apply(layer, x, with_bias)
+        want = ref.apply(ref_layer, x, with_bias)
+        assert got.shape == want.shape == (m, 1, 48) and got.dtype == dtype
+        eps = torch.finfo(dtype).eps
+        err = (got.double() - want.double()).abs()
+        # a rounding of the product and one of the sum with the bias apart (the interpreter's bf16 casts
+        # truncate: an ulp each), plus the fp8 GEMM's float32 accumulation
+        size = ref.apply(ref_layer, x, False).double().abs()
+        if with_bias:
+            size = size + ref_layer.bias.double().abs()
+        bound = 2 * eps * size + 1e-5 * float(size.max())
+        assert bool((err <= bound).all()), f'max err {float(err.max()):.3g}'
+
+
+def test_float64_inputs_run_the_reference():
+    from lmdeploy.devices.cuda.w8a8 import CudaW8A8Int8Linear
+    g = torch.Generator().manual_seed(3)
+    ref, ref_layer = _layer(W8A8Int8Linear, 32, 16, torch.float64, g)
+    mine, layer = _layer(CudaW8A8Int8Linear, 32, 16, torch.float64, g)
+    layer.weight.data, layer.weight_scale.data, layer.bias.data = ref_layer.weight, ref_layer.weight_scale, \
+        ref_layer.bias
+    x = torch.randn(3, 32, dtype=torch.float64, device=DEV)
+    assert torch.equal(mine.apply(layer, x), ref.apply(ref_layer, x))
+
+
+@pytest.mark.parametrize('check', ['layer:linear[w8a8_int8]', 'layer:linear[w8a8_fp8]'])
+def test_cuda_ops_pass_the_w8a8_conformance_checks(check):
+    if 'fp8' in check and not _scaled_mm_runs():
+        pytest.skip(f'torch._scaled_mm does not run on {DEV} in torch {torch.__version__}')
+    dtype = torch.float16 if HAS_CUDA else torch.float32
+    ops = here_cuda_ops(dtype)
+    assert type(ops.layer_impl('linear', check[13:-1])).__module__ == 'lmdeploy.devices.cuda.w8a8'
+    [result] = run_self_tests('cuda', ops=ops, only={check})
+    assert result.passed, result.detail
