@@ -33,11 +33,41 @@ def _banned_ids(seq: Sequence) -> List[int]:
     return banned
 
 
-def _padded(rows: List[List[int]], device) -> torch.Tensor:
-    """[len(rows), longest] int64 on ``device``, -1 after each row's ids: one host tensor, one copy."""
-    width = max(len(r) for r in rows)
-    flat = [t for r in rows for t in (r + [-1] * (width - len(r)) if len(r) < width else r)]
-    return to_device(torch.tensor(flat, dtype=torch.int64).view(len(rows), width), device)
+class _Staged:
+    """The small per-row values of one sampling step (rows, ids, penalties, temperatures, seeds, ...), built on
+    the host and sent to the device in two copies, one of int64 and one of float32, instead of a copy (and a
+    pinned buffer) each: the step's host time is what limits a batch of processed rows (benchmark/
+    sampler_cost.py)."""
+
+    def __init__(self):
+        self._flat = {torch.int64: [], torch.float32: []}
+        self._where: Dict[str, Tuple[torch.dtype, int, Tuple[int, ...]]] = {}
+        self._sent: Dict[torch.dtype, torch.Tensor] = {}
+
+    def add(self, name: str, values: List, dtype: torch.dtype = torch.int64, shape: Tuple[int, ...] = None):
+        flat = self._flat[dtype]
+        flat.extend([0] * (-len(flat) % 4))  # each part 16-byte aligned, as a tensor of its own (Triton kernels
+        self._where[name] = (dtype, len(flat), shape or (len(values), ))  # specialise on their pointers' alignment)
+        flat.extend(values)
+
+    def add_rows(self, name: str, rows: List[List[int]]):
+        """[len(rows), longest] int64, -1 after each row's ids."""
+        width = max(len(r) for r in rows)
+        self.add(name, [t for r in rows for t in (r + [-1] * (width - len(r)) if len(r) < width else r)],
+                 shape=(len(rows), width))
+
+    def send(self, device):
+        self._sent = {dt: tensor_on(flat, device, dt) for dt, flat in self._flat.items() if flat}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        dtype, start, shape = self._where[name]
+        n = 1
+        for d in shape:
+            n *= d
+        return self._sent[dtype][start:start + n].view(shape)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
 
 
 def logprob_entries(raw: torch.Tensor, tokens: torch.Tensor, tops: List[int]) -> List[Dict[int, float]]:
@@ -149,10 +179,9 @@ def _process(logits: torch.Tensor, seqs: List[Sequence], ops: DeviceOps, grammar
                                                                                             torch.Tensor]:
     """The next token of each row of float32 ``logits`` (a copy the caller lets us edit) after every
     request's processing, and whether the row had a finite logit to draw from."""
-    banned = [_banned_ids(s) for s in seqs]
-    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
-    biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
     device = logits.device
+    staged = _Staged()  # every small host value below, sent in two copies
+    biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
     if biased:
         rows, cols, vals = [], [], []
         for i in biased:
@@ -160,10 +189,51 @@ def _process(logits: torch.Tensor, seqs: List[Sequence], ops: DeviceOps, grammar
             rows.extend([i] * len(bias))
             cols.extend(bias)
             vals.extend(bias.values())
-        logits.index_put_((tensor_on(rows, device, torch.int64), tensor_on(cols, device, torch.int64)),
-                          tensor_on(vals, device, logits.dtype), accumulate=True)
+        staged.add('bias_rows', rows)
+        staged.add('bias_cols', cols)
+        staged.add('bias_vals', vals, torch.float32)
+    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if constrained:
+        staged.add('grammar_rows', constrained)
+    repeated = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    if repeated:
+        staged.add('rep_rows', repeated)
+        staged.add_rows('rep_ids', [_history(seqs[i]) for i in repeated])
+        staged.add('rep_penalty', [seqs[i].params.repetition_penalty for i in repeated], torch.float32)
+    penalised = [i for i, s in enumerate(seqs) if s.params.penalised]
+    if penalised:  # over the generated tokens only (OpenAI's definition)
+        staged.add('pen_rows', penalised)
+        staged.add_rows('pen_ids', [_history(seqs[i], seqs[i].num_prompt_tokens) or [-1] for i in penalised])
+        staged.add('frequency', [seqs[i].params.frequency_penalty for i in penalised], torch.float32)
+        staged.add('presence', [seqs[i].params.presence_penalty for i in penalised], torch.float32)
+    ban_rows, ban_cols = [], []
+    for i, s in enumerate(seqs):
+        ids = _banned_ids(s)
+        ban_rows.extend([i] * len(ids))
+        ban_cols.extend(ids)
+    if ban_rows:
+        staged.add('ban_rows', ban_rows)
+        staged.add('ban_cols', ban_cols)
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        ps = [seqs[i].params for i in sampled]
+        staged.add('sample_rows', sampled)
+        staged.add('temperature', [p.temperature for p in ps], torch.float32)
+        # a filter nobody uses is not run at all
+        if any(p.top_k > 0 for p in ps):
+            staged.add('top_k', [p.top_k for p in ps])
+        if any(p.top_p < 1.0 for p in ps):
+            staged.add('top_p', [p.top_p for p in ps], torch.float32)
+        if any(p.min_p > 0.0 for p in ps):
+            staged.add('min_p', [p.min_p for p in ps], torch.float32)
+        staged.add('seeds', [p.seed for p in ps])
+        staged.add('offsets', [seqs[i].num_generated for i in sampled])
+    staged.send(device)
+
+    if biased:
+        logits.index_put_((staged['bias_rows'], staged['bias_cols']), staged['bias_vals'], accumulate=True)
     if constrained:  # structured output: only what the grammar allows next
-        rows = tensor_on(constrained, device, torch.int64)
+        rows = staged['grammar_rows']
         mask = to_device(grammars.bitmask([seqs[i].matcher for i in constrained]), device)
         logits[rows] = ops.apply_token_bitmask(logits[rows], mask)
     for i, seq in enumerate(seqs):
@@ -171,46 +241,29 @@ def _process(logits: torch.Tensor, seqs: List[Sequence], ops: DeviceOps, grammar
             generated = tensor_on(_history(seq, seq.num_prompt_tokens), device, torch.int64)
             for proc in seq.params.logits_processors:
                 logits[i] = proc(generated, logits[i])
-    penalised = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    if repeated:
+        rows = staged['rep_rows']
+        logits[rows] = ops.apply_repetition_penalty(logits[rows], staged['rep_ids'], staged['rep_penalty'])
     if penalised:
-        rows = tensor_on(penalised, device, torch.int64)
-        ids = _padded([_history(seqs[i]) for i in penalised], device)
-        penalty = tensor_on([seqs[i].params.repetition_penalty for i in penalised], device)
-        logits[rows] = ops.apply_repetition_penalty(logits[rows], ids, penalty)
-    penalised = [i for i, s in enumerate(seqs) if s.params.penalised]
-    if penalised:  # over the generated tokens only (OpenAI's definition)
-        ids = _padded([_history(seqs[i], seqs[i].num_prompt_tokens) or [-1] for i in penalised], device)
-        frequency = tensor_on([seqs[i].params.frequency_penalty for i in penalised], device)
-        presence = tensor_on([seqs[i].params.presence_penalty for i in penalised], device)
+        ids, frequency, presence = staged['pen_ids'], staged['frequency'], staged['presence']
         if penalised == list(range(len(penalised))):  # a leading slice: edited where it is
             part = logits[:len(penalised)]
             out = ops.apply_frequency_presence_penalty(part, ids, frequency, presence)
             if out is not part:
                 part.copy_(out)
         else:
-            rows = tensor_on(penalised, device, torch.int64)
+            rows = staged['pen_rows']
             logits[rows] = ops.apply_frequency_presence_penalty(logits[rows], ids, frequency, presence)
-    rows, cols = [], []
-    for i, ids in enumerate(banned):
-        rows.extend([i] * len(ids))
-        cols.extend(ids)
-    if rows:
-        logits[tensor_on(rows, device, torch.int64), tensor_on(cols, device, torch.int64)] = NEG_INF
+    if ban_rows:
+        logits[staged['ban_rows'], staged['ban_cols']] = NEG_INF
 
     tokens = ops.argmax(logits)
     # temperature (>= GREEDY_TEMPERATURE) and the filters keep a finite row maximum finite: this row's is the check
     drawable = torch.isfinite(logits.amax(dim=-1))
-    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
-        rows = tensor_on(sampled, device, torch.int64)
-        ps = [seqs[i].params for i in sampled]
-        sub = ops.apply_temperature(logits[rows], tensor_on([p.temperature for p in ps], device))
-        # a filter nobody uses is not run at all
-        top_k = tensor_on([p.top_k for p in ps], device, torch.int64) if any(p.top_k > 0 for p in ps) else None
-        top_p = tensor_on([p.top_p for p in ps], device) if any(p.top_p < 1.0 for p in ps) else None
-        min_p = tensor_on([p.min_p for p in ps], device) if any(p.min_p > 0.0 for p in ps) else None
-        sub = ops.top_k_top_p_min_p(sub, top_k, top_p, min_p, max(p.top_k for p in ps))
-        seeds = tensor_on([p.seed for p in ps], device, torch.int64)
-        offsets = tensor_on([seqs[i].num_generated for i in sampled], device, torch.int64)
-        tokens[rows] = ops.sample(sub, seeds, offsets)
+        rows = staged['sample_rows']
+        sub = ops.apply_temperature(logits[rows], staged['temperature'])
+        filters = [staged[f] if f in staged else None for f in ('top_k', 'top_p', 'min_p')]
+        sub = ops.top_k_top_p_min_p(sub, *filters, max(seqs[i].params.top_k for i in sampled))
+        tokens[rows] = ops.sample(sub, staged['seeds'], staged['offsets'])
     return tokens, drawable
