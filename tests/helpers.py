@@ -761,3 +761,33 @@ def here_cuda_ops(dtype=None, device=None):
             return dt == dtype
 
     return Here(num_sms=132)
+
+
+# what the lite tests score quantized models on: the last 1,024 tokens of pydoc_data.topics (never calibrated on:
+# calibration reads from the text's start), in windows of 512
+LITE_EVAL_TOKENS, LITE_WINDOW = 1024, 512
+_ENGINE_PPL: dict = {}
+
+
+def engine_ppl(path: str, ask: bool = True):
+    """(perplexity over the lite eval windows, the greedy answer to Paris's question or None) through the engine
+    (cpu, float32). Remembered for the session per checkpoint (its files' modification times), so the float
+    model every quantizer's test compares with is scored once."""
+    import math
+
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    from lmdeploy.lite.calib import default_text
+    key = (os.path.abspath(path), _checkpoint_stamp(path))
+    known = _ENGINE_PPL.get(key)
+    if known is not None and (known[1] is not None or not ask):
+        return known[0], known[1] if ask else None
+    cfg = PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=LITE_WINDOW + 8)
+    with pipeline(path, backend_config=cfg) as pipe:
+        ids = pipe.tokenizer.encode(default_text(), add_special_tokens=False)[-LITE_EVAL_TOKENS:]
+        windows = [ids[i:i + LITE_WINDOW] for i in range(0, len(ids), LITE_WINDOW)]
+        losses = pipe.get_ppl(windows)
+        answer = pipe(['What is the capital of France?'], GenerationConfig(max_new_tokens=16))[0].text if ask else None
+    n = sum(len(w) - 1 for w in windows)
+    ppl = math.exp(sum(loss * (len(w) - 1) for loss, w in zip(losses, windows)) / n)
+    _ENGINE_PPL[key] = (ppl, answer)
+    return ppl, answer

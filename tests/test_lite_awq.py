@@ -7,32 +7,16 @@ quantized; a JSONL calibration file is read; unsupported architectures and group
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import pytest
 import torch
+from helpers import engine_ppl
 
-EVAL_TOKENS, WINDOW = 1024, 512
 GROUP = 64
 N_GRID = 5  # alphas 0, 0.2, ..., 0.8 (the command's 20 take four times as long)
 # measured on the last 4,096 tokens (README): float 9.46, RTN 12.19 (+29 %), AWQ 10.53 (+11 %, 10 alphas)
 MAX_AWQ_OVER_FLOAT = 1.25
-
-
-def _ppl(path: str):
-    """(perplexity over the text's last EVAL_TOKENS tokens in windows of WINDOW, the greedy answer to Paris's
-    question), through the engine."""
-    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
-    from lmdeploy.lite.calib import default_text
-    cfg = PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=WINDOW + 8)
-    with pipeline(path, backend_config=cfg) as pipe:
-        ids = pipe.tokenizer.encode(default_text(), add_special_tokens=False)[-EVAL_TOKENS:]
-        windows = [ids[i:i + WINDOW] for i in range(0, len(ids), WINDOW)]
-        losses = pipe.get_ppl(windows)
-        answer = pipe(['What is the capital of France?'], GenerationConfig(max_new_tokens=16))[0].text
-    n = sum(len(w) - 1 for w in windows)
-    return math.exp(sum(loss * (len(w) - 1) for loss, w in zip(losses, windows)) / n), answer
 
 
 @pytest.fixture(scope='module')
@@ -56,9 +40,9 @@ def test_awq_output_loads_answers_and_beats_round_to_nearest(quantized, smollm2_
     # the search chose scales (alpha > 0) somewhere, and RTN none
     alphas = [a for layer in quantized['summary']['alphas'] for a in layer.values()]
     assert len(alphas) == 30 * 3 and any(a > 0 for a in alphas)
-    ppl_float, _ = _ppl(smollm2_path)
-    ppl_rtn, _ = _ppl(quantized['rtn'])
-    ppl_awq, answer = _ppl(quantized['awq'])
+    ppl_float, _ = engine_ppl(smollm2_path, ask=False)
+    ppl_rtn, _ = engine_ppl(quantized['rtn'], ask=False)
+    ppl_awq, answer = engine_ppl(quantized['awq'])
     print(f'perplexity: float {ppl_float:.3f}, RTN {ppl_rtn:.3f} (+{ppl_rtn / ppl_float - 1:.1%}), '
           f'AWQ {ppl_awq:.3f} (+{ppl_awq / ppl_float - 1:.1%})')
     assert 'Paris' in answer, answer

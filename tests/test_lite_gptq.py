@@ -17,8 +17,9 @@ import os
 
 import pytest
 import torch
+from helpers import LITE_EVAL_TOKENS, LITE_WINDOW, engine_ppl
 
-EVAL_TOKENS, WINDOW = 1024, 512
+EVAL_TOKENS, WINDOW = LITE_EVAL_TOKENS, LITE_WINDOW  # what engine_ppl scores (helpers.py)
 GROUP = 64
 CALIB = dict(calib_samples=16, calib_seqlen=128)
 # measured (README): float 13.38, RTN 17.1 (+28 %), GPTQ 14.9 (+11 %), GPTQ desc_act 14.6 (+9 %)
@@ -35,17 +36,6 @@ def _eval_windows(tokenizer):
 def _mean_ppl(losses, windows) -> float:
     n = sum(len(w) - 1 for w in windows)
     return math.exp(sum(loss * (len(w) - 1) for loss, w in zip(losses, windows)) / n)
-
-
-def _engine_ppl(path: str, ask: bool):
-    """(perplexity over the eval windows, the greedy answer to Paris's question or None), through the engine."""
-    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
-    cfg = PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=WINDOW + 8)
-    with pipeline(path, backend_config=cfg) as pipe:
-        windows = _eval_windows(pipe.tokenizer)
-        ppl = _mean_ppl(pipe.get_ppl(windows), windows)
-        answer = pipe(['What is the capital of France?'], GenerationConfig(max_new_tokens=16))[0].text if ask else None
-    return ppl, answer
 
 
 @pytest.fixture(scope='module')
@@ -107,7 +97,7 @@ def test_gptq_output_loads_answers_and_beats_round_to_nearest(quantized, referen
         assert os.path.isfile(os.path.join(quantized['gptq'], name)), name
     losses = quantized['summary']['losses']
     assert len(losses) == 30 and all(0 < e < math.inf for layer in losses for e in layer.values()), losses
-    ppl, answer = _engine_ppl(quantized['gptq'], ask=True)
+    ppl, answer = engine_ppl(quantized['gptq'], ask=True)
     ppl_float, ppl_rtn = reference_ppl['float'], reference_ppl['rtn']
     print(f'perplexity: float {ppl_float:.3f}, RTN {ppl_rtn:.3f} (+{ppl_rtn / ppl_float - 1:.1%}), '
           f'GPTQ {ppl:.3f} (+{ppl / ppl_float - 1:.1%})')
@@ -129,7 +119,7 @@ def test_desc_act_output_loads_with_the_same_quality(quantized, reference_ppl):
     assert not torch.equal(g_idx, torch.arange(1536, dtype=torch.int32) // GROUP)  # in act-order, not in order
     # q/k/v (and gate/up) read one input: one column order, as the engine's stacked layer needs
     assert torch.equal(sd['model.layers.3.self_attn.q_proj.g_idx'], sd['model.layers.3.self_attn.v_proj.g_idx'])
-    ppl, _ = _engine_ppl(quantized['act'], ask=False)
+    ppl, _ = engine_ppl(quantized['act'], ask=False)
     ppl_float, ppl_rtn = reference_ppl['float'], reference_ppl['rtn']
     print(f'perplexity: GPTQ desc_act {ppl:.3f} (+{ppl / ppl_float - 1:.1%})')
     assert ppl - ppl_float < 0.6 * (ppl_rtn - ppl_float), (ppl, ppl_rtn, ppl_float)

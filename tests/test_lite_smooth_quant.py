@@ -10,35 +10,19 @@ plain round-to-nearest W8A8 (no smoothing) does not meet."""
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import pytest
 import torch
+from helpers import engine_ppl
 
 import lmdeploy.devices.layers  # noqa: F401 (imported first: it imports devices/w8a8.py, as quant_formats.py)
 
-EVAL_TOKENS, WINDOW = 1024, 512
 # measured here (README): float 13.38; int8 13.48 (+0.8 %), without the smoothing 13.86 (+3.6 %); fp8 13.66
 # (+2.1 %), without the smoothing 13.97 (+4.4 %). (On the last 512 tokens alone: int8 +1.9 %, fp8 +3.4 %.)
 # The bounds keep a margin and fail the unsmoothed models.
 MAX_INT8_OVER_FLOAT = 1.02
 MAX_FP8_OVER_FLOAT = 1.035
-
-
-def _ppl(path: str, answer: bool = True):
-    """(perplexity over the text's last EVAL_TOKENS tokens, the greedy answer to Paris's question), through the
-    engine."""
-    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
-    from lmdeploy.lite.calib import default_text
-    cfg = PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=WINDOW + 8)
-    with pipeline(path, backend_config=cfg) as pipe:
-        ids = pipe.tokenizer.encode(default_text(), add_special_tokens=False)[-EVAL_TOKENS:]
-        windows = [ids[i:i + WINDOW] for i in range(0, len(ids), WINDOW)]
-        losses = pipe.get_ppl(windows)
-        text = pipe(['What is the capital of France?'], GenerationConfig(max_new_tokens=12))[0].text if answer else ''
-    n = sum(len(w) - 1 for w in windows)
-    return math.exp(sum(loss * (len(w) - 1) for loss, w in zip(losses, windows)) / n), text
 
 
 # ------------------------------------------------------------------------------------------- the formats
@@ -157,9 +141,9 @@ def test_smooth_quant_output(quantized, smollm2_path):
 
 
 def test_smooth_quant_perplexity_and_answer(quantized, smollm2_path):
-    ppl_float, _ = _ppl(smollm2_path, answer=False)
-    ppl_int8, ans_int8 = _ppl(quantized['int8'])
-    ppl_fp8, ans_fp8 = _ppl(quantized['fp8'])
+    ppl_float, _ = engine_ppl(smollm2_path, ask=False)
+    ppl_int8, ans_int8 = engine_ppl(quantized['int8'])
+    ppl_fp8, ans_fp8 = engine_ppl(quantized['fp8'])
     print(f'perplexity: float {ppl_float:.3f}, int8 {ppl_int8:.3f} (+{ppl_int8 / ppl_float - 1:.2%}), fp8 '
           f'{ppl_fp8:.3f} (+{ppl_fp8 / ppl_float - 1:.2%})')
     assert 'Paris' in ans_int8, ans_int8

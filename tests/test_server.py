@@ -882,7 +882,7 @@ def test_json_schema_and_json_mode_always_parse(client, srv, stream):
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(28) as pool:
         schema_answers = [pool.submit(ask, schema_fmt, seed) for seed in range(8 if stream else 20)]
-        mode_answers = [] if stream else [pool.submit(ask, {'type': 'json_object'}, seed, 400) for seed in range(8)]
+        mode_answers = [] if stream else [pool.submit(ask, {'type': 'json_object'}, seed, 200) for seed in range(8)]
     for seed, answer in enumerate(schema_answers):
         text, reason = answer.result()
         assert reason == 'stop', (seed, text)

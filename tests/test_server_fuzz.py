@@ -21,7 +21,7 @@ from schemathesis.checks import CHECKS, load_all_checks  # noqa: E402
 
 from test_server import KEY, assert_clean, start_server, stop_server  # noqa: E402
 
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 15
 MAX_NEW_TOKENS = 2
 FUZZ_SESSION_LEN = 8192  # SmolLM2's context
 LENGTH_FIELDS = ('max_tokens', 'max_completion_tokens', 'request_output_len')
