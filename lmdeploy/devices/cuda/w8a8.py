@@ -51,21 +51,25 @@ class _CudaW8A8:
     def _use_fast(self, layer, x) -> bool:
         return getattr(layer, 'w8a8_fast', False) and x.dtype in _DTYPES
 
+    def apply(self, layer, x, with_bias=True):
+        if not self._use_fast(layer, x):
+            return super().apply(layer, x, with_bias)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] == 0:
+            return x.new_empty(*shape[:-1], layer.weight.shape[0])
+        out = self._gemm(layer, x2, layer.bias if with_bias else None)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
 
 class CudaW8A8Int8Linear(_CudaW8A8, W8A8Int8Linear):
     """int8 x int8 -> int32 (torch._int_mm), then the scales: see the module's docstring."""
 
-    def apply(self, layer, x, with_bias=True):
-        if not self._use_fast(layer, x):
-            return super().apply(layer, x, with_bias)
+    def _gemm(self, layer, x2, bias):
         k = _kernels()
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
         q, a_scale = k.quantize_per_token(x2, fp8=False, min_rows=17)
         acc = torch._int_mm(q, layer.weight.t())
-        out = k.scale_epilogue(acc, a_scale, layer.weight_scale, layer.bias if with_bias else None, x.dtype,
-                               rows=x2.shape[0])
-        return out.reshape(*shape[:-1], out.shape[-1])
+        return k.scale_epilogue(acc, a_scale, layer.weight_scale, bias, x2.dtype, rows=x2.shape[0])
 
 
 class CudaW8A8Fp8Linear(_CudaW8A8, W8A8Fp8Linear):
@@ -83,16 +87,10 @@ class CudaW8A8Fp8Linear(_CudaW8A8, W8A8Fp8Linear):
             return False
         return super()._fast_ok(layer)
 
-    def apply(self, layer, x, with_bias=True):
-        if not self._use_fast(layer, x):
-            return super().apply(layer, x, with_bias)
+    def _gemm(self, layer, x2, bias):
         k = _kernels()
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] == 0:
-            return x.new_empty(*shape[:-1], layer.weight.shape[0])
+        x = x2  # (2-D)
         q, a_scale = k.quantize_per_token(x2, fp8=True)
-        bias = layer.bias if with_bias else None
         w_t = layer.weight.t()
         key = (x.device, x.dtype)
         out = None
@@ -107,7 +105,7 @@ class CudaW8A8Fp8Linear(_CudaW8A8, W8A8Fp8Linear):
             one = self._one(x.device)
             acc = torch._scaled_mm(q, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
             out = k.scale_epilogue(acc, a_scale, layer.weight_scale, bias, x.dtype)
-        return out.reshape(*shape[:-1], out.shape[-1])
+        return out
 
     def _one(self, device):
         ones = self.__dict__.setdefault('_ones', {})
