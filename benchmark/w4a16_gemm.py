@@ -97,7 +97,8 @@ def bench_shape(ops, name, n, k, ms, desc_act, gen):
             x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
             got, want = impl.apply(mine, x), ref_impl.apply(ref, x)
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            cfg = w4a16.choose(m, n, k, mine.w4_group, ops._num_sms)
+            cfg = w4a16.choose(m, n, k, mine.w4_group, ops._num_sms) if m < w4a16.DEQUANT_ROWS else \
+                'dequantize + cuBLAS'
             n_w4 = copies_for(m, w4_bytes)
             packs = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(n_w4 - 1)]
             n_bf = copies_for(m, n * k * 2)
@@ -114,7 +115,7 @@ def bench_shape(ops, name, n, k, ms, desc_act, gen):
             del packs
             bw = f'{w4_bytes / t_w4[True] / 1e3:8.0f} {n * k * 2 / t_bf / 1e3:8.0f}' if m <= 16 else ' ' * 17
             print(f'{name:8s} {m:5d} {err:9.2e} {t_w4[True]:9.1f} {t_w4[False]:9.1f} {t_bf:9.1f} '
-                  f'{t_bf / t_w4[True]:6.2f} {bw}  {tuple(cfg)}', flush=True)
+                  f'{t_bf / t_w4[True]:6.2f} {bw}  {cfg if isinstance(cfg, str) else tuple(cfg)}', flush=True)
         except Exception as e:  # one failing configuration must not stop the table
             print(f'{name:8s} {m:5d} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}',
                   flush=True)
@@ -125,7 +126,7 @@ def bench_shape(ops, name, n, k, ms, desc_act, gen):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--m', type=int, nargs='+', default=[1, 4, 16, 64, 256, 1024, 4096])
+    p.add_argument('--m', type=int, nargs='+', default=[1, 4, 16, 64, 128, 256, 1024, 4096])
     p.add_argument('--shapes', nargs='+', default=[s[0] for s in SHAPES])
     p.add_argument('--desc-act', action='store_true', help='GPTQ desc_act (x gathered by the permutation)')
     args = p.parse_args()

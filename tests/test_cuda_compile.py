@@ -41,7 +41,7 @@ def kernel_specs(cap: int):
     as the wrappers launch them for a Llama-3-8B-shaped model: head_dim 128,
     32 query and 8 KV heads, hidden 4096, block size 64."""
     from lmdeploy.devices.cuda.kernels import (activation, argmax, attention, kv_cache, linear, norm, rotary, sample,
-                                               w4a16, w8a8_quant)
+                                               w4a16, w8a8_gemm, w8a8_quant)
     smem = shared_memory_of(cap)
     act = 'bf16' if cap >= 80 else 'fp16'  # Volta and Turing run float16 (no bfloat16)
     pdl = cap >= 90
@@ -126,9 +126,13 @@ def kernel_specs(cap: int):
          dict(GROUP=128, HAS_GIDX=False, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
               BLOCK_K=cfg.block_k, GROUP_M=8, RESHAPE=True, PRECISION='tf32'),
          dict(num_warps=cfg.warps, num_stages=cfg.stages))
-        for cfg in (w4a16.choose(1, 4096, 4096, 128, 132), w4a16.choose(4096, 4096, 4096, 128, 132))
+        for cfg in (w4a16.choose(1, 4096, 4096, 128, 132), w4a16.choose(w4a16.DEQUANT_ROWS - 1, 4096, 4096, 128, 132))
     ] + [
         (w4a16._sum_splits_kernel, {'ws_ptr': 'fp32'}, {}, dict(HAS_BIAS=True, BLOCK=1024), dict(num_warps=4)),
+        # (more rows: the weight dequantized into a scratch matrix, then cuBLAS)
+        (w4a16._dequant_kernel, {'qw_ptr': 'i32', 'g_ptr': 'i32'}, {},
+         dict(GROUP=128, HAS_GIDX=False, BLOCK_P=16, BLOCK_N=128), dict(num_warps=4)),
+
         # W8A8: the per-token quantization (fp8 where e4m3 exists, sm89 on) and the int8 GEMM's epilogue
         (w8a8_quant._epilogue_kernel, {'acc_ptr': 'i32', 'as_ptr': 'fp32', 'ws_ptr': 'fp32'}, {},
          dict(HAS_BIAS=True, BM=32, BN=128, PDL=pdl), dict(num_warps=4)),
@@ -136,13 +140,17 @@ def kernel_specs(cap: int):
         (w8a8_quant._quant_kernel, {'q_ptr': 'fp8e4nv' if fp8 else 'i8', 's_ptr': 'fp32'}, {},
          dict(QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=2048, PDL=pdl), dict(num_warps=8))
         for fp8 in ((False, True) if cap >= 89 else (False, ))
+    ] + [  # int8 W8A8 past FUSED_ROWS rows on sm80 on: one GEMM with the scales fused
+        (w8a8_gemm._int8_gemm_kernel, {'a_ptr': 'i8', 'w_ptr': 'i8', 'as_ptr': 'fp32', 'ws_ptr': 'fp32'}, {},
+         dict(HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP_M=8, PDL=pdl), dict(num_warps=warps, num_stages=stages))
+        for bm, bn, bk, warps, stages in ((w8a8_gemm.choose(100), w8a8_gemm.choose(4096)) if cap >= 80 else ())
     ], act
 
 
 def label(fn, constexprs: dict) -> str:
     """A compiled variant's name in the results: the kernel and the constexprs that tell its variants apart."""
     return fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items()
-                                 if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP', 'TANH',
+                                 if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'BM', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP', 'TANH',
                                           'FP8'))
 
 

@@ -22,7 +22,7 @@ from lmdeploy.devices.reference import ReferenceOps  # noqa: E402
 
 DEV = 'cuda' if HAS_CUDA else 'cpu'
 DTYPE = torch.float16 if HAS_CUDA else torch.float32
-ROWS = (1, 3, 17, 40)  # the decode (split-K) configuration and the GEMM tile's
+ROWS = (1, 3, 17, 40, 130)  # the decode (split-K) configuration, the GEMM tile, dequantize + GEMM
 
 
 OPS = here_cuda_ops()
@@ -144,6 +144,23 @@ def test_split_k_and_unpacking_variants(reshape):
     assert_close(got, want, torch.float32)
 
 
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16], ids=str)
+def test_dequantize_is_the_rounded_weight(dtype):
+    """The scratch weight of many rows' path: (q - z) * s rounded once to the dtype, bit for bit, whether
+    groups are read per packed row or looked up per input (g_idx); packed rows and columns past a tile."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
+    k, n, group = 8 * 19, 136, 8
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
+    s = (torch.rand(n, k // group, generator=gen) / 40 + 1e-3).to(dtype)
+    want = ((q.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)).to(dtype)
+    args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous(), z.t().to(dtype).contiguous())]
+    got = w4a16.dequantize(*args, group)
+    assert got.dtype == dtype and torch.equal(got.cpu(), want.t())
+    g_idx = (torch.arange(k, dtype=torch.int32) // group).to(DEV)
+    assert torch.equal(w4a16.dequantize(*args, 1, g_idx).cpu(), want.t())
+
 def test_pack_int4_is_gptq_packing():
     q = torch.randint(0, 16, (24, 64), dtype=torch.uint8)
     assert torch.equal(unpack_int4(w4a16.pack_int4(q), 0).t(), q)
@@ -156,6 +173,7 @@ def test_the_table():
     assert w4a16.choose(16, 4096, 4096, 128, 132).split == 4
     assert w4a16.choose(4096, 4096, 4096, 128, 132) == w4a16.Config(128, 128, 64, 1, 8, 3)
     assert w4a16.choose(1, 4096, 4096, 32, 132).block_k == 32
+    assert w4a16.SMALL_M < 64 < w4a16.DEQUANT_ROWS  # (the fused tile in between)
 
 
 @pytest.mark.parametrize('fmt', ['awq', 'gptq'])

@@ -1,4 +1,4 @@
-"""The cuda device's SmoothQuant W8A8 path (devices/cuda/w8a8.py, kernels/w8a8_quant.py) against the reference
+"""The cuda device's SmoothQuant W8A8 path (devices/cuda/w8a8.py, kernels/w8a8_quant.py, w8a8_gemm.py) against the reference
 (devices/w8a8.py), through Triton's interpreter without a GPU: the per-token quantize kernel bit for bit, the
 scale epilogue against torch, the layers' apply (torch's cpu int8 / fp8 GEMMs) and the conformance checks."""
 import os
@@ -14,7 +14,7 @@ import triton  # noqa: E402,F401  (a test dependency: these tests must not skip 
 from helpers import here_cuda_ops  # noqa: E402
 import lmdeploy.devices.layers  # noqa: E402,F401  (before devices.w8a8, which it imports)
 from lmdeploy.devices.conformance import run_self_tests  # noqa: E402
-from lmdeploy.devices.cuda.kernels import w8a8_quant  # noqa: E402
+from lmdeploy.devices.cuda.kernels import w8a8_gemm, w8a8_quant  # noqa: E402
 from lmdeploy.devices.reference import ReferenceOps  # noqa: E402
 from lmdeploy.devices.w8a8 import W8A8Fp8Linear, W8A8Int8Linear, quantize_per_channel, quantize_per_token  # noqa: E402
 
@@ -38,7 +38,8 @@ def _inputs(m, k, dtype):
 def _same_bits(got, want):
     if got.dtype == torch.float8_e4m3fn:
         got, want = got.view(torch.uint8), want.view(torch.uint8)
-    assert torch.equal(got.cpu(), want.cpu()), f'{int((got != want).sum())} values differ'
+    got, want = got.cpu(), want.cpu()
+    assert torch.equal(got, want), f'{int((got != want).sum())} values differ'
 
 
 @pytest.mark.parametrize('fp8', [False, True], ids=['int8', 'fp8'])
@@ -88,15 +89,38 @@ def test_scale_epilogue_matches_torch(dtype, acc_dtype):
         want = prod.to(dtype)
         if b is not None:
             want = want + b
-        if dtype == torch.bfloat16 and not HAS_CUDA:
+        size = prod.abs() + (0 if b is None else b.float().abs())
+        if dtype == torch.float32 and HAS_CUDA:
+            # a GPU fuses the float32 product and the bias add into one fma (one rounding, not torch's two): an
+            # H100 gave 1-2 ulps of the product where the bias cancels most of it; 16-bit outputs stay bit for bit
+            err = (got.cpu() - want).abs()
+            assert bool((err <= 2 * torch.finfo(dtype).eps * size).all()), float(err.max())
+        elif dtype == torch.bfloat16 and not HAS_CUDA:
             # the interpreter casts float32 to bf16 by truncation (a GPU rounds to nearest even): each of the (one
             # or two) casts may be one bf16 ulp off
-            size = prod.abs() + (0 if b is None else b.float().abs())
             err = (got.cpu().float() - want.float()).abs()
             assert bool((err <= 2 * torch.finfo(dtype).eps * size).all())
         else:
             _same_bits(got, want)
 
+
+
+@pytest.mark.parametrize('dtype', DTYPES, ids=str)
+def test_fused_int8_gemm_equals_int_mm_and_the_epilogue(dtype):
+    """int8's fused GEMM (more rows) gives what the two-step path gives: the same int32 sums (exact either
+    way) and the same epilogue; K not a multiple of the tile's, rows not of the tile's, and a bias."""
+    m, n, k = 70, 72, 200
+    q = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    a_scale = torch.rand(m, 1) / 100 + 1e-4
+    w_scale = torch.rand(n) / 100 + 1e-4
+    bias = torch.randn(n).to(dtype)
+    for b in (None, bias):
+        args = [t.to(DEV) for t in (q, w, a_scale, w_scale)] + [None if b is None else b.to(DEV), dtype]
+        got = w8a8_gemm.int8_gemm_scaled(*args)
+        acc = (q.long() @ w.long().t()).int().to(DEV)
+        want = w8a8_quant.scale_epilogue(acc, *args[2:])
+        _same_bits(got, want)
 
 def _layer(impl_cls, in_f, out_f, dtype, g):
     """A layer of random float weights quantized as ``lite smooth_quant`` writes them, and a bias."""
@@ -139,7 +163,8 @@ def test_linear_apply_matches_the_reference(fmt, dtype):
     assert layer.w8a8_fast
     if fmt == 'fp8-unit-scaled':
         mine.rowwise = False
-    for m, with_bias in ((1, True), (20, False)):  # padded to 17 rows for the int8 GEMM / not
+    # padded to 17 rows for _int_mm / not / int8's fused Triton GEMM (more than FUSED_ROWS rows), with a bias
+    for m, with_bias in ((1, True), (20, False), (70, True)):
         x = _inputs(max(m, 2), 64, dtype)[:m].reshape(m, 1, 64)
         got = mine.apply(layer, x, with_bias)
         want = ref.apply(ref_layer, x, with_bias)

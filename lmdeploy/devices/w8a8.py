@@ -55,7 +55,10 @@ def quantize_per_token(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(ct)
     qmax = FP8_MAX if fp8 else INT8_MAX
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / qmax
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    # divided by a tensor, not the number: torch on a GPU turns division by a number into multiplication by
+    # its reciprocal, which rounds differently (the scale must not depend on the device)
+    scale = amax / torch.full_like(amax, qmax)
     y = xf / scale
     if fp8:
         return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

@@ -1,15 +1,17 @@
 """SmoothQuant W8A8 on NVIDIA GPUs: the activation quantized per token by one Triton kernel
 (kernels/w8a8_quant.py), the 8-bit GEMM by torch (cuBLASLt / CUTLASS), the scales applied after it.
 
-* int8: ``torch._int_mm`` (int32 out), then a Triton epilogue (a_scale * weight_scale, cast, bias): one pass
-  over the int32 result. cuda's _int_mm wants more than 16 rows, so a decode step's x_q is padded to 17
-  rows by the quantize kernel itself (zero rows, no extra launch): the GEMM streams the weight either way,
-  so 17 rows cost what 1 does, and no second (small-M) GEMM kernel needs keeping right.
+* int8, up to 64 rows: ``torch._int_mm`` (int32 out), then a Triton epilogue (a_scale * weight_scale, cast,
+  bias): one pass over the int32 result. cuda's _int_mm wants more than 16 rows, so a decode step's x_q is
+  padded to 17 rows by the quantize kernel itself (zero rows, no extra launch): the GEMM streams the weight
+  either way, so 17 rows cost what 1 does.
+* int8, more rows (sm80 on): one Triton GEMM with the scales, cast and bias fused (kernels/w8a8_gemm.py;
+  cuBLASLt's int8 GEMM plus the separate epilogue was slower than bf16 there).
 * fp8 (sm89+): ``torch._scaled_mm`` with row-wise scales (a_scale [M, 1], weight_scale [1, N]) and the bias in
-  its epilogue, out in the activation dtype: one GEMM. Where torch's row-wise kernel refuses the dtype
-  (CUTLASS's takes bf16 only, fp16 in newer torch; cuBLAS's, sm90 with cuBLAS 12.9+, more) and for float32
-  activations (torch takes no bias with a float32 out), a unit-scaled GEMM to float32 and the int8 path's
-  epilogue instead. Below sm89 (no e4m3 tensor cores) the reference runs.
+  its epilogue, out in the activation dtype: one GEMM, for bf16 activations. For float16 ones (torch 2.11's
+  row-wise kernel took them on an H100 but was off by up to 4 fp16 ulps against the exact result at 70 rows
+  with a bias), float32 ones (torch takes no bias with a float32 out) and where torch refuses the row-wise
+  scales, a unit-scaled GEMM to float32 and the int8 path's epilogue instead. Below sm89 (no e4m3 tensor cores) the reference runs.
 
 Both GEMMs take the weight as the reference stores it: ``weight`` [out, in] row-major, passed as its
 transposed view (a column-major [in, out]), the layout cuBLASLt's int8 / fp8 kernels want for their second
@@ -25,6 +27,7 @@ from ..layers import LinearImpl  # noqa: F401  (devices.layers first: it imports
 from ..w8a8 import W8A8Fp8Linear, W8A8Int8Linear
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FUSED_ROWS = 64  # int8: above this many rows, one Triton GEMM with the scales fused (kernels/w8a8_gemm.py)
 
 
 def _kernels():
@@ -47,6 +50,9 @@ class _CudaW8A8:
         layer.weight.data = layer.weight.data.contiguous()
         layer.weight_scale.data = layer.weight_scale.data.float().contiguous()
         layer.w8a8_fast = self._fast_ok(layer)
+        w = layer.weight
+        # int8's fused GEMM: Triton's int8 tl.dot compiles from sm80 on (below, _int_mm for every size)
+        layer.w8a8_fused = not w.is_cuda or torch.cuda.get_device_capability(w.device) >= (8, 0)
 
     def _use_fast(self, layer, x) -> bool:
         return getattr(layer, 'w8a8_fast', False) and x.dtype in _DTYPES
@@ -67,9 +73,14 @@ class CudaW8A8Int8Linear(_CudaW8A8, W8A8Int8Linear):
 
     def _gemm(self, layer, x2, bias):
         k = _kernels()
+        rows = x2.shape[0]
+        if rows > FUSED_ROWS and layer.w8a8_fused:
+            from .kernels.w8a8_gemm import int8_gemm_scaled
+            q, a_scale = k.quantize_per_token(x2, fp8=False)
+            return int8_gemm_scaled(q, layer.weight, a_scale, layer.weight_scale, bias, x2.dtype)
         q, a_scale = k.quantize_per_token(x2, fp8=False, min_rows=17)
         acc = torch._int_mm(q, layer.weight.t())
-        return k.scale_epilogue(acc, a_scale, layer.weight_scale, bias, x2.dtype, rows=x2.shape[0])
+        return k.scale_epilogue(acc, a_scale, layer.weight_scale, bias, x2.dtype, rows=rows)
 
 
 class CudaW8A8Fp8Linear(_CudaW8A8, W8A8Fp8Linear):
@@ -94,7 +105,7 @@ class CudaW8A8Fp8Linear(_CudaW8A8, W8A8Fp8Linear):
         w_t = layer.weight.t()
         key = (x.device, x.dtype)
         out = None
-        if self.rowwise and x.dtype != torch.float32 and self._rowwise.get(key, True):
+        if self.rowwise and x.dtype == torch.bfloat16 and self._rowwise.get(key, True):
             try:
                 out = torch._scaled_mm(q, w_t, scale_a=a_scale, scale_b=layer.weight_scale.view(1, -1),
                                        bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)

@@ -8,14 +8,21 @@ Layout (made once at load by devices/cuda/w4a16.py):
   stays an integer (exact in 16 bits), so (q - z) is exact and the product rounds once, as the reference's;
 * g(k) = k // GROUP, or ``g_idx[k]`` (a GPTQ desc_act layer whose sorted groups are not all equal).
 
-One kernel, two regimes picked by :func:`choose` (a fixed table: no autotuning, so a CUDA graph records
-one launch and start-up compiles nothing more than the shapes used):
+Three regimes by row count M (fixed tables: no autotuning, so a CUDA graph records the same launches and
+start-up compiles nothing more than the shapes used). The fused kernel, configured by :func:`choose`:
 
 * few rows (M <= 16, decode): memory bound, so the work is the packed weight read once. x is padded to
   16 rows for ``tl.dot``; K is split so that ~4 programs per SM stream their own part of the weight, the
   partial sums going to a float32 workspace that a second small kernel adds up (with the bias);
-* more rows: a GEMM tile (BLOCK_M up to 128) with the dequantized B tile fed to tensor cores, programs
-  grouped along M so that the weight tiles a wave reads stay in L2.
+* up to DEQUANT_ROWS rows: a GEMM tile (BLOCK_M up to 64) with the dequantized B tile fed to tensor cores,
+  programs grouped along M so that the weight tiles a wave reads stay in L2;
+
+and from DEQUANT_ROWS rows on, the weight dequantized once into a 16-bit scratch matrix (:func:`dequantize`,
+the same values as the fused kernel's) and multiplied by cuBLAS. The fused tile dequantizes each weight
+element once per row tile, and that arithmetic, not memory, bounded it: on an H100 (benchmark/w4a16_gemm.py,
+Llama-3-8B's layers) it ran at 0.24-0.42x of bf16's speed from 256 rows on, where dequantize-then-GEMM runs at
+0.45-0.67x at 256 rows and 0.9-0.96x at 4,096 (a prefill's sizes). The scratch matrix is the layer's size in
+16 bits (235 MB for Llama-3-8B's gate_up), allocated and freed per call from torch's cache.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ import triton
 import triton.language as tl
 
 SMALL_M = 16  # rows up to which the decode (split-K) configuration is used
+DEQUANT_ROWS = 128  # rows from which the weight is dequantized and multiplied by cuBLAS
 
 
 class Config(NamedTuple):
@@ -114,6 +122,47 @@ def _sum_splits_kernel(ws_ptr, b_ptr, out_ptr, M, N, SPLITS, stride_om, HAS_BIAS
     tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr,
+                    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W^T [K, N] from the packed [K/8, N]: each packed row's 8 nibble planes stored as 8 rows of W^T (no
+    reshape: plane j of packed row r is row 8 r + j)."""
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_p < K // 8)[:, None] & (offs_n < N)[None, :]
+    p = tl.load(qw_ptr + offs_p[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
+    dt = w_ptr.dtype.element_ty
+    if not HAS_GIDX:  # (GROUP a multiple of 8: the 8 inputs of an int32 share a group)
+        sz = (offs_p[:, None] * 8 // GROUP).to(tl.int64) * N + offs_n[None, :]
+        s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(8):
+        rows = offs_p * 8 + j
+        if HAS_GIDX:
+            g = tl.load(g_ptr + rows, mask=offs_p < K // 8, other=0)
+            sz = g[:, None].to(tl.int64) * N + offs_n[None, :]
+            s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+        q = ((p >> (4 * j)) & 0xF).to(tl.float32)
+        tl.store(w_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], ((q - z) * s).to(dt), mask=mask)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+               g_idx: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """W^T [K, N] (``dtype``, default the scales') of the packed layout: (q - z) * s rounded once, the fused
+    kernel's values."""
+    kp, n = qweight.shape
+    w = torch.empty((kp * 8, n), dtype=dtype or scales.dtype, device=qweight.device)
+    if kp == 0 or n == 0:
+        return w
+    block_p, block_n = 16, 128
+    grid = (triton.cdiv(kp, block_p), triton.cdiv(n, block_n))
+    _dequant_kernel[grid](qweight, scales, zeros, g_idx if g_idx is not None else qweight, w, n, kp * 8,
+                          GROUP=group if g_idx is None else 8, HAS_GIDX=g_idx is not None, BLOCK_P=block_p,
+                          BLOCK_N=block_n, num_warps=4)
+    return w
+
+
 def _block_k(block_k: int, group: int) -> int:
     """The table's BLOCK_K, or the group where that is a smaller power of two (>= 16, as tl.dot needs): a tile
     then lies in one group and reads one row of scales."""
@@ -162,6 +211,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         x = x.contiguous()
     m, k = x.shape
     n = qweight.shape[1]
+    if config is None and m >= DEQUANT_ROWS and (g_idx is not None or group % 8 == 0):
+        w_t = dequantize(qweight, scales, zeros, group, g_idx, x.dtype)
+        return torch.mm(x, w_t) if bias is None else torch.addmm(bias.to(x.dtype), x, w_t)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out

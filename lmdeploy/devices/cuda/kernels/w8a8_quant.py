@@ -58,7 +58,10 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride_q, QMAX:
             ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
             inv_ulp = ((127 - e) << 23).to(tl.float32, bitcast=True)
             v = _round_half_even(tl.abs(y) * inv_ulp) * ulp
-            q = tl.where(bits < 0, -v, v).to(tl.float8e4nv)  # the sign kept where v is 0 (as the cast keeps it)
+            # the sign put back as a bit: a negative value rounded to 0 stays -0 as the reference's cast keeps
+            # it (negating a float here lost the sign of zero on a GPU)
+            signed = (v.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+            q = signed.to(tl.float8e4nv)
         else:
             q = tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX).to(tl.int8)
         tl.store(q_row + cols, q, mask=mask)
