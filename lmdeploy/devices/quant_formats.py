@@ -20,7 +20,7 @@ They are the formats' definition that a device's fast kernel is checked against,
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -47,6 +47,22 @@ def unpack_int4(packed: torch.Tensor, dim: int, order=None) -> torch.Tensor:
     shape = list(packed.shape)
     shape[dim] *= PACK
     return nib.reshape(shape).to(torch.uint8)
+
+
+def group_runs(group_of: torch.Tensor, groups: int) -> Tuple[Optional[torch.Tensor], int]:
+    """For a device that wants each group's input columns side by side (GPTQ act-order assigns groups in any
+    order): (the stable permutation of input columns that makes every group a run, or None where they already
+    are; the run length where every group is ``in / groups`` columns long and the runs are in group order once
+    permuted, else 0, a per-column group lookup being needed)."""
+    n_in = group_of.shape[0]
+    perm = None
+    if n_in > 1 and bool((group_of[1:] < group_of[:-1]).any()):
+        perm = torch.sort(group_of, stable=True).indices
+        group_of = group_of[perm]
+    size = n_in // groups if groups and n_in % groups == 0 else 0
+    if size and not torch.equal(group_of, torch.arange(n_in, device=group_of.device) // size):
+        size = 0
+    return perm, size
 
 
 def _field(config: Dict[str, Any], *names, default=None):

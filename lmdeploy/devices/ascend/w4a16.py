@@ -16,25 +16,10 @@ the matmul reads it).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..layers import add_param
-from ..quant_formats import AwqLinear, GptqLinear, _Int4GroupLinear
-
-
-def _group_order(group_of: torch.Tensor, groups: int) -> Optional[torch.Tensor]:
-    """The permutation of input columns that makes every group a run (None: already runs in order); raises
-    LookupError where the groups are not all of one size."""
-    n_in = group_of.shape[0]
-    size = n_in // groups
-    counts = torch.bincount(group_of, minlength=groups)
-    if size * groups != n_in or bool((counts != size).any()):
-        raise LookupError('groups of unequal size')
-    if bool((group_of == torch.arange(n_in, device=group_of.device) // size).all()):
-        return None
-    return torch.sort(group_of, stable=True).indices
+from ..quant_formats import AwqLinear, GptqLinear, _Int4GroupLinear, group_runs
 
 
 class _NpuInt4Linear(_Int4GroupLinear):
@@ -44,12 +29,10 @@ class _NpuInt4Linear(_Int4GroupLinear):
     def process_weights(self, layer):
         super().process_weights(layer)  # weight_q [out, in], zeros / scales [out, groups], group_of [in]
         groups = layer.scales.shape[1]
-        try:
-            order = _group_order(layer.group_of.data, groups)
-        except LookupError:
-            self.fused = False  # any other assignment: the reference's dequantize-and-matmul
+        order, size = group_runs(layer.group_of.data, groups)
+        self.fused = size > 0  # groups of unequal sizes: the reference's dequantize-and-matmul
+        if not self.fused:
             return
-        self.fused = True
         q, zeros, scales = layer.weight_q.data, layer.zeros.data, layer.scales.data
         if order is not None:
             q = q[:, order]

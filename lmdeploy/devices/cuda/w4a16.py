@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..layers import add_param
-from ..quant_formats import AwqLinear, GptqLinear
+from ..quant_formats import AwqLinear, GptqLinear, group_runs
 
 
 class _W4A16:
@@ -26,13 +26,10 @@ class _W4A16:
         if k % 8:
             return  # the kernel's layout packs 8 inputs an int32: the reference's apply
         from .kernels.w4a16 import pack_int4
-        perm = None
-        if k > 1 and bool((group_of[1:] < group_of[:-1]).any()):  # desc_act: groups made contiguous
-            perm = torch.argsort(group_of, stable=True)
+        perm, size = group_runs(group_of, scales.shape[1])  # desc_act: groups made contiguous
+        if perm is not None:
             q, group_of = q[:, perm], group_of[perm]
-        groups = scales.shape[1]
-        size = k // groups if k % groups == 0 else 0
-        uniform = size > 0 and torch.equal(group_of, torch.arange(k, device=group_of.device) // size)
+        uniform = size > 0
         for name in ('weight_q', 'zeros', 'scales', 'group_of'):  # (the bias stays)
             delattr(layer, name)
             del layer.param_layout[name]
