@@ -2,9 +2,10 @@
 
 For each shape (group 128) and row count M: the cuda GPTQ layer (CudaGptqLinear: the reference's unpacking,
 then the repack) checked against the reference layer's apply (GptqLinear: dequantize, then F.linear), and
-the time of one call of the kernel (the table's configuration, and the same with the other way of unpacking
-the int32s) next to ``F.linear`` with a bf16 weight of the same shape, timed as CUDA graph replays over
-enough copies of the weights that L2 holds none of them (a decode step reads each layer's from memory).
+the time of one call of the kernel next to ``F.linear`` with a bf16 weight of the same shape, timed as CUDA
+graph replays over enough copies of the weights that L2 holds none of them (a decode step reads each layer's
+from memory). Below DEQUANT_ROWS the fused kernel's variants are timed too: the other way of unpacking the
+int32s, and the weight dequantized in bf16 arithmetic (checked to give the same values).
 GB/s: the weight bytes read (packed values, scales and zeros for W4A16) over the time, for M <= 16.
 
     PYTHONPATH=. python3 benchmark/w4a16_gemm.py
@@ -106,16 +107,25 @@ def bench_shape(ops, name, n, k, ms, desc_act, gen):
             t_bf = time_us([lambda w=w: F.linear(x, w) for w in dense])
             del dense
             t_w4 = {}
-            for reshape in (True, False):
-                perm = mine.w4_perm
-                t_w4[reshape] = time_us([
-                    lambda p=p, r=reshape: w4a16.w4a16_linear(x if perm is None else x.index_select(1, perm), *p,
-                                                              mine.w4_group, mine.w4_gidx, None, ops._num_sms,
-                                                              reshape=r) for p in packs])
+            perm = mine.w4_perm
+            xp = x if perm is None else x.index_select(1, perm)
+            # the table's kernel, then its variants (the fused kernel's: rows below DEQUANT_ROWS)
+            for key, kw in (('table', {}), ('gather', dict(reshape=False)), ('dt-math', dict(dt_math=True))):
+                if key != 'table' and m >= w4a16.DEQUANT_ROWS:
+                    t_w4[key] = float('nan')
+                    continue
+                t_w4[key] = time_us([
+                    lambda p=p, kw=kw: w4a16.w4a16_linear(xp, *p, mine.w4_group, mine.w4_gidx, None, ops._num_sms,
+                                                          **kw) for p in packs])
+                if key == 'dt-math':  # the same values as the table's kernel
+                    same = torch.equal(w4a16.w4a16_linear(xp, qw, s, z, mine.w4_group, mine.w4_gidx, None,
+                                                          ops._num_sms, **kw), got)
+                    t_w4[key] = t_w4[key] if same else float('inf')
             del packs
-            bw = f'{w4_bytes / t_w4[True] / 1e3:8.0f} {n * k * 2 / t_bf / 1e3:8.0f}' if m <= 16 else ' ' * 17
-            print(f'{name:8s} {m:5d} {err:9.2e} {t_w4[True]:9.1f} {t_w4[False]:9.1f} {t_bf:9.1f} '
-                  f'{t_bf / t_w4[True]:6.2f} {bw}  {cfg if isinstance(cfg, str) else tuple(cfg)}', flush=True)
+            bw = f'{w4_bytes / t_w4["table"] / 1e3:8.0f} {n * k * 2 / t_bf / 1e3:8.0f}' if m <= 16 else ' ' * 17
+            print(f'{name:8s} {m:5d} {err:9.2e} {t_w4["table"]:9.1f} {t_w4["gather"]:9.1f} {t_w4["dt-math"]:9.1f} '
+                  f'{t_bf:9.1f} {t_bf / t_w4["table"]:6.2f} {bw}  {cfg if isinstance(cfg, str) else tuple(cfg)}',
+                  flush=True)
         except Exception as e:  # one failing configuration must not stop the table
             print(f'{name:8s} {m:5d} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}',
                   flush=True)
@@ -137,7 +147,7 @@ def main():
           f'{__import__("triton").__version__}, group {GROUP}, desc_act {args.desc_act}')
     print('err: max |w4a16 - reference apply| / max |reference|; us: per call (CUDA graph replays, weights not in L2'
           ' for M <= 64); GB/s: weight bytes read per second (M <= 16)')
-    print(f"{'shape':8s} {'M':>5s} {'err':>9s} {'w4a16 us':>9s} {'gather us':>9s} {'bf16 us':>9s} {'speedup':>6s} "
+    print(f"{'shape':8s} {'M':>5s} {'err':>9s} {'w4a16 us':>9s} {'gather us':>9s} {'dt-math':>9s} {'bf16 us':>9s} {'speedup':>6s} "
           f"{'w4 GB/s':>8s} {'bf16GB/s':>8s}  config (block_m, block_n, block_k, split, warps, stages)")
     for name, n, k in SHAPES:
         if name not in args.shapes:
@@ -148,7 +158,8 @@ def main():
             print(f'{name:8s} FAILED to build: {type(e).__name__}: {e}', flush=True)
             traceback.print_exc(limit=3)
         torch.cuda.empty_cache()
-    print(f'({time.time() - t0:.0f} s; "gather us": the kernel unpacking by per-row loads instead of a reshape)')
+    print(f'({time.time() - t0:.0f} s; "gather us": the kernel unpacking by per-row loads instead of a reshape; '
+          '"dt-math": dequantizing in the activation dtype (inf: its values differed); nan: not the fused kernel)')
 
 
 if __name__ == '__main__':

@@ -161,6 +161,21 @@ def test_dequantize_is_the_rounded_weight(dtype):
     g_idx = (torch.arange(k, dtype=torch.int32) // group).to(DEV)
     assert torch.equal(w4a16.dequantize(*args, 1, g_idx).cpu(), want.t())
 
+
+def test_dequantizing_in_the_activation_dtype_gives_the_same_values():
+    """dt_math (the weight dequantized in float16 arithmetic) against float32 arithmetic rounded once: the same
+    outputs bit for bit, since q - z is a small integer and the product rounds once either way."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
+    k, n, group = 256, 64, 64
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
+    s = (torch.rand(n, k // group, generator=gen) / 40 + 1e-3).half()
+    args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous(), z.t().half().contiguous())]
+    for m in (1, 40):
+        x = torch.randn(m, k, generator=gen).half().to(DEV)
+        plain = w4a16.w4a16_linear(x, *args, group)
+        assert torch.equal(w4a16.w4a16_linear(x, *args, group, dt_math=True), plain)
+
 def test_pack_int4_is_gptq_packing():
     q = torch.randint(0, 16, (24, 64), dtype=torch.uint8)
     assert torch.equal(unpack_int4(w4a16.pack_int4(q), 0).t(), q)

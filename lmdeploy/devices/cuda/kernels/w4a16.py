@@ -49,7 +49,7 @@ class Config(NamedTuple):
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_om,
                   stride_os, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  RESHAPE: tl.constexpr, PRECISION: tl.constexpr):
+                  RESHAPE: tl.constexpr, PRECISION: tl.constexpr, DT_MATH: tl.constexpr = False):
     """One [BLOCK_M, BLOCK_N] tile of out over K range [pid_k K_SPLIT, (pid_k + 1) K_SPLIT); ``stride_os``:
     between the splits' partial outputs (a float32 workspace when there are several)."""
     pid = tl.program_id(0)
@@ -99,8 +99,10 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K
             sz_mask = k_mask[:, None] & n_mask[None, :]
         s = tl.load(s_ptr + sz, mask=sz_mask, other=0.0)
         z = tl.load(z_ptr + sz, mask=sz_mask, other=0.0)
-        # float32 (exact for (q - z) * s of a 16-bit s), rounded once as the reference's dequantized weight
-        w = ((q.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)).to(dt)
+        if DT_MATH:  # the same values: q - z is a small integer, exact in 16 bits, and the product rounds once
+            w = (q.to(dt) - z.to(dt)) * s.to(dt)
+        else:  # float32 (exact for (q - z) * s of a 16-bit s), rounded once as the reference's dequantized weight
+            w = ((q.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)).to(dt)
         acc += tl.dot(x, w, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -203,10 +205,12 @@ def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Config:
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                  g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, num_sms: int = 132,
-                 config: Optional[Config] = None, reshape: bool = True) -> torch.Tensor:
+                 config: Optional[Config] = None, reshape: bool = True, dt_math: bool = False) -> torch.Tensor:
     """x [M, K] (contiguous rows) -> [M, N] in x's dtype. ``group``: inputs per group (ignored with
     ``g_idx`` int32 [K], the group of each input, non-decreasing or not). ``config``: the table's
-    (:func:`choose`) unless given; ``reshape``: how the packed tile is unpacked (the kernel's RESHAPE)."""
+    (:func:`choose`) unless given; ``reshape``: how the packed tile is unpacked (the kernel's RESHAPE);
+    ``dt_math``: the weight dequantized in x's dtype rather than float32 (the same values; a variant that
+    benchmark/w4a16_gemm.py times, not yet measured for this kernel: it was faster in an experimental one)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -227,6 +231,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                         bias if has_bias else x, dst, m, n, k, k_split, x.stride(0), n, m * n,
                         GROUP=group if g_idx is None else 1, HAS_GIDX=g_idx is not None, HAS_BIAS=has_bias,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, RESHAPE=reshape,
+                        DT_MATH=dt_math and x.dtype != torch.float32,
                         PRECISION='ieee' if x.dtype == torch.float32 else 'tf32', num_warps=cfg.warps,
                         num_stages=cfg.stages)
     if split > 1:
