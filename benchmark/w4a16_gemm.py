@@ -147,7 +147,8 @@ def main():
           f'{__import__("triton").__version__}, group {GROUP}, desc_act {args.desc_act}')
     print('err: max |w4a16 - reference apply| / max |reference|; us: per call (CUDA graph replays, weights not in L2'
           ' for M <= 64); GB/s: weight bytes read per second (M <= 16)')
-    print(f"{'shape':8s} {'M':>5s} {'err':>9s} {'w4a16 us':>9s} {'gather us':>9s} {'dt-math':>9s} {'bf16 us':>9s} {'speedup':>6s} "
+    print(f"{'shape':8s} {'M':>5s} {'err':>9s} {'w4a16 us':>9s} {'gather us':>9s} {'dt-math':>9s} {'bf16 us':>9s} "
+          f"{'speedup':>6s} "
           f"{'w4 GB/s':>8s} {'bf16GB/s':>8s}  config (block_m, block_n, block_k, split, warps, stages)")
     for name, n, k in SHAPES:
         if name not in args.shapes:

@@ -150,8 +150,8 @@ def kernel_specs(cap: int):
 def label(fn, constexprs: dict) -> str:
     """A compiled variant's name in the results: the kernel and the constexprs that tell its variants apart."""
     return fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items()
-                                 if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'BM', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP', 'TANH',
-                                          'FP8'))
+                                 if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'BM', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP',
+                                          'TANH', 'FP8'))
 
 
 def compile_all(cap: int, specs=None, act=None) -> dict:

@@ -1,6 +1,7 @@
-"""The cuda device's SmoothQuant W8A8 path (devices/cuda/w8a8.py, kernels/w8a8_quant.py, w8a8_gemm.py) against the reference
-(devices/w8a8.py), through Triton's interpreter without a GPU: the per-token quantize kernel bit for bit, the
-scale epilogue against torch, the layers' apply (torch's cpu int8 / fp8 GEMMs) and the conformance checks."""
+"""The cuda device's SmoothQuant W8A8 path (devices/cuda/w8a8.py, kernels/w8a8_quant.py, w8a8_gemm.py) against the
+reference (devices/w8a8.py), through Triton's interpreter without a GPU (on a GPU where there is one): the
+per-token quantize kernel bit for bit, the scale epilogue against torch, int8's fused GEMM against the two-step
+path, the layers' apply and the conformance checks."""
 import os
 
 import pytest

@@ -1,5 +1,5 @@
 """SmoothQuant W8A8 on NVIDIA GPUs: the activation quantized per token by one Triton kernel
-(kernels/w8a8_quant.py), the 8-bit GEMM by torch (cuBLASLt / CUTLASS), the scales applied after it.
+(kernels/w8a8_quant.py), the 8-bit GEMM by torch (cuBLASLt / CUTLASS) or Triton, with the scales.
 
 * int8, up to 64 rows: ``torch._int_mm`` (int32 out), then a Triton epilogue (a_scale * weight_scale, cast,
   bias): one pass over the int32 result. cuda's _int_mm wants more than 16 rows, so a decode step's x_q is
@@ -11,7 +11,8 @@
   its epilogue, out in the activation dtype: one GEMM, for bf16 activations. For float16 ones (torch 2.11's
   row-wise kernel took them on an H100 but was off by up to 4 fp16 ulps against the exact result at 70 rows
   with a bias), float32 ones (torch takes no bias with a float32 out) and where torch refuses the row-wise
-  scales, a unit-scaled GEMM to float32 and the int8 path's epilogue instead. Below sm89 (no e4m3 tensor cores) the reference runs.
+  scales, a unit-scaled GEMM to float32 and the int8 path's epilogue instead. Below sm89 (no e4m3 tensor
+  cores) the reference runs.
 
 Both GEMMs take the weight as the reference stores it: ``weight`` [out, in] row-major, passed as its
 transposed view (a column-major [in, out]), the layout cuBLASLt's int8 / fp8 kernels want for their second

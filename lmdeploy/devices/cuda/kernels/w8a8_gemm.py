@@ -1,12 +1,16 @@
 """SmoothQuant int8's GEMM for more than a few rows: int8 x int8 on tensor cores, int32 accumulators, and the
 scales (a_scale[row] * weight_scale[col]), the cast and the bias applied in the same kernel.
 
-Measured on an H100 (benchmark/w8a8_gemm.py, Llama-3-8B's layers): at 256 rows and more ``torch._int_mm``
-(cuBLASLt) followed by the separate epilogue was slower than bf16 (0.67-0.99x), since the int32 result is
-written and read again and cuBLASLt's int8 kernel choice is poor for these shapes; this kernel took 0.63-0.74x of
-bf16's time there. Up to 64 rows the GEMM streams the weight and ``_int_mm`` is as fast, so
-devices/cuda/w8a8.py keeps it there. The epilogue rounds as kernels/w8a8_quant.py's ``scale_epilogue`` does, so
-either path gives the same values.
+Measured on an H100 (Llama-3-8B's layers, the input already quantized):
+- From 256 rows, ``torch._int_mm`` (cuBLASLt) plus the separate epilogue ran at 0.67-0.99x bf16's speed. The
+  int32 result is written and read again, and cuBLASLt's int8 kernel choice is poor for these shapes.
+- This kernel took 0.59-0.84x of bf16's time there.
+- Up to 64 rows the GEMM streams the weight and ``_int_mm`` is as fast, so devices/cuda/w8a8.py keeps it there.
+
+With the per-token quantize included (benchmark/w8a8_gemm.py), a layer at 256 rows is still 0.8-1.2x bf16's
+time. The separate quantize pass costs that; fusing it into the norm is not done.
+
+The epilogue rounds as kernels/w8a8_quant.py's ``scale_epilogue`` does, so either path gives the same values.
 """
 import torch
 import triton
