@@ -70,7 +70,8 @@ class _CudaW8A8:
 
 
 class CudaW8A8Int8Linear(_CudaW8A8, W8A8Int8Linear):
-    """int8 x int8 -> int32 (torch._int_mm), then the scales: see the module's docstring."""
+    """int8 x int8 -> int32 (torch._int_mm, then the scales; or, past FUSED_ROWS rows, one Triton GEMM with
+    the scales fused): see the module's docstring."""
 
     def _gemm(self, layer, x2, bias):
         k = _kernels()
@@ -101,22 +102,21 @@ class CudaW8A8Fp8Linear(_CudaW8A8, W8A8Fp8Linear):
 
     def _gemm(self, layer, x2, bias):
         k = _kernels()
-        x = x2  # (2-D)
         q, a_scale = k.quantize_per_token(x2, fp8=True)
         w_t = layer.weight.t()
-        key = (x.device, x.dtype)
+        key = (x2.device, x2.dtype)
         out = None
-        if self.rowwise and x.dtype == torch.bfloat16 and self._rowwise.get(key, True):
+        if self.rowwise and x2.dtype == torch.bfloat16 and self._rowwise.get(key, True):
             try:
                 out = torch._scaled_mm(q, w_t, scale_a=a_scale, scale_b=layer.weight_scale.view(1, -1),
-                                       bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+                                       bias=None if bias is None else bias.to(x2.dtype), out_dtype=x2.dtype)
                 self._rowwise[key] = True
             except (RuntimeError, ValueError, NotImplementedError):  # refused before any launch
                 self._rowwise[key] = False
         if out is None:
-            one = self._one(x.device)
+            one = self._one(x2.device)
             acc = torch._scaled_mm(q, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
-            out = k.scale_epilogue(acc, a_scale, layer.weight_scale, bias, x.dtype)
+            out = k.scale_epilogue(acc, a_scale, layer.weight_scale, bias, x2.dtype)
         return out
 
     def _one(self, device):

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import grouped_tile
+
 SMALL_M = 16  # rows up to which the decode (split-K) configuration is used
 DEQUANT_ROWS = 128  # rows from which the weight is dequantized and multiplied by cuBLAS
 
@@ -52,16 +54,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K
                   RESHAPE: tl.constexpr, PRECISION: tl.constexpr, DT_MATH: tl.constexpr = False):
     """One [BLOCK_M, BLOCK_N] tile of out over K range [pid_k K_SPLIT, (pid_k + 1) K_SPLIT); ``stride_os``:
     between the splits' partial outputs (a float32 workspace when there are several)."""
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # GROUP_M row tiles side by side: consecutive programs share a weight tile
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows
-    pid_n = (pid % per_group) // rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

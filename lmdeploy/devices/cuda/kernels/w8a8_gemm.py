@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .tiles import grouped_tile
 
 
 @triton.jit
@@ -24,15 +25,7 @@ def _int8_gemm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, str
                       HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GROUP_M: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_then_release(PDL)
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    # GROUP_M row tiles side by side: consecutive programs share a weight tile (it stays in L2)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows
-    pid_n = (pid % per_group) // rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     m_mask, n_mask = offs_m < M, offs_n < N
