@@ -34,6 +34,9 @@ def main():
     p.add_argument('--iters', type=int, default=20)
     p.add_argument('--profile', action='store_true', help="print the host's Python profile of each mode's steps")
     p.add_argument('--pieces', action='store_true', help='also time steps replayed in pieces')
+    p.add_argument('--kernels', action='store_true',
+                   help="print where each mixed step's device time goes: its kernels (launched eagerly, so "
+                        "each is timed alone) grouped by kind, and the GEMMs' achieved TFLOP/s")
     args = p.parse_args()
 
     import torch
@@ -87,10 +90,12 @@ def main():
         print(f'pieces recorded in {time.perf_counter() - t0:.1f} s')
     print(f'{"step":>12s} {"mode":>7s} {"host ms":>8s} {"step ms":>8s}')
     for mix in args.mix:
-        d, n_prompt = (int(x) for x in mix.split(':'))
+        d, prompts = mix.split(':')
+        d, prompt_lens = int(d), [int(x) for x in prompts.split(',')]
+        n_prompt = sum(prompt_lens)
         decode = [sequence(i, args.context, 1) for i in range(d)]
-        prompt = sequence(d, 0, n_prompt)
-        mixed = ScheduledBatch(decode + [prompt], [1] * d + [n_prompt])
+        prompt_seqs = [sequence(d + j, 0, n) for j, n in enumerate(prompt_lens)]
+        mixed = ScheduledBatch(decode + prompt_seqs, [1] * d + prompt_lens)
         rows = [('decode', ScheduledBatch(decode, [1] * d), graphs, None), ('graph', mixed, graphs, None)]
         if pieces is not None and pieces.fits(d + n_prompt):
             rows.append(('pieces', mixed, None, pieces))
@@ -103,10 +108,50 @@ def main():
             print(f'{label:>12s} {mode:>7s} {host:8.2f} {total:8.2f}', flush=True)
             if prof is not None:
                 pstats.Stats(prof).sort_stats('tottime').print_stats(18)
+        if args.kernels:
+            runner.graphs, runner.pieces = None, None
+            kernel_table(lambda: runner.forward(mixed), sync, eng.model_config, d + n_prompt, total)
         runner.graphs, runner.pieces = graphs, None
-        for s in decode + [prompt]:
+        for s in decode + prompt_seqs:
             bm.free(s.block_ids)
     eng.close()
+
+
+KINDS = (('gemm', ('gemm', 'nvjet', 'xmma', 'cutlass', 'cublas', 'sm90_', 'sm80_')),
+         ('attention', ('attn', 'attention', 'flash')), ('norm', ('norm',)), ('rotary/kv fill', ('rot', 'fill', 'cache')),
+         ('activation', ('silu', 'gelu', 'act')), ('sampling', ('sample', 'argmax', 'softmax')))
+
+
+def kernel_table(step, sync, cfg, num_tokens, graph_ms):
+    """One eager step under the torch profiler: device time by kernel kind and the top kernels; the
+    block GEMMs' TFLOP/s counts 2 x tokens x (the layer's weights) per layer (the LM head apart)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode():
+        step(), sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(), sync()
+    per_kernel = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n, t = per_kernel.get(e.name, (0, 0.0))
+            per_kernel[e.name] = (n + 1, t + e.device_time_total / 1e3)
+    total = sum(t for _, t in per_kernel.values())
+    kinds = {}
+    for name, (_, t) in per_kernel.items():
+        low = name.lower()
+        kind = next((k for k, keys in KINDS if any(key in low for key in keys)), 'other')
+        kinds[kind] = kinds.get(kind, 0.0) + t
+    h, inter, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    flops = 2 * num_tokens * cfg.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    print(f'  kernels: {total:.2f} ms in all (the replayed step: {graph_ms:.2f} ms); block GEMMs '
+          f'{flops / 1e12:.1f} TFLOP -> {flops / 1e9 / max(kinds.get("gemm", 1e-9), 1e-9):.0f} TFLOP/s '
+          'over the gemm kernels (LM head included in their time)')
+    for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f'    {kind:>15s} {t:8.2f} ms {100 * t / total:5.1f} %')
+    for name, (n, t) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:14]:
+        print(f'    {t:8.2f} ms {n:5d}x  {name[:110]}')
 
 
 if __name__ == '__main__':

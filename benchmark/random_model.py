@@ -19,6 +19,10 @@ SHAPES = {
     'qwen2-7b': dict(arch='Qwen2Config', hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                      num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, rope_theta=1000000.0,
                      max_position_embeddings=32768),
+    # Mistral-7B-v0.1: every layer attends to the last 4,096 tokens (issue 37's sliding-window run)
+    'mistral-7b': dict(arch='MistralConfig', hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=14336, vocab_size=32000, rope_theta=10000.0,
+                       max_position_embeddings=32768, sliding_window=4096),
     # small shapes for end-to-end checks
     'llama-small': dict(arch='LlamaConfig', hidden_size=1024, num_hidden_layers=6, num_attention_heads=16,
                         num_key_value_heads=4, intermediate_size=2816, vocab_size=32000, rope_theta=500000.0,
