@@ -4,6 +4,8 @@ decoding sequence along (one-token rows first), comes once ``refill_slots``
 slots are free or after ``prefill_interval`` decode steps."""
 import random
 
+import pytest
+
 from lmdeploy.engine.block_manager import BlockManager
 from lmdeploy.engine.scheduler import Scheduler
 from lmdeploy.engine.sequence import SamplingParams, Sequence
@@ -135,3 +137,56 @@ def test_a_lasting_backlog_lifts_the_limit_and_a_cleared_one_restores_it():
     step(sched)  # nothing waits any more
     add(99, 200)
     assert sum(step(sched).num_new_tokens) <= 64  # the limit again
+
+
+def _serve_long_prompts(window, old_admission=False):
+    """60 prompts of 1,200-1,800 tokens, all waiting at once on a cache of 6,400 tokens (about four prompts
+    without a window, about twenty windows of 256); run to the end as the engine does. Outputs: 8-16 tokens
+    without a window (at most one block of growth: the block each running sequence is kept, so that what
+    is measured is admission, not decode growth), 100-150 with one (a window's blocks do not grow). Returns (tokens computed, the
+    tokens that had to be, preemptions, most sequences decoding at once)."""
+    rng = random.Random()
+    bm = BlockManager(400, 16)
+    sched = Scheduler(bm, 64, 512, lambda seq, why: pytest.fail(why), kv_window=window)
+    if old_admission:  # admit whatever the first chunk fits (what the scheduler did before)
+        sched._headroom = lambda: 10**9
+    outs, needed = {}, 0
+    for i in range(60):
+        seq = Sequence(i, i, [rng.randrange(10, 1000) for _ in range(rng.randint(1200, 1800))],
+                       SamplingParams(max_new_tokens=10**6), lambda out: None, 10**6)
+        outs[i] = rng.randint(8, 16) if window is None else rng.randint(100, 150)
+        needed += seq.num_tokens + outs[i] - 1  # the last token is sampled, never computed
+        sched.add(seq)
+    computed = most = 0
+    for _ in range(20000):
+        if not sched.has_work():
+            break
+        batch = sched.schedule()
+        sched.postprocess(batch)
+        computed += sum(batch.num_new_tokens)
+        most = max(most, sum(1 for s in sched.running if s.num_pending <= 1))
+        for seq in batch.seqs:
+            if seq.num_pending == 0:
+                seq.token_ids.append(rng.randrange(10, 1000))
+                seq.num_generated += 1
+                if seq.num_generated == outs[seq.seq_id]:
+                    sched.finish(seq)
+        sched.check_invariants()
+    assert not sched.has_work() and bm.num_used == 0
+    return computed, needed, sched.num_preemptions, most
+
+
+@pytest.mark.parametrize('window', [None, 256])
+def test_long_prompts_under_a_full_cache_are_admitted_only_when_they_can_finish(window):
+    """A prompt is admitted only while the cache can hold all of it (or its window) beside what the running
+    prompts still need: nothing is preempted, nothing computed twice. The old admission (whatever the first
+    chunk fits) preempts and recomputes on the same load, so the check is what prevents it. With a window
+    the cache holds many more sequences at once."""
+    computed, needed, preemptions, most = _serve_long_prompts(window)
+    assert preemptions == 0 and computed == needed
+    old_computed, _, old_preemptions, _ = _serve_long_prompts(window, old_admission=True)
+    assert old_preemptions > 0 and old_computed > needed
+    if window is None:
+        assert most <= 5  # 400 blocks hold four or five of these prompts
+    else:
+        assert most >= 12  # 17 blocks a sequence once past its prompt

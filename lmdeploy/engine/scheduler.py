@@ -185,6 +185,31 @@ class Scheduler:
             return need
         return min(need, self.bm.blocks_for(self.kv_window + 2 * self.max_prefill_tokens) + 2)
 
+    def _held(self, seq: Sequence) -> int:
+        """Blocks the sequence owns now (entries given back behind a window are not)."""
+        if self.kv_window is None:
+            return len(seq.block_ids)
+        return len(seq.block_ids) - seq.block_ids.count(FREED)
+
+    def _prompt_blocks(self, seq: Sequence) -> int:
+        """Blocks the sequence owns once its tokens so far are computed: all of theirs, or a window's."""
+        need = self.bm.blocks_for(seq.num_tokens)
+        if self.kv_window is None:
+            return need
+        return min(need, self.bm.blocks_for(self.kv_window) + 1)
+
+    def _headroom(self) -> int:
+        """Blocks a newly admitted prompt may still claim: the free ones (and idle sessions' caches) less what
+        the running prompts need to finish, one block of decode growth for every running sequence, and with
+        a window the chunks in flight beyond the windows (a step's, and the last one's, freed a step late)."""
+        free = self.bm.num_free + sum(self._held(s) for s in self.idle.values())
+        owed = sum(max(0, self._prompt_blocks(s) - self._held(s)) for s in self.running if s.num_pending > 1)
+        in_flight = 0
+        if self.kv_window is not None:
+            in_flight = 2 * self.bm.blocks_for(self.max_prefill_tokens) + sum(
+                1 for s in self.running if s.num_pending > 1)
+        return free - owed - len(self.running) - in_flight
+
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make the sequence own enough blocks for ``num_tokens`` tokens."""
         need = self.bm.blocks_for(num_tokens) - len(seq.block_ids)
@@ -280,7 +305,10 @@ class Scheduler:
                 i += 1
                 continue
             # seq left the running list; i now points at the next one
-        # admit waiting sequences
+        # admit waiting sequences, each only while the cache can also finish it: a prompt admitted for its
+        # first chunk alone would later take its other chunks' blocks from running sequences (preempting
+        # them, recomputed later: long prompts under load did each other's work about twice on an H100)
+        headroom = None
         while (phase != 'decode' and self.waiting and budget > 0 and prompt_slots > 0
                and len(self.running) < self.max_batch_size):
             seq = self.waiting[0]
@@ -297,11 +325,15 @@ class Scheduler:
                 seq.block_ids, seq.block_keys = blocks, keys
                 seq.num_computed = len(blocks) * self.bm.block_size
                 matched = bool(blocks)
+            if headroom is None:
+                headroom = self._headroom()
+            need = max(0, self._prompt_blocks(seq) - self._held(seq))
             n = min(seq.num_pending, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            if (self.running and need > headroom) or not self._grow(seq, seq.num_computed + n):
                 if matched:  # a waiting sequence holds no blocks it might starve others of
                     self._release(seq)
                 break
+            headroom -= need + 1
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
