@@ -122,6 +122,10 @@ class DeviceRuntime:
         """Bytes free for the KV cache right now."""
         raise NotImplementedError
 
+    def release_cached_memory(self) -> None:
+        """Give back to the device what the framework's allocator holds unused (loading's temporaries), so
+        that :meth:`memory_available` counts it. Devices whose allocator keeps nothing do nothing."""
+
     # ------------------------------------------------------ queue and timing
     def synchronize(self) -> None:
         """Wait until queued work on the device is done."""

@@ -91,6 +91,10 @@ def plan_rank(config: PytorchEngineConfig, model_config: ModelConfig, device, dt
 def build_rank(model_path: str, config: PytorchEngineConfig, model_config: ModelConfig, device) -> Rank:
     dtype = pick_dtype(config, model_config, device)
     model = load_model(model_path, model_config, dtype, device)
+    # loading's temporaries (a tensor's copy on its way to the device, fused projections' parts) stay in the
+    # allocator's cache, where the KV budget below would not see them: on an H100, 15.9 GB for Llama-3-8B's
+    # 15.0 GB of weights, which cost the cache 0.8 x 15.9 GB
+    device.runtime.release_cached_memory()
     plan = plan_rank(config, model_config, device, dtype)
     if plan.profile_memory:
         profile_peak_memory(model, model_config, device, plan)

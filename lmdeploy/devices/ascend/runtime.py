@@ -131,6 +131,9 @@ class AscendRuntime(DeviceRuntime):
         free, _ = npu().mem_get_info()
         return int(free)
 
+    def release_cached_memory(self) -> None:
+        npu().empty_cache()
+
     def synchronize(self) -> None:
         npu().synchronize()
 

@@ -74,6 +74,9 @@ class CudaRuntime(DeviceRuntime):
         free, _ = torch.cuda.mem_get_info()
         return int(free)
 
+    def release_cached_memory(self) -> None:
+        torch.cuda.empty_cache()
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 

@@ -43,6 +43,10 @@ def synchronize() -> None:
     pass
 
 
+def empty_cache() -> None:
+    """torch.npu.empty_cache: the emulation's tensors live in host memory, which keeps no cache of its own."""
+
+
 def mem_get_info():
     import psutil
     vm = psutil.virtual_memory()
