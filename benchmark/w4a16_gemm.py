@@ -110,20 +110,20 @@ def bench_shape(ops, name, n, k, ms, desc_act, gen):
             perm = mine.w4_perm
             xp = x if perm is None else x.index_select(1, perm)
             # the table's kernel, then its variants (the fused kernel's: rows below DEQUANT_ROWS)
-            for key, kw in (('table', {}), ('gather', dict(reshape=False)), ('dt-math', dict(dt_math=True))):
+            for key, kw in (('table', {}), ('gather', dict(reshape=False)), ('f32-math', dict(dt_math=False))):
                 if key != 'table' and m >= w4a16.DEQUANT_ROWS:
                     t_w4[key] = float('nan')
                     continue
                 t_w4[key] = time_us([
                     lambda p=p, kw=kw: w4a16.w4a16_linear(xp, *p, mine.w4_group, mine.w4_gidx, None, ops._num_sms,
                                                           **kw) for p in packs])
-                if key == 'dt-math':  # the same values as the table's kernel
+                if key == 'f32-math':  # the same values as the table's kernel
                     same = torch.equal(w4a16.w4a16_linear(xp, qw, s, z, mine.w4_group, mine.w4_gidx, None,
                                                           ops._num_sms, **kw), got)
                     t_w4[key] = t_w4[key] if same else float('inf')
             del packs
             bw = f'{w4_bytes / t_w4["table"] / 1e3:8.0f} {n * k * 2 / t_bf / 1e3:8.0f}' if m <= 16 else ' ' * 17
-            print(f'{name:8s} {m:5d} {err:9.2e} {t_w4["table"]:9.1f} {t_w4["gather"]:9.1f} {t_w4["dt-math"]:9.1f} '
+            print(f'{name:8s} {m:5d} {err:9.2e} {t_w4["table"]:9.1f} {t_w4["gather"]:9.1f} {t_w4["f32-math"]:9.1f} '
                   f'{t_bf:9.1f} {t_bf / t_w4["table"]:6.2f} {bw}  {cfg if isinstance(cfg, str) else tuple(cfg)}',
                   flush=True)
         except Exception as e:  # one failing configuration must not stop the table
@@ -147,7 +147,7 @@ def main():
           f'{__import__("triton").__version__}, group {GROUP}, desc_act {args.desc_act}')
     print('err: max |w4a16 - reference apply| / max |reference|; us: per call (CUDA graph replays, weights not in L2'
           ' for M <= 64); GB/s: weight bytes read per second (M <= 16)')
-    print(f"{'shape':8s} {'M':>5s} {'err':>9s} {'w4a16 us':>9s} {'gather us':>9s} {'dt-math':>9s} {'bf16 us':>9s} "
+    print(f"{'shape':8s} {'M':>5s} {'err':>9s} {'w4a16 us':>9s} {'gather us':>9s} {'f32-math':>9s} {'bf16 us':>9s} "
           f"{'speedup':>6s} "
           f"{'w4 GB/s':>8s} {'bf16GB/s':>8s}  config (block_m, block_n, block_k, split, warps, stages)")
     for name, n, k in SHAPES:
@@ -160,7 +160,8 @@ def main():
             traceback.print_exc(limit=3)
         torch.cuda.empty_cache()
     print(f'({time.time() - t0:.0f} s; "gather us": the kernel unpacking by per-row loads instead of a reshape; '
-          '"dt-math": dequantizing in the activation dtype (inf: its values differed); nan: not the fused kernel)')
+          '"f32-math": dequantizing in float32 (the table dequantizes in the activation dtype up to DT_MATH_ROWS rows; '
+          'inf: their values differed); nan: not the fused kernel)')
 
 
 if __name__ == '__main__':

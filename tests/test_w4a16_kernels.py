@@ -173,8 +173,9 @@ def test_dequantizing_in_the_activation_dtype_gives_the_same_values():
     args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous(), z.t().half().contiguous())]
     for m in (1, 40):
         x = torch.randn(m, k, generator=gen).half().to(DEV)
-        plain = w4a16.w4a16_linear(x, *args, group)
+        plain = w4a16.w4a16_linear(x, *args, group, dt_math=False)
         assert torch.equal(w4a16.w4a16_linear(x, *args, group, dt_math=True), plain)
+        assert torch.equal(w4a16.w4a16_linear(x, *args, group), plain)  # the default (dt_math up to 32 rows)
 
 def test_pack_int4_is_gptq_packing():
     q = torch.randint(0, 16, (24, 64), dtype=torch.uint8)

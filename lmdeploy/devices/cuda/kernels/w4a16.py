@@ -36,6 +36,9 @@ from .tiles import grouped_tile
 
 SMALL_M = 16  # rows up to which the decode (split-K) configuration is used
 DEQUANT_ROWS = 128  # rows from which the weight is dequantized and multiplied by cuBLAS
+# rows up to which the fused kernel dequantizes in the activation dtype (the same values): on an H100 (session
+# 43, benchmark/w4a16_gemm.py, Llama-3-8B's four layers) 3-9 % faster at 1-16 rows and 1-11 % at 32, slower at 64
+DT_MATH_ROWS = 32
 
 
 class Config(NamedTuple):
@@ -199,16 +202,19 @@ def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Config:
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                  g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, num_sms: int = 132,
-                 config: Optional[Config] = None, reshape: bool = True, dt_math: bool = False) -> torch.Tensor:
+                 config: Optional[Config] = None, reshape: bool = True,
+                 dt_math: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] (contiguous rows) -> [M, N] in x's dtype. ``group``: inputs per group (ignored with
     ``g_idx`` int32 [K], the group of each input, non-decreasing or not). ``config``: the table's
     (:func:`choose`) unless given; ``reshape``: how the packed tile is unpacked (the kernel's RESHAPE);
-    ``dt_math``: the weight dequantized in x's dtype rather than float32 (the same values; a variant that
-    benchmark/w4a16_gemm.py times, not yet measured for this kernel: it was faster in an experimental one)."""
+    ``dt_math``: the weight dequantized in x's dtype rather than float32 (the same values), by default up to
+    DT_MATH_ROWS rows, where it was measured faster."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = qweight.shape[1]
+    if dt_math is None:
+        dt_math = m <= DT_MATH_ROWS
     if config is None and m >= DEQUANT_ROWS and (g_idx is not None or group % 8 == 0):
         w_t = dequantize(qweight, scales, zeros, group, g_idx, x.dtype)
         return torch.mm(x, w_t) if bias is None else torch.addmm(bias.to(x.dtype), x, w_t)
