@@ -118,7 +118,8 @@ def main():
 
 
 KINDS = (('gemm', ('gemm', 'nvjet', 'xmma', 'cutlass', 'cublas', 'sm90_', 'sm80_')),
-         ('attention', ('attn', 'attention', 'flash')), ('norm', ('norm',)), ('rotary/kv fill', ('rot', 'fill', 'cache')),
+         ('attention', ('attn', 'attention', 'flash', 'prefill_kernel', 'decode_kernel', 'decode_reduce')),
+         ('norm', ('norm',)), ('rotary/kv fill', ('rot', 'fill', 'cache')),
          ('activation', ('silu', 'gelu', 'act')), ('sampling', ('sample', 'argmax', 'softmax')))
 
 
