@@ -143,8 +143,8 @@ def _serve_long_prompts(window, old_admission=False):
     """60 prompts of 1,200-1,800 tokens, all waiting at once on a cache of 6,400 tokens (about four prompts
     without a window, about twenty windows of 256); run to the end as the engine does. Outputs: 8-16 tokens
     without a window (at most one block of growth: the block each running sequence is kept, so that what
-    is measured is admission, not decode growth), 100-150 with one (a window's blocks do not grow). Returns (tokens computed, the
-    tokens that had to be, preemptions, most sequences decoding at once)."""
+    is measured is admission, not decode growth), 100-150 with one (a window's blocks do not grow).
+    Returns (tokens computed, the tokens that had to be, preemptions, most sequences decoding at once)."""
     rng = random.Random()
     bm = BlockManager(400, 16)
     sched = Scheduler(bm, 64, 512, lambda seq, why: pytest.fail(why), kv_window=window)
