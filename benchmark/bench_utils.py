@@ -15,6 +15,12 @@ SHAPES = [('qkv', 6144, 4096), ('o', 4096, 4096), ('gate_up', 28672, 4096), ('do
           ('lm_head', 128256, 4096)]
 
 
+def block_gemm_flops_per_token(cfg) -> int:
+    """FLOPs of one token through every layer's projections (q, k, v, o, gate, up, down; not the LM head)."""
+    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return 2 * cfg.num_layers * d * (q + 2 * kv + q + 3 * cfg.intermediate_size)
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 

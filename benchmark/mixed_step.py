@@ -143,9 +143,8 @@ def kernel_table(step, sync, cfg, num_tokens, graph_ms):
         low = name.lower()
         kind = next((k for k, keys in KINDS if any(key in low for key in keys)), 'other')
         kinds[kind] = kinds.get(kind, 0.0) + t
-    h, inter, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    flops = 2 * num_tokens * cfg.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    from bench_utils import block_gemm_flops_per_token
+    flops = num_tokens * block_gemm_flops_per_token(cfg)
     print(f'  kernels: {total:.2f} ms in all (the replayed step: {graph_ms:.2f} ms); block GEMMs '
           f'{flops / 1e12:.1f} TFLOP -> {flops / 1e9 / max(kinds.get("gemm", 1e-9), 1e-9):.0f} TFLOP/s '
           'over the gemm kernels (LM head included in their time)')

@@ -35,7 +35,7 @@ import time
 import types
 from typing import List, NamedTuple, Tuple
 
-from bench_utils import run_requests, stub_model
+from bench_utils import block_gemm_flops_per_token, run_requests, stub_model
 from random_model import SHAPES, make_config, make_model
 from throughput import make_workload
 
@@ -126,8 +126,8 @@ def record_schedule(model_dir: str, prompts: List[List[int]], outs: List[int], m
 
 def work(steps: List[Step], cfg) -> dict:
     """What the schedule fixes, per phase: steps, rows, GEMM TFLOP, decode-attention KV TB."""
-    d, i, hkv, hd, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
-    per_row = 2 * L * d * (cfg.num_heads * hd + 2 * hkv * hd + cfg.num_heads * hd + 3 * i)
+    d, hkv, hd, L = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    per_row = block_gemm_flops_per_token(cfg)
     kv_per_token = 2 * L * hkv * hd * 2  # K and V, bf16
     out = {}
     for phase, is_decode in (('prefill', False), ('decode', True)):

@@ -203,11 +203,11 @@ class Scheduler:
         the running prompts need to finish, one block of decode growth for every running sequence, and with
         a window the chunks in flight beyond the windows (a step's, and the last one's, freed a step late)."""
         free = self.bm.num_free + sum(self._held(s) for s in self.idle.values())
-        owed = sum(max(0, self._prompt_blocks(s) - self._held(s)) for s in self.running if s.num_pending > 1)
+        prefilling = [s for s in self.running if s.num_pending > 1]
+        owed = sum(max(0, self._prompt_blocks(s) - self._held(s)) for s in prefilling)
         in_flight = 0
         if self.kv_window is not None:
-            in_flight = 2 * self.bm.blocks_for(self.max_prefill_tokens) + sum(
-                1 for s in self.running if s.num_pending > 1)
+            in_flight = 2 * self.bm.blocks_for(self.max_prefill_tokens) + len(prefilling)
         return free - owed - len(self.running) - in_flight
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
