@@ -1,6 +1,8 @@
 """All-reduce time per message size on this machine's GPUs: NCCL against the one-shot peer-buffer path the cuda
-device takes for small messages (lmdeploy/devices/cuda/peer_all_reduce.py), each recorded in a CUDA graph of
-``--reps`` calls (as a decode step replays them) and checked against the exact sum.
+device takes for small messages (lmdeploy/devices/cuda/peer_all_reduce.py), and torch's two-shot op on the same
+buffers (each rank sums 1/world of the message and writes it to every rank: the engine does not take it, see
+benchmark/RESULTS.md, session 44), each recorded in a CUDA graph of ``--reps`` calls (as a step replays them) and
+checked against the exact sum.
 
     python benchmark/allreduce.py --world 2
 """
@@ -21,11 +23,21 @@ def _rank(rank: int, world: int, port: int, sizes, reps: int, dtype_name: str):
                             device_id=torch.device('cuda', rank))
     dtype = getattr(torch, dtype_name)
     peer = PeerAllReduce(dist.group.WORLD)
-    peer.max_bytes = max(sizes)
+    peer.max_bytes = max(sizes)  # the buffers' size, set on the first call
 
     def nccl(x):
         dist.all_reduce(x)
         return x
+
+    def two_shots(x):
+        op = getattr(torch.ops.symm_mem, 'two_shot_all_reduce_out', None)
+        if op is None or not peer._ready:
+            return None
+        buf = peer._buffers[x.dtype][:x.numel()]
+        buf.copy_(x.reshape(-1))
+        out = torch.empty_like(x)
+        op(buf, 'sum', peer._group, out.view(-1))
+        return out
 
     rows = []
     for size in sizes:
@@ -36,7 +48,7 @@ def _rank(rank: int, world: int, port: int, sizes, reps: int, dtype_name: str):
         x = torch.randint(-8, 8, (n, ), device='cuda', generator=gen).to(dtype) * (rank + 1)
         want = x / (rank + 1) * sum(r + 1 for r in range(world))
         row = [size]
-        for name, fn in (('nccl', nccl), ('one-shot', peer)):
+        for name, fn in (('nccl', nccl), ('one-shot', peer), ('two-shot', two_shots)):
             got = fn(x.clone())
             if got is None:
                 row.append(None)
@@ -65,9 +77,11 @@ def _rank(rank: int, world: int, port: int, sizes, reps: int, dtype_name: str):
             del graph
         rows.append(row)
     if rank == 0:
-        print(f'{"bytes":>10} {"nccl us":>9} {"one-shot us":>12}  ({world} GPUs, {dtype_name}, in CUDA graphs)')
-        for size, a, b in rows:
-            print(f'{size:>10} {a:9.1f} ' + (f'{b:12.1f}' if b is not None else f'{"-":>12}'))
+        print(f'{"bytes":>10} {"nccl us":>9} {"one-shot us":>12} {"two-shot us":>12}  ({world} GPUs, {dtype_name}, '
+              'in CUDA graphs)')
+        for size, *times in rows:
+            print(f'{size:>10} {times[0]:9.1f} ' + ' '.join(f'{t:12.1f}' if t is not None else f'{"-":>12}'
+                                                          for t in times[1:]))
     dist.destroy_process_group()
 
 
@@ -76,7 +90,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument('--world', type=int, default=2)
     p.add_argument('--sizes', type=int, nargs='+',
-                   default=[8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20])
+                   default=[8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20,
+                            32 << 20])
     p.add_argument('--reps', type=int, default=64)
     p.add_argument('--dtype', default='bfloat16')
     args = p.parse_args()

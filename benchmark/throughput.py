@@ -81,8 +81,11 @@ def run_lmdeploy(args, prompts, outs) -> dict:
         gens = openai_mix(gens, args.openai_mix, pipe.engine.model_config.vocab_size, args.seed)
     if args.warmup:
         pipe(prompts[:2], gens[:2])
+    window = None
     if args.profile_at is not None:
-        threading.Timer(args.profile_at, profile_window, (args.profile_len, args.trace)).start()
+        if args.trace_host:
+            annotate_phases(pipe.engine)
+        window = ProfileWindow(args.profile_at, args.profile_len, args.trace, args.trace_host)
     finished = threading.Event()
     if args.timeline:
         threading.Thread(target=timeline, args=(pipe.engine, args.timeline, finished), daemon=True).start()
@@ -91,6 +94,8 @@ def run_lmdeploy(args, prompts, outs) -> dict:
 
     def timed_step(*a, **k):
         first[:] = first or [time.perf_counter()]
+        if window is not None:
+            window.tick()
         try:
             return step(*a, **k)
         finally:
@@ -105,6 +110,8 @@ def run_lmdeploy(args, prompts, outs) -> dict:
         print(f'  first engine step {first[0] - t0:.2f} s into the call, last one done '
               f'{t0 + elapsed - last[0]:.2f} s before it returned')
     finished.set()
+    if window is not None:
+        window.join()
     stats = pipe.engine.stats()
     device = pipe.engine.device.name
     pipe.close()
@@ -165,14 +172,61 @@ def timeline(engine, period: float, finished: threading.Event):
         last = x
 
 
-def profile_window(seconds: float, trace: str = None):
-    """How busy the GPU is: kernel time over a window of the run (the rest
-    is the device waiting for the host), and the kernels that fill it.
-    ``trace``: also write the window's kernels and copies as a gzipped
-    Chrome trace (benchmark/trace_gaps.py reads it)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        time.sleep(seconds)
+def annotate_phases(engine):
+    """Name the engine loop's phases in a profile (torch.profiler ranges), so that trace_gaps.py can say what
+    the host was doing while the device waited."""
+    from torch.profiler import record_function
+
+    def named(fn, label):
+        def call(*a, **k):
+            with record_function(f'engine.{label}'):
+                return fn(*a, **k)
+        return call
+
+    for obj, name in ((engine.scheduler, 'schedule'), (engine.scheduler, 'postprocess'), (engine.runner, 'forward'),
+                      (engine.runner, 'logits'), (engine, '_resolve'), (engine, '_sample'),
+                      (engine, '_prompt_outputs')):
+        setattr(obj, name, named(getattr(obj, name), name.lstrip('_')))
+
+
+class ProfileWindow:
+    """Profiles the steps that start from ``at`` to ``at + seconds`` into the timed call. The profiler starts
+    and stops on the engine's thread, before a step (the host side of torch's profiler must start on the
+    thread it records); the summary is written on a thread of its own."""
+
+    def __init__(self, at: float, seconds: float, trace: str = None, host: bool = False):
+        self.at, self.seconds, self.trace, self.host = at, seconds, trace, host
+        self.prof, self.started, self.done = None, None, None
+
+    def tick(self):
+        now = time.perf_counter() - _CALL_START[0]
+        if self.prof is None and self.done is None and now >= self.at:
+            from torch.profiler import ProfilerActivity, profile
+            activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if self.host else [])
+            self.prof, self.started = profile(activities=activities), now
+            self.prof.__enter__()
+        elif self.prof is not None and now >= self.started + self.seconds:
+            import torch
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.done = threading.Thread(target=summarize_profile, args=(self.prof, now - self.started, self.trace))
+            self.done.start()
+            self.prof = None
+
+    def join(self):
+        if self.prof is not None:  # the run ended inside the window
+            self.prof.__exit__(None, None, None)
+            summarize_profile(self.prof, time.perf_counter() - _CALL_START[0] - self.started, self.trace)
+        elif self.done is not None:
+            self.done.join()
+
+
+def summarize_profile(prof, seconds: float, trace: str = None):
+    """How busy the GPU was: kernel time over the window (the rest is the
+    device waiting for the host), and the kernels that fill it. ``trace``:
+    also write the window as a gzipped Chrome trace (trace_gaps.py reads
+    it)."""
     if trace:
         import gzip
         import os
@@ -276,6 +330,8 @@ def main():
                    help='seconds into the run: profile the GPU for --profile-len seconds from there')
     p.add_argument('--profile-len', type=float, default=1.0)
     p.add_argument('--trace', default=None, help='with --profile-at: write the window as a gzipped Chrome trace')
+    p.add_argument('--trace-host', action='store_true',
+                   help="with --trace: record the host's ops and the engine loop's phases too")
     p.add_argument('--timeline', type=float, default=0.0,
                    help='print step counts and times every this many seconds of the run (best effort: '
                    'the printing thread competes with the engine for the GIL, so lines can come late)')

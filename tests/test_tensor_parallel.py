@@ -273,6 +273,24 @@ def _wait_cpus(ray, n, timeout=10.0):
     return False
 
 
+def test_workers_import_rank0s_lmdeploy_not_the_working_directorys(tmp_path):
+    """A worker started from a folder holding another lmdeploy imports rank 0's (another copy's steps would differ
+    from rank 0's and leave the ranks waiting on each other's collectives)."""
+    import lmdeploy
+    from lmdeploy.engine.parallel.launch import worker_argv
+    decoy = tmp_path / 'lmdeploy'
+    decoy.mkdir()
+    (decoy / '__init__.py').write_text('raise ImportError("the decoy lmdeploy was imported")\n')
+    argv = worker_argv('import lmdeploy; print(lmdeploy.__file__)')
+    out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert os.path.samefile(out.stdout.strip(), lmdeploy.__file__)
+    # the bare command (what the launcher used before) does import the decoy: the test's folder is a real trap
+    bare = subprocess.run([sys.executable, '-c', 'import lmdeploy'], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert 'the decoy lmdeploy was imported' in bare.stderr
+
+
 def test_set_tensor_parallel_rejects_bad_rank():
     with pytest.raises(ValueError):
         set_tensor_parallel(2, 2)

@@ -83,8 +83,10 @@ def plan_rank(config: PytorchEngineConfig, model_config: ModelConfig, device, dt
         # a prefill step also carries a token for each decoding sequence
         max_step_tokens=min(config.max_prefill_token_num, session_len) + max_batch_size,
         # steps with prompt rows are recorded up to this many tokens (larger ones are long prefills, where the
-        # device's work dwarfs the host's)
-        max_mixed_tokens=min(MAX_MIXED_TOKENS, config.max_prefill_token_num + max_batch_size),
+        # device's work dwarfs the host's). A rank's work a token shrinks with the ranks, its host's does not,
+        # so under tensor parallelism the bound grows with the ranks
+        max_mixed_tokens=min(MAX_MIXED_TOKENS * tensor_parallel().size,
+                             config.max_prefill_token_num + max_batch_size),
         eager=config.eager_mode)
 
 

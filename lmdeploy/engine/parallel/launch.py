@@ -31,7 +31,7 @@ class ProcessLauncher:
 
     def start(self, spec: WorkerSpec):
         spec.device_index = spec.rank
-        proc = subprocess.Popen([sys.executable, '-c', _WORKER], stdin=subprocess.PIPE)
+        proc = subprocess.Popen(worker_argv(_WORKER), stdin=subprocess.PIPE)
         self.procs.append(proc)
         write_spec(proc.stdin, spec)
 
@@ -61,6 +61,16 @@ class ProcessLauncher:
             if not _wait(proc, deadline - time.monotonic()):
                 proc.kill()
                 proc.wait()
+
+
+def worker_argv(code: str) -> List[str]:
+    """A fresh interpreter running ``code`` with this process's lmdeploy first on its path. ``python -c`` puts
+    the working directory first: a worker started from a folder that holds another lmdeploy (a checkout, an
+    older copy) would import that one, whose steps differ from rank 0's, and the ranks would wait on each
+    other's collectives for ever."""
+    import lmdeploy
+    root = os.path.dirname(os.path.dirname(os.path.abspath(lmdeploy.__file__)))
+    return [sys.executable, '-c', f'import sys; sys.path.insert(0, {root!r}); {code}']
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> bool:
