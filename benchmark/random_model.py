@@ -1,10 +1,14 @@
 """Random-weight models of real shapes, with a synthetic tokenizer.
 
     python benchmark/random_model.py --shape llama3-8b --out /tmp/llama3-8b
+    python benchmark/random_model.py --shape llama3-70b --out /tmp/llama3-70b   # streamed (below)
 
 Weights are drawn on the GPU when there is one (an 8B model takes ~40 s to
-create and save). The tokenizer is a word-level one with one token per id
-("t0", "t1", ...) so that any id decodes; it is for benchmarks, not text.
+create and save). A model larger than one GPU (``--stream``, and the 70B
+shape always) is drawn a tensor at a time and written in safetensors shards
+with an index, as a hub checkpoint is, never whole in memory. The tokenizer
+is a word-level one with one token per id ("t0", "t1", ...) so that any id
+decodes; it is for benchmarks, not text.
 """
 from __future__ import annotations
 
@@ -23,6 +27,10 @@ SHAPES = {
     'mistral-7b': dict(arch='MistralConfig', hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, intermediate_size=14336, vocab_size=32000, rope_theta=10000.0,
                        max_position_embeddings=32768, sliding_window=4096),
+    # issue 36's four-GPU shape (140 GB in bf16: written streamed)
+    'llama3-70b': dict(arch='LlamaConfig', hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, intermediate_size=28672, vocab_size=128256, rope_theta=500000.0,
+                       max_position_embeddings=8192),
     # small shapes for end-to-end checks
     'llama-small': dict(arch='LlamaConfig', hidden_size=1024, num_hidden_layers=6, num_attention_heads=16,
                         num_key_value_heads=4, intermediate_size=2816, vocab_size=32000, rope_theta=500000.0,
@@ -69,24 +77,76 @@ def make_model(shape: str, out: str, dtype: str = 'bfloat16', seed: int = 0, tok
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-    with torch.no_grad():  # weights with O(1) activations, so logits are not flat
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if 'norm' in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif p.ndim == 1:
-                p.normal_(0, 0.05)
-            elif 'embed_tokens' in name:
-                p.normal_(0, 1.0)
-            elif 'o_proj' in name or 'down_proj' in name:  # writes to the residual: scaled by depth
-                p.normal_(0, p.shape[-1]**-0.5 / (2 * cfg.num_hidden_layers)**0.5)
-            else:
-                p.normal_(0, p.shape[-1]**-0.5)
+            draw(name, p, cfg.num_hidden_layers)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     if real is not None:
         real.save_pretrained(out)
     else:
         write_tokenizer(out, cfg.vocab_size)
+    return out
+
+
+def draw(name: str, p, num_layers: int, generator=None):
+    """Fill parameter ``name`` in place: weights with O(1) activations, so logits are not flat."""
+    if 'norm' in name:
+        p.copy_(1.0 + 0.1 * p.new_empty(p.shape).normal_(generator=generator))
+    elif p.ndim == 1:
+        p.normal_(0, 0.05, generator=generator)
+    elif 'embed_tokens' in name:
+        p.normal_(0, 1.0, generator=generator)
+    elif 'o_proj' in name or 'down_proj' in name:  # writes to the residual: scaled by depth
+        p.normal_(0, p.shape[-1]**-0.5 / (2 * num_layers)**0.5, generator=generator)
+    else:
+        p.normal_(0, p.shape[-1]**-0.5, generator=generator)
+
+
+def make_model_streamed(shape: str, out: str, dtype: str = 'bfloat16', seed: int = 0,
+                        shard_bytes: int = 5 << 30, **overrides) -> str:
+    """As make_model, a tensor at a time: the parameters' names and shapes come from the model built on the
+    meta device; each is drawn (on the GPU where there is one), moved to the host and written into the
+    current shard, which is saved once it holds ``shard_bytes``. Writes model.safetensors.index.json."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    cfg = make_config(shape, **overrides)
+    cfg.dtype = dtype
+    with torch.device('meta'):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    gen = torch.Generator(device=device).manual_seed(seed)
+    os.makedirs(out, exist_ok=True)
+    shards, current, size, total = [], {}, 0, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f'part-{len(shards):05d}.safetensors'
+            save_file(current, os.path.join(out, name), metadata={'format': 'pt'})
+            shards.append((name, list(current)))
+            current, size = {}, 0
+
+    with torch.no_grad():
+        for name, meta in model.state_dict().items():
+            t = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            draw(name, t, cfg.num_hidden_layers, gen)
+            current[name] = t.cpu()
+            size += t.numel() * t.element_size()
+            total += t.numel() * t.element_size()
+            if size >= shard_bytes:
+                flush()
+        flush()
+    weight_map = {}
+    for i, (part, names) in enumerate(shards):
+        final = f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors'
+        os.replace(os.path.join(out, part), os.path.join(out, final))
+        weight_map.update({n: final for n in names})
+    with open(os.path.join(out, 'model.safetensors.index.json'), 'w') as f:
+        json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=1)
+    cfg.save_pretrained(out)
+    write_tokenizer(out, cfg.vocab_size)
     return out
 
 
@@ -97,8 +157,15 @@ def main():
     p.add_argument('--dtype', default='bfloat16')
     p.add_argument('--tokenizer', default=None, help='give the model this directory\'s tokenizer (and its '
                    'vocabulary size) instead of the synthetic word-level one')
+    p.add_argument('--stream', action='store_true', help='draw and write a tensor at a time, in shards (the '
+                   '70B shape always is)')
     args = p.parse_args()
-    print(make_model(args.shape, args.out, args.dtype, tokenizer=args.tokenizer))
+    if args.stream or args.shape == 'llama3-70b':
+        if args.tokenizer:
+            p.error('--tokenizer is not supported with a streamed model')
+        print(make_model_streamed(args.shape, args.out, args.dtype))
+    else:
+        print(make_model(args.shape, args.out, args.dtype, tokenizer=args.tokenizer))
 
 
 if __name__ == '__main__':
