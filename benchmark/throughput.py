@@ -290,7 +290,8 @@ def report(result: dict, prompts, outs) -> dict:
           f"{result['requests_per_s']:.2f} req/s, input {result['input_tokens_per_s']:.1f} tok/s, "
           f"output {result['output_tokens_per_s']:.1f} tok/s, total {result['total_tokens_per_s']:.1f} tok/s"
           + (f", KV capacity {result['kv_capacity_tokens']} tokens, {result['preemptions']} preemptions"
-             if 'kv_capacity_tokens' in result else ''))
+             if 'kv_capacity_tokens' in result else '')
+          + (f", loaded in {result['load_s']:.1f} s" if 'load_s' in result else ''))
     return result
 
 
