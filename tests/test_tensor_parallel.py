@@ -291,6 +291,39 @@ def test_workers_import_rank0s_lmdeploy_not_the_working_directorys(tmp_path):
     assert 'the decoy lmdeploy was imported' in bare.stderr
 
 
+def test_ranks_with_other_code_or_another_plan_refuse_to_start():
+    """Every rank compares its lmdeploy source and step plan with rank 0's at start-up (here rank 0 of 2, the
+    other rank's digests given by a stub gather): equal ones start, another source or plan is refused by
+    name instead of leaving the ranks waiting on each other's collectives."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lmdeploy.engine.rank import check_ranks_agree, source_digest
+    plan = SimpleNamespace(session_len=random.randrange(64, 4096), max_batch_size=8, max_step_tokens=300,
+                           max_mixed_tokens=256, dtype=torch.float32, graphs='none', records_mixed_steps=True,
+                           block_size=16, kv_spec=SimpleNamespace(quant_policy=0))
+
+    def device_with_peer(edit):
+        def all_gather(t):
+            other = t.clone()
+            edit(other)
+            return torch.stack([t, other])
+        return SimpleNamespace(runtime=SimpleNamespace(torch_device=lambda: torch.device('cpu')),
+                               all_gather=all_gather)
+
+    set_tensor_parallel(0, 2)
+    try:
+        check_ranks_agree(plan, device_with_peer(lambda t: None))
+        with pytest.raises(RuntimeError, match=r'ranks \[1\] have another lmdeploy source'):
+            check_ranks_agree(plan, device_with_peer(lambda t: t.__setitem__(0, t[0] + 1)))
+        with pytest.raises(RuntimeError, match=r'ranks \[1\] have another step plan'):
+            check_ranks_agree(plan, device_with_peer(lambda t: t.__setitem__(1, t[1] - 1)))
+    finally:
+        set_tensor_parallel(0, 1)
+    assert source_digest() == source_digest()
+
+
 def test_set_tensor_parallel_rejects_bad_rank():
     with pytest.raises(ValueError):
         set_tensor_parallel(2, 2)

@@ -8,7 +8,10 @@ fewest any of them has room for)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +61,44 @@ def _agree_on_min(value: int, device) -> int:
     return int(device.all_gather(t).min())
 
 
+@functools.lru_cache(maxsize=1)
+def source_digest() -> int:
+    """A digest of this lmdeploy's Python source (every module's path and bytes), as an int64."""
+    import lmdeploy
+    root = os.path.dirname(os.path.abspath(lmdeploy.__file__))
+    h = hashlib.sha256(lmdeploy.__version__.encode())
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != '__pycache__')
+        for name in sorted(f for f in files if f.endswith('.py')):
+            path = os.path.join(folder, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, 'rb') as f:
+                h.update(f.read())
+    return int.from_bytes(h.digest()[:8], 'little', signed=True)
+
+
+def check_ranks_agree(plan: RankPlan, device):
+    """Every rank runs the same lmdeploy source and the same step plan, or none starts: ranks whose steps
+    differ (another copy of lmdeploy on a node, another config) would wait on each other's collectives for
+    ever instead of failing. Every rank calls this; every rank raises alike."""
+    if tensor_parallel().size == 1:
+        return
+    shape = (plan.session_len, plan.max_batch_size, plan.max_step_tokens, plan.max_mixed_tokens, str(plan.dtype),
+             plan.graphs, plan.records_mixed_steps, plan.block_size, plan.kv_spec.quant_policy)
+    plan_digest = int.from_bytes(hashlib.sha256(repr(shape).encode()).digest()[:8], 'little', signed=True)
+    t = torch.tensor([source_digest(), plan_digest], dtype=torch.int64, device=device.runtime.torch_device())
+    got = device.all_gather(t).reshape(-1, 2).tolist()
+    import lmdeploy
+    where = os.path.dirname(os.path.abspath(lmdeploy.__file__))
+    for what, i in (('lmdeploy source', 0), ('step plan (session length, batch, step and recording sizes, '
+                                              'dtype, graphs, block size, KV quantization)', 1)):
+        ranks = [r for r, row in enumerate(got) if row[i] != got[0][i]]
+        if ranks:
+            raise RuntimeError(f'tensor-parallel ranks {ranks} have another {what} than rank 0; every rank must '
+                               f'run the same lmdeploy with the same config (rank {tensor_parallel().rank} '
+                               f'imports lmdeploy {lmdeploy.__version__} from {where})')
+
+
 def num_blocks_for(config: PytorchEngineConfig, device, plan: RankPlan, bytes_per_block: int) -> int:
     if config.num_gpu_blocks > 0:
         return config.num_gpu_blocks
@@ -92,12 +133,13 @@ def plan_rank(config: PytorchEngineConfig, model_config: ModelConfig, device, dt
 
 def build_rank(model_path: str, config: PytorchEngineConfig, model_config: ModelConfig, device) -> Rank:
     dtype = pick_dtype(config, model_config, device)
+    plan = plan_rank(config, model_config, device, dtype)
+    check_ranks_agree(plan, device)  # before minutes of loading
     model = load_model(model_path, model_config, dtype, device)
     # loading's temporaries (a tensor's copy on its way to the device, fused projections' parts) stay in the
     # allocator's cache, where the KV budget below would not see them: on an H100, 15.9 GB for Llama-3-8B's
     # 15.0 GB of weights, which cost the cache 0.8 x 15.9 GB
     device.runtime.release_cached_memory()
-    plan = plan_rank(config, model_config, device, dtype)
     if plan.profile_memory:
         profile_peak_memory(model, model_config, device, plan)
     num_blocks = num_blocks_for(config, device, plan, plan.kv_spec.bytes_per_block * model_config.num_layers)
