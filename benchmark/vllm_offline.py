@@ -33,13 +33,15 @@ def main():
     p.add_argument('--latency-input-len', type=int, default=512)
     p.add_argument('--latency-output-len', type=int, default=256)
     p.add_argument('--runs', type=int, default=3)
+    p.add_argument('--trust-remote-code', action='store_true',
+                   help="read the model's config through its own module (family_model.py's InternLM2 layout)")
     args = p.parse_args()
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype='bfloat16', max_model_len=4096, max_num_seqs=256, gpu_memory_utilization=0.9,
-              tensor_parallel_size=args.tp, seed=0)
+              tensor_parallel_size=args.tp, seed=0, trust_remote_code=args.trust_remote_code)
     print(f'[vllm tp={args.tp}] loaded in {time.perf_counter() - t0:.1f} s', flush=True)
     with open(os.path.join(args.model, 'config.json')) as f:
         vocab = json.load(f)['vocab_size']

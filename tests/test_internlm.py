@@ -163,3 +163,27 @@ def test_config_fields_reach_the_model(converted):
     a2, a3 = m2.model.layers[0].self_attn, m3.model.layers[0].self_attn
     assert a2.qkv_proj.bias is not None and a2.o_proj.bias is not None
     assert a3.qkv_proj.bias is not None and a3.o_proj.bias is None and m3.model.layers[0].mlp.down_proj.bias is None
+
+
+def test_remote_config_module_reads_the_checkpoints_fields(converted, tmp_path):
+    """benchmark/family_model.py gives an InternLM2 layout a configuration module of its own (for a peer engine
+    that reads InternLM2's config through remote code): transformers loads it with every config.json field,
+    and this engine still loads the checkpoint and decodes as before."""
+    import json
+    import shutil
+
+    import transformers
+    from helpers import benchmark_module
+    path, want = converted('internlm2', 'llama')
+    copy = str(tmp_path / 'with_remote_config')
+    shutil.copytree(path, copy)
+    benchmark_module('family_model').add_remote_config(copy)
+    with open(os.path.join(copy, 'config.json')) as f:
+        fields = json.load(f)
+    assert fields['auto_map'] == {'AutoConfig': 'configuration_internlm2.InternLM2Config'}
+    cfg = transformers.AutoConfig.from_pretrained(copy, trust_remote_code=True)
+    assert type(cfg).__name__ == 'InternLM2Config' and cfg.model_type == 'internlm2'
+    for key in ('hidden_size', 'num_attention_heads', 'num_key_value_heads', 'num_hidden_layers',
+                'intermediate_size', 'vocab_size', 'bias', 'rms_norm_eps'):
+        assert getattr(cfg, key) == fields[key], key
+    assert _engine_tokens(copy, _prompts()) == want
