@@ -48,6 +48,7 @@ if os.environ.get('LMDEPLOY_STUB_STEP_MS'):
 
         runner._eager_forward = forward
         runner.logits = lambda h, rows=None: top[:h.shape[0]]
+        runner.greedy = lambda h, rows=None: torch.zeros(h.shape[0], dtype=torch.int64)
 
     _engine.Engine.__init__ = _stubbed
 '''

@@ -61,12 +61,13 @@ def random_paged_cache(spec, lengths: Sequence[int], gen: Optional[torch.Generat
 
 
 def stub_model(engine, max_rows: int):
-    """Take the model out of a cpu engine: a step's forward returns an empty hidden state and its logits a
-    few columns (a greedy pick over them costs nothing), so what runs is the host's part alone."""
+    """Take the model out of a cpu engine: a step's forward returns an empty hidden state, its logits a few
+    columns and its greedy pick token 0 (they cost nothing), so what runs is the host's part alone."""
     hidden = engine.model_config.hidden_size
     engine.runner._eager_forward = lambda ids, positions, ctx: torch.empty(ids.shape[0], hidden)
     top = torch.zeros(max_rows, 8)
     engine.runner.logits = lambda h, rows=None: top[:h.shape[0]]
+    engine.runner.greedy = lambda h, rows=None: torch.zeros(h.shape[0], dtype=torch.int64)
 
 
 def run_requests(engine, prompts: Sequence[List[int]], outs: Sequence[int], stream: bool = False,

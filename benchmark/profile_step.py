@@ -63,6 +63,7 @@ def main():
         runner.graphs._decode = timed('forward', runner.graphs._decode)
         runner.graphs._mixed = timed('forward', runner.graphs._mixed)
     runner.logits = timed('logits', runner.logits)
+    runner.greedy = timed('logits', runner.greedy)  # a greedy batch's logits and pick
     engine_mod.sample_tokens = timed('sample', engine_mod.sample_tokens)
     eng._step = timed('step', eng._step)
     eng.scheduler.schedule = timed('schedule', eng.scheduler.schedule)

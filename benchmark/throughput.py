@@ -184,7 +184,7 @@ def annotate_phases(engine):
         return call
 
     for obj, name in ((engine.scheduler, 'schedule'), (engine.scheduler, 'postprocess'), (engine.runner, 'forward'),
-                      (engine.runner, 'logits'), (engine, '_resolve'), (engine, '_sample'),
+                      (engine.runner, 'logits'), (engine.runner, 'greedy'), (engine, '_resolve'), (engine, '_sample'),
                       (engine, '_prompt_outputs')):
         setattr(obj, name, named(getattr(obj, name), name.lstrip('_')))
 

@@ -324,6 +324,72 @@ def test_ranks_with_other_code_or_another_plan_refuse_to_start():
     assert source_digest() == source_digest()
 
 
+def test_pick_across_shards_takes_the_largest_and_the_lowest_id_on_ties():
+    import torch
+
+    from lmdeploy.engine.nn.embedding import pick_across_shards
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    tp, rows, per = 3, 50, 7
+    full = torch.randint(-4, 4, (rows, tp * per), generator=g).float()  # small integers: many ties
+    shards = full.view(rows, tp, per).permute(1, 0, 2)  # [tp, T, per], ranks in vocabulary order
+    best = shards.amax(dim=2)
+    local = shards.argmax(dim=2)  # first maximum in each shard
+    ids = (local + torch.arange(tp)[:, None] * per).float()
+    assert torch.equal(pick_across_shards(best, ids), full.argmax(dim=1))
+
+
+def _lm_head_rank(rank, world, port, seed, out):
+    """One rank of test_lm_head_greedy_equals_the_gathered_argmax (spawned)."""
+    import torch
+    import torch.distributed as dist
+
+    from lmdeploy.devices import get_device
+    from lmdeploy.engine.nn.build import building
+    from lmdeploy.engine.nn.embedding import LMHead
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world)
+    set_tensor_parallel(rank, world)
+    vocab, dim, rows = 11, 8, 40  # 11 over 2 ranks: 6 and 5 rows, the last rank's sixth is padding
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randint(-3, 1, (vocab, dim), generator=g).float()  # logits <= 0 mostly: padding's 0 would win
+    hidden = torch.randint(0, 3, (rows, dim), generator=g).float()
+    with building(get_device('cpu')):
+        head = LMHead(vocab, dim)
+    head.weight.data.zero_()
+    head.weight.data[:len(head.rows)] = weight[head.rows.start:head.rows.stop]
+    try:
+        full = head(hidden)
+        cap = lambda x: torch.tanh(x / 2.0) * 2.0  # noqa: E731 (a soft cap, as Gemma 2's)
+        got = [head.greedy(hidden).tolist(), head.greedy(hidden, cap).tolist()]
+        if rank == 0:
+            want = [full.argmax(dim=1).tolist(), cap(full).argmax(dim=1).tolist()]
+            tied = int((full == full.amax(dim=1, keepdim=True)).sum(dim=1).gt(1).sum())
+            out.put((got, want, tied, int(full.amax(dim=1).lt(0).sum())))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lm_head_greedy_equals_the_gathered_argmax():
+    """Under tp=2 (gloo) each rank picks in its own vocabulary rows and the ranks gather two numbers a row:
+    the same ids as an argmax over the gathered logits, with ties (small integer logits), a soft cap, and the
+    last rank's padding row (logit 0 where most real logits are negative) never picked."""
+    import torch.multiprocessing as mp
+
+    from lmdeploy.engine.parallel.group import free_port
+    ctx = mp.get_context('spawn')
+    out = ctx.Queue()
+    seed = random.randrange(1 << 30)
+    port = free_port('127.0.0.1')
+    procs = [ctx.Process(target=_lm_head_rank, args=(r, 2, port, seed, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got, want, tied_rows, negative_rows = out.get(timeout=120)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert got == want
+    assert tied_rows > 0 and negative_rows > 0  # the draw did make ties, and rows the padding would win
+
+
 def test_set_tensor_parallel_rejects_bad_rank():
     with pytest.raises(ValueError):
         set_tensor_parallel(2, 2)

@@ -527,8 +527,12 @@ class Engine:
         last_hidden = self.runner.rows(hidden, rows)
         plain = all(s.params.plain_greedy for s in seqs)
         settle_now = not plain and any(reports_more_than_ids(s) for s in seqs)
-        logits = self.runner.logits(last_hidden, rows)  # the model's dtype: the sampler takes what it needs
-        tokens, drawn = sample_tokens(logits, seqs, self.device, self._grammars)
+        if plain:  # an argmax and nothing else: under tp the logits are never made whole
+            logits, tokens = None, self.runner.greedy(last_hidden, rows)
+            drawn = tokens
+        else:
+            logits = self.runner.logits(last_hidden, rows)  # the model's dtype: the sampler takes what it needs
+            tokens, drawn = sample_tokens(logits, seqs, self.device, self._grammars)
         for i, seq in enumerate(seqs):
             seq.token_ids.append(-1 - i)
             seq.num_generated += 1

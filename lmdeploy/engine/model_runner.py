@@ -193,6 +193,11 @@ class ModelRunner:
         tensor-parallel runner has the other ranks compute the same rows)."""
         return self.model.compute_logits(hidden)
 
+    def greedy(self, hidden: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """argmax of the logits of ``hidden`` (rows ``rows`` of the step's hidden states, as :meth:`logits`):
+        int64 [T], on the device."""
+        return self.model.greedy(hidden)
+
 
 @torch.inference_mode()
 def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, plan: RankPlan):
@@ -206,6 +211,7 @@ def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: Device
     hidden = _run_one_prompt(model, torch.arange(num_tokens, device=dev) % cfg.vocab_size, caches)
     logits = model.compute_logits(hidden[-1:].expand(plan.max_batch_size, -1))
     device.argmax(logits)  # greedy picks read the model-dtype logits: compiled now, not at the first request
+    model.greedy(hidden[-1:].expand(plan.max_batch_size, -1))  # (under tp: on each rank's rows)
     logits.float()
     runtime.synchronize()
     del caches, hidden

@@ -21,7 +21,16 @@ class CausalLM(nn.Module):
         """Logits in the model's dtype: a greedy pick is exact on them (every
         bf16/fp16 value is a float32 value), so converting a [batch, vocab]
         tensor is left to the consumers that need float32."""
-        return self.lm_head(hidden)
+        return self.finish_logits(self.lm_head(hidden))
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the model does to the LM head's output, elementwise (a soft cap): none here."""
+        return logits
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """argmax(compute_logits(hidden)) per row, without making the logits whole under tensor parallelism."""
+        finish = None if type(self).finish_logits is CausalLM.finish_logits else self.finish_logits
+        return self.lm_head.greedy(hidden, finish)
 
     def _expected_keys(self) -> Set[Tuple[str, str]]:
         keys = set()

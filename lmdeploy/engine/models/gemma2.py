@@ -65,8 +65,7 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         super().__init__(cfg)
         self.final_softcap = _fields(cfg).number('final_logit_softcapping', None)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self.final_softcap is None:
             return logits
         cap = self.final_softcap

@@ -1,7 +1,7 @@
 """Token embedding and LM head, split over the vocabulary under tensor
 parallelism: each rank holds ``ceil(V / tp)`` rows (the last rank's tail is
 padding), the embedding sums the ranks' lookups and the head gathers their
-logits."""
+logits, or, for a greedy pick, only each rank's best logit and its id."""
 from __future__ import annotations
 
 import torch
@@ -71,3 +71,28 @@ class LMHead(_VocabShard):
             return logits
         parts = self.ops.all_gather(logits)  # [tp, T, per]
         return parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, :self.vocab_size].contiguous()
+
+    def greedy(self, hidden: torch.Tensor, finish=None) -> torch.Tensor:
+        """The argmax over the vocabulary of ``finish(logits)`` (an elementwise map: the model's last touch on
+        its logits, e.g. a soft cap) for each row of ``hidden``: int64 [T], ties to the lowest id. Under
+        tensor parallelism each rank picks in its own rows and the ranks gather two numbers a row, not
+        [T, V / tp] logits each."""
+        logits = self.impl.apply(self, hidden)
+        if finish is not None:
+            logits = finish(logits)
+        if self.tp == 1:
+            return self.ops.argmax(logits)
+        if len(self.rows) < logits.shape[1]:  # the last rank's padding rows are no token
+            logits = logits[:, :len(self.rows)].contiguous()
+        local = self.ops.argmax(logits)
+        best = logits.gather(1, local[:, None])[:, 0].float()
+        ids = (local + self.rows.start).float()  # exact: a vocabulary is far below 2^24 ids
+        parts = self.ops.all_gather(torch.stack((best, ids), dim=1))  # [tp, T, 2]
+        return pick_across_shards(parts[..., 0], parts[..., 1])
+
+
+def pick_across_shards(best: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """best, ids [tp, T]: each rank's best logit and its vocabulary id, ranks in vocabulary order -> the id of
+    the largest per column, ties to the lowest rank (so to the lowest id, as one argmax over all rows)."""
+    rank = best.argmax(dim=0)  # first maximum
+    return ids.gather(0, rank[None, :])[0].to(torch.int64)

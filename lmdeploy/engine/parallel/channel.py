@@ -22,6 +22,7 @@ import torch
 FORWARD = 1  # header: the step's StepMeta; payload: the packed inputs (model_runner.py)
 LOGITS = 2  # payload: rows of the last step's hidden states
 STOP = 3
+GREEDY = 4  # as LOGITS, for a greedy pick (each rank picks in its vocabulary rows)
 GONE = -1  # not sent: what a rank reads once rank 0 has closed the channel (it exits without waiting on anything)
 
 _HEADER = 12  # int64 fields: command, payload length, then up to 10 arguments

@@ -81,6 +81,17 @@ class ParallelRunner:
             self._explain(e)
             raise
 
+    @torch.inference_mode()
+    def greedy(self, hidden: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        self._check()
+        rows = range(hidden.shape[0]) if rows is None else rows
+        try:
+            self.commands.send(channel.GREEDY, (), np.fromiter(rows, dtype=np.int64))
+            return self.runner.greedy(hidden)
+        except Exception as e:
+            self._explain(e)
+            raise
+
     def stop(self):
         """Wait until this rank's queued work is done (the group must not be torn down under a collective),
         then tell the other ranks to exit (when none is gone)."""

@@ -79,9 +79,10 @@ def _loop(runner, commands: channel.Receiver):
             if meta.n_prev:  # the tokens of the step in flight, which only rank 0's device holds
                 ids = runner.runtime.broadcast(ids.contiguous())
             hidden = runner.run(ids, positions, ctx)
-        elif cmd == channel.LOGITS:
+        elif cmd in (channel.LOGITS, channel.GREEDY):
             rows = payload if payload is not None else torch.empty(0, dtype=torch.int64)
-            runner.logits(hidden.index_select(0, to_device(rows, dev)))
+            picked = hidden.index_select(0, to_device(rows, dev))
+            runner.logits(picked) if cmd == channel.LOGITS else runner.greedy(picked)
         else:
             raise RuntimeError(f'unknown command {cmd} from rank 0')
 
