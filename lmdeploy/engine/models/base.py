@@ -29,8 +29,7 @@ class CausalLM(nn.Module):
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """argmax(compute_logits(hidden)) per row, without making the logits whole under tensor parallelism."""
-        finish = None if type(self).finish_logits is CausalLM.finish_logits else self.finish_logits
-        return self.lm_head.greedy(hidden, finish)
+        return self.lm_head.greedy(hidden, self.finish_logits)
 
     def _expected_keys(self) -> Set[Tuple[str, str]]:
         keys = set()

@@ -70,24 +70,21 @@ class ParallelRunner:
     def rows(self, hidden: torch.Tensor, rows):
         return self.runner.rows(hidden, rows)
 
-    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
-        self._check()
-        rows = range(hidden.shape[0]) if rows is None else rows
-        try:
-            self.commands.send(channel.LOGITS, (), np.fromiter(rows, dtype=np.int64))
-            return self.runner.logits(hidden)
-        except Exception as e:
-            self._explain(e)
-            raise
+        return self._on_rows(channel.LOGITS, self.runner.logits, hidden, rows)
+
+    def greedy(self, hidden: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        return self._on_rows(channel.GREEDY, self.runner.greedy, hidden, rows)
 
     @torch.inference_mode()
-    def greedy(self, hidden: torch.Tensor, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+    def _on_rows(self, cmd: int, fn, hidden: torch.Tensor, rows: Optional[Sequence[int]]) -> torch.Tensor:
+        """``fn(hidden)`` here, with the other ranks told to run it on the same rows of the step's hidden states
+        (``rows``; all when None)."""
         self._check()
         rows = range(hidden.shape[0]) if rows is None else rows
         try:
-            self.commands.send(channel.GREEDY, (), np.fromiter(rows, dtype=np.int64))
-            return self.runner.greedy(hidden)
+            self.commands.send(cmd, (), np.fromiter(rows, dtype=np.int64))
+            return fn(hidden)
         except Exception as e:
             self._explain(e)
             raise

@@ -82,7 +82,10 @@ def _loop(runner, commands: channel.Receiver):
         elif cmd in (channel.LOGITS, channel.GREEDY):
             rows = payload if payload is not None else torch.empty(0, dtype=torch.int64)
             picked = hidden.index_select(0, to_device(rows, dev))
-            runner.logits(picked) if cmd == channel.LOGITS else runner.greedy(picked)
+            if cmd == channel.LOGITS:
+                runner.logits(picked)
+            else:
+                runner.greedy(picked)
         else:
             raise RuntimeError(f'unknown command {cmd} from rank 0')
 
