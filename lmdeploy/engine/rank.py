@@ -61,20 +61,34 @@ def _agree_on_min(value: int, device) -> int:
     return int(device.all_gather(t).min())
 
 
+def _package_dir() -> str:
+    import lmdeploy
+    return os.path.dirname(os.path.abspath(lmdeploy.__file__))
+
+
+def _int64_digest(*chunks: bytes) -> int:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return int.from_bytes(h.digest()[:8], 'little', signed=True)
+
+
 @functools.lru_cache(maxsize=1)
 def source_digest() -> int:
     """A digest of this lmdeploy's Python source (every module's path and bytes), as an int64."""
-    import lmdeploy
-    root = os.path.dirname(os.path.abspath(lmdeploy.__file__))
-    h = hashlib.sha256(lmdeploy.__version__.encode())
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d != '__pycache__')
-        for name in sorted(f for f in files if f.endswith('.py')):
-            path = os.path.join(folder, name)
-            h.update(os.path.relpath(path, root).encode())
-            with open(path, 'rb') as f:
-                h.update(f.read())
-    return int.from_bytes(h.digest()[:8], 'little', signed=True)
+    from lmdeploy import __version__
+
+    def chunks():
+        yield __version__.encode()
+        root = _package_dir()
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d != '__pycache__')
+            for name in sorted(f for f in files if f.endswith('.py')):
+                path = os.path.join(folder, name)
+                yield os.path.relpath(path, root).encode()
+                with open(path, 'rb') as f:
+                    yield f.read()
+    return _int64_digest(*chunks())
 
 
 def check_ranks_agree(plan: RankPlan, device):
@@ -85,18 +99,17 @@ def check_ranks_agree(plan: RankPlan, device):
         return
     shape = (plan.session_len, plan.max_batch_size, plan.max_step_tokens, plan.max_mixed_tokens, str(plan.dtype),
              plan.graphs, plan.records_mixed_steps, plan.block_size, plan.kv_spec.quant_policy)
-    plan_digest = int.from_bytes(hashlib.sha256(repr(shape).encode()).digest()[:8], 'little', signed=True)
-    t = torch.tensor([source_digest(), plan_digest], dtype=torch.int64, device=device.runtime.torch_device())
+    t = torch.tensor([source_digest(), _int64_digest(repr(shape).encode())], dtype=torch.int64,
+                     device=device.runtime.torch_device())
     got = device.all_gather(t).reshape(-1, 2).tolist()
-    import lmdeploy
-    where = os.path.dirname(os.path.abspath(lmdeploy.__file__))
+    from lmdeploy import __version__
     for what, i in (('lmdeploy source', 0), ('step plan (session length, batch, step and recording sizes, '
                                               'dtype, graphs, block size, KV quantization)', 1)):
         ranks = [r for r, row in enumerate(got) if row[i] != got[0][i]]
         if ranks:
             raise RuntimeError(f'tensor-parallel ranks {ranks} have another {what} than rank 0; every rank must '
                                f'run the same lmdeploy with the same config (rank {tensor_parallel().rank} '
-                               f'imports lmdeploy {lmdeploy.__version__} from {where})')
+                               f'imports lmdeploy {__version__} from {_package_dir()})')
 
 
 def num_blocks_for(config: PytorchEngineConfig, device, plan: RankPlan, bytes_per_block: int) -> int:
