@@ -20,6 +20,36 @@ def percentile(values, q):
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
+def measure(pipe, input_len: int, output_len: int, runs: int = 3, seed: int = 0):
+    """Stream ``runs`` requests of ``input_len`` random tokens one at a time through ``pipe`` (after one
+    that warms up), ``output_len`` tokens each; returns the runs' medians and the runs."""
+    from lmdeploy import GenerationConfig
+    vocab = pipe.engine.model_config.vocab_size
+    rng = random.Random(seed)
+    gen = GenerationConfig(max_new_tokens=output_len, ignore_eos=True)
+    timed = []
+    for r in range(runs + 1):  # the first run warms up
+        ids = [rng.randrange(100, vocab) for _ in range(input_len)]
+        stamps = []
+        t0 = time.perf_counter()
+        for out in pipe.stream_infer(ids, gen):
+            stamps.extend([time.perf_counter()] * max(1, len(out.token_ids)))
+        if r == 0:
+            continue
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        timed.append(dict(ttft_s=stamps[0] - t0, tpot_p50_ms=1e3 * percentile(gaps, 50),
+                          tpot_p90_ms=1e3 * percentile(gaps, 90), tpot_p99_ms=1e3 * percentile(gaps, 99),
+                          decode_tok_s=len(gaps) / (stamps[-1] - stamps[0]), e2e_tok_s=len(stamps) / (stamps[-1] - t0)))
+    return {k: statistics.median(r[k] for r in timed) for k in timed[0]}, timed
+
+
+def summary_line(device: str, input_len: int, output_len: int, summary: dict) -> str:
+    return (f'[latency on {device}] input {input_len}, output {output_len}: '
+            f"TTFT {summary['ttft_s'] * 1e3:.1f} ms, TPOT p50 {summary['tpot_p50_ms']:.2f} ms "
+            f"p90 {summary['tpot_p90_ms']:.2f} ms p99 {summary['tpot_p99_ms']:.2f} ms, "
+            f"decode {summary['decode_tok_s']:.1f} tok/s, end-to-end {summary['e2e_tok_s']:.1f} tok/s")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--model', default=None)
@@ -34,35 +64,14 @@ def main():
     p.add_argument('--json', default=None)
     args = p.parse_args()
 
-    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    from lmdeploy import PytorchEngineConfig, pipeline
     pipe = pipeline(args.model, backend_config=PytorchEngineConfig(device_type=args.device, dtype=args.dtype,
                                                                    eager_mode=args.eager, max_batch_size=8,
                                                                    quant_policy=args.quant_policy, tp=args.tp))
-    vocab = pipe.engine.model_config.vocab_size
-    rng = random.Random(0)
-    gen = GenerationConfig(max_new_tokens=args.output_len, ignore_eos=True)
-    runs = []
-    for r in range(args.runs + 1):  # the first run warms up
-        ids = [rng.randrange(100, vocab) for _ in range(args.input_len)]
-        stamps = []
-        t0 = time.perf_counter()
-        for out in pipe.stream_infer(ids, gen):
-            stamps.extend([time.perf_counter()] * max(1, len(out.token_ids)))
-        if r == 0:
-            continue
-        ttft = stamps[0] - t0
-        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-        total = stamps[-1] - t0
-        runs.append(dict(ttft_s=ttft, tpot_p50_ms=1e3 * percentile(gaps, 50), tpot_p90_ms=1e3 * percentile(gaps, 90),
-                         tpot_p99_ms=1e3 * percentile(gaps, 99), decode_tok_s=len(gaps) / (stamps[-1] - stamps[0]),
-                         e2e_tok_s=len(stamps) / total))
+    summary, runs = measure(pipe, args.input_len, args.output_len, args.runs)
     device = pipe.engine.device.name
     pipe.close()
-    summary = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    print(f'[latency on {device}] input {args.input_len}, output {args.output_len}: '
-          f"TTFT {summary['ttft_s'] * 1e3:.1f} ms, TPOT p50 {summary['tpot_p50_ms']:.2f} ms "
-          f"p90 {summary['tpot_p90_ms']:.2f} ms p99 {summary['tpot_p99_ms']:.2f} ms, "
-          f"decode {summary['decode_tok_s']:.1f} tok/s, end-to-end {summary['e2e_tok_s']:.1f} tok/s")
+    print(summary_line(device, args.input_len, args.output_len, summary))
     if args.json:
         with open(args.json, 'w') as f:
             json.dump(dict(summary=summary, runs=runs), f, indent=2)

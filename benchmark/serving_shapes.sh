@@ -9,6 +9,7 @@
 #   bash benchmark/serving_shapes.sh run URL LABEL "SHAPES" "RATES" [NUM]   # one serving.py run per shape
 #   bash benchmark/serving_shapes.sh stop PORT
 #
+# TP=N (default 1): both servers with tensor parallelism over the GPUs given (e.g. GPU "0,1" with TP=2).
 # run: rates ascending; a shape stops at the first rate whose TTFT p99 is above 1 s ($STOP_MS), so the last
 # line of each shape brackets the highest rate under it. NUM requests a rate (default 800).
 set -uo pipefail
@@ -30,7 +31,7 @@ case ${1:-} in
     t0=$(date +%s); log=$(realpath "$LOG_DIR")/lmdeploy-$port.log
     (cd "$tree" && CUDA_VISIBLE_DEVICES=$gpu setsid python3 -m lmdeploy serve api_server "$MODEL" \
       --server-name 127.0.0.1 --server-port "$port" --device cuda --session-len 4096 --max-batch-size 256 \
-      --cache-max-entry-count 0.8 --log-level WARNING >"$log" 2>&1 &)
+      --cache-max-entry-count 0.8 --tp "${TP:-1}" --log-level WARNING >"$log" 2>&1 &)
     healthy "http://127.0.0.1:$port" 900 && echo "lmdeploy on $port ready in $(( $(date +%s) - t0 )) s" ;;
   start-vllm)
     port=${2:-8001}; gpu=${3:-0}
@@ -38,7 +39,7 @@ case ${1:-} in
     t0=$(date +%s)
     CUDA_VISIBLE_DEVICES=$gpu VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
       setsid python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$port" \
-      --max-model-len 4096 --max-num-seqs 256 --gpu-memory-utilization 0.9 \
+      --max-model-len 4096 --max-num-seqs 256 --gpu-memory-utilization 0.9 --tensor-parallel-size "${TP:-1}" \
       >"$LOG_DIR/vllm-$port.log" 2>&1 &
     healthy "http://127.0.0.1:$port" 900 && echo "vllm on $port ready in $(( $(date +%s) - t0 )) s" ;;
   run)

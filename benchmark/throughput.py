@@ -75,6 +75,10 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     load_s = time.perf_counter() - t0
     if args.refill_slots:
         pipe.engine.scheduler.refill_slots = args.refill_slots
+    if args.latency_first:
+        from latency import measure, summary_line  # benchmark/, beside this file
+        summary, _ = measure(pipe, 512, 256)
+        print(summary_line(pipe.engine.device.name, 512, 256, summary), flush=True)
     fmt = json.loads(args.response_format) if args.response_format else None
     gens = [GenerationConfig(max_new_tokens=o, ignore_eos=True, response_format=fmt) for o in outs]
     if args.openai_mix:
@@ -102,6 +106,7 @@ def run_lmdeploy(args, prompts, outs) -> dict:
             last[:] = [time.perf_counter()]
 
     pipe.engine._step = timed_step
+    before = dict(pipe.engine.stats().extra)  # (--latency-first's and --warmup's steps are not the run's)
     t0 = time.perf_counter()
     _CALL_START[0] = t0
     responses = pipe(prompts, gens, use_tqdm=args.tqdm)
@@ -118,7 +123,7 @@ def run_lmdeploy(args, prompts, outs) -> dict:
     generated = sum(r.generate_token_len for r in responses)
     # (a grammar may end a request before its length: a finished JSON value admits only a stop token)
     assert generated == sum(outs) or args.response_format, (generated, sum(outs))
-    x = stats.extra
+    x = {k: v - before.get(k, 0) if isinstance(v, (int, float)) else v for k, v in stats.extra.items()}
     busy = sum(x.get(f'{phase}_device_seconds', 0.0) for phase in ('prefill', 'decode'))
     print(f'  the device ran steps for {busy:.1f} s of the call\'s {elapsed:.1f} s ({100 * busy / elapsed:.1f}%; '
           'the rest it waited for the host, or the host for requests)')
@@ -326,6 +331,9 @@ def main():
     p.add_argument('--tp', type=int, default=1, help='tensor parallelism (GPUs)')
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--warmup', action='store_true')
+    p.add_argument('--latency-first', action='store_true',
+                   help="first time batch 1 (512 in / 256 out, latency.py's runs) on the same engine: a model "
+                   'that takes minutes to load loads once')
     p.add_argument('--tqdm', action='store_true')
     p.add_argument('--profile-at', type=float, default=None,
                    help='seconds into the run: profile the GPU for --profile-len seconds from there')

@@ -126,6 +126,15 @@ class DeviceRuntime:
         """Give back to the device what the framework's allocator holds unused (loading's temporaries), so
         that :meth:`memory_available` counts it. Devices whose allocator keeps nothing do nothing."""
 
+    def start_peak_count(self) -> None:
+        """Start counting the allocator's high-water mark (:meth:`peak_bytes_since_start`)."""
+
+    def peak_bytes_since_start(self) -> int:
+        """The most bytes the framework's allocator held beyond what it held at :meth:`start_peak_count`: a
+        step's activations, which the engine keeps out of the KV cache's budget for the recorded steps' own
+        pool. 0 where the device keeps no such count."""
+        return 0
+
     # ------------------------------------------------------ queue and timing
     def synchronize(self) -> None:
         """Wait until queued work on the device is done."""

@@ -1,6 +1,7 @@
 """Packs a scheduled batch into tensors, runs the model, owns the KV cache."""
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -54,7 +55,7 @@ class ModelRunner:
         # pieces with attention live between them (piecewise.py) on devices that record only those
         self.graphs: Optional[GraphRunner] = None
         self.pieces: Optional[PiecewiseRunner] = None
-        with torch.inference_mode():
+        with torch.inference_mode(), _recording_memory_hint(plan):
             if plan.graphs == GRAPHS_STEPS:
                 self.graphs = GraphRunner(self.runtime, self._eager_forward, self.kv_caches, plan)
                 self.graphs.capture_all()
@@ -199,22 +200,39 @@ class ModelRunner:
         return self.model.greedy(hidden)
 
 
+@contextlib.contextmanager
+def _recording_memory_hint(plan: RankPlan):
+    """Running out of device memory while recording the steps says what to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        raise RuntimeError(
+            f'recording the engine\'s steps (decode steps up to {plan.max_batch_size} sequences, steps with '
+            f'prompt rows up to {plan.max_mixed_tokens} tokens) ran out of device memory once the KV cache had '
+            f'its {plan.num_blocks} blocks: lower cache_max_entry_count or max_prefill_token_num, or set '
+            f'eager_mode=True ({e})') from e
+
+
 @torch.inference_mode()
 def profile_peak_memory(model: torch.nn.Module, cfg: ModelConfig, device: DeviceOps, plan: RankPlan):
     """Run the largest step the engine will run (one prefill of ``plan.max_step_tokens`` plus logits for a
-    full batch) so that the allocator has reserved its activation memory before the KV cache takes the rest."""
+    full batch) so that the allocator has reserved its activation memory before the KV cache takes the rest.
+    Returns that step's activation bytes at their peak (0 where the device keeps no count)."""
     num_tokens, spec, runtime = plan.max_step_tokens, plan.kv_spec, device.runtime
     dev = runtime.torch_device()
     caches = [spec.allocate(-(-num_tokens // spec.block_size), dev) for _ in range(cfg.num_layers)]
     for cache in caches if spec.centres_keys else ():  # the fill kernels the engine will run compile here
         cache.set_key_mean(torch.zeros(spec.num_kv_heads, spec.head_dim))
+    runtime.start_peak_count()
     hidden = _run_one_prompt(model, torch.arange(num_tokens, device=dev) % cfg.vocab_size, caches)
     logits = model.compute_logits(hidden[-1:].expand(plan.max_batch_size, -1))
     device.argmax(logits)  # greedy picks read the model-dtype logits: compiled now, not at the first request
     model.greedy(hidden[-1:].expand(plan.max_batch_size, -1))  # (under tp: on each rank's rows)
     logits.float()
     runtime.synchronize()
+    peak = runtime.peak_bytes_since_start()
     del caches, hidden
+    return peak
 
 
 def _run_one_prompt(model: torch.nn.Module, ids: torch.Tensor, caches: List[KVCache]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmdeploy.devices.runtime import GRAPHS_NONE
 from lmdeploy.messages import PytorchEngineConfig
 
 from .model_config import DTYPES, ModelConfig
@@ -112,10 +113,25 @@ def check_ranks_agree(plan: RankPlan, device):
                                f'imports lmdeploy {__version__} from {_package_dir()})')
 
 
-def num_blocks_for(config: PytorchEngineConfig, device, plan: RankPlan, bytes_per_block: int) -> int:
+def recording_reserve(plan: RankPlan, activations: int) -> int:
+    """Device memory the recorded steps will hold beside the KV cache: the activations of the largest
+    recorded step, scaled from ``activations`` (those of the largest step, ``plan.max_step_tokens``, measured
+    at start-up). A recording's pool cannot use the blocks the allocator keeps for eager steps, so without
+    this a Llama-3-70B rank at tp=4 (mixed steps recorded up to 8,192 tokens) had the KV cache take the
+    memory its first recording needed."""
+    if plan.graphs == GRAPHS_NONE or activations <= 0:
+        return 0
+    tokens = plan.max_mixed_tokens if plan.records_mixed_steps else plan.max_batch_size
+    return int(activations * min(1.0, tokens / max(1, plan.max_step_tokens)))
+
+
+def num_blocks_for(config: PytorchEngineConfig, device, plan: RankPlan, bytes_per_block: int,
+                   reserve: int = 0) -> int:
+    """KV blocks of ``bytes_per_block``: ``cache_max_entry_count`` of the memory free now, less ``reserve``
+    (what the recorded steps will take), agreed by every rank."""
     if config.num_gpu_blocks > 0:
         return config.num_gpu_blocks
-    budget = device.runtime.memory_available() * config.cache_max_entry_count
+    budget = max(0, device.runtime.memory_available() - reserve) * config.cache_max_entry_count
     if plan.memory_is_host_ram:
         budget = min(budget, config.cpu_kv_cache_cap_gb * (1 << 30))
     num = _agree_on_min(int(budget // bytes_per_block), device)
@@ -153,8 +169,8 @@ def build_rank(model_path: str, config: PytorchEngineConfig, model_config: Model
     # allocator's cache, where the KV budget below would not see them: on an H100, 15.9 GB for Llama-3-8B's
     # 15.0 GB of weights, which cost the cache 0.8 x 15.9 GB
     device.runtime.release_cached_memory()
-    if plan.profile_memory:
-        profile_peak_memory(model, model_config, device, plan)
-    num_blocks = num_blocks_for(config, device, plan, plan.kv_spec.bytes_per_block * model_config.num_layers)
+    activations = profile_peak_memory(model, model_config, device, plan) if plan.profile_memory else 0
+    num_blocks = num_blocks_for(config, device, plan, plan.kv_spec.bytes_per_block * model_config.num_layers,
+                                reserve=recording_reserve(plan, activations))
     plan = dataclasses.replace(plan, num_blocks=num_blocks)
     return Rank(model, plan, ModelRunner(model, model_config, device, plan))

@@ -51,14 +51,18 @@ def load_model(model_path: str, cfg: ModelConfig, dtype: torch.dtype, ops: Devic
     qc = cfg.raw.get('quantization_config')
     with torch.device('meta'), building(ops, weight_format(qc), qc):
         model = cls(cfg)
-    model.to_empty(device=device)
     model.tie_weights()
+    # the dtype is set while the parameters are still on the meta device: allocated on the device first in the
+    # build's float32 and then replaced, a shard takes twice its size at once, and the allocator's split
+    # blocks kept ~28 GB of a Llama-3-70B rank's 35 GB shard out of reach (4 x H100: no room for the KV cache)
     seen = set()  # (shared, tied, parameters once)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in seen and not param_layout(module, name).keep_dtype:  # (an int8 weight stays)
                 param.data = torch.empty_like(param.data, dtype=dtype)
             seen.add(id(param))
+    model.to_empty(device=device)
+    model.tie_weights()
     model.load_weights(iter_weights(model_path, dtype, device))
     for module in model.modules():
         if hasattr(module, 'process_weights'):
