@@ -9,7 +9,7 @@
 * ``tiny_model_factory`` - callable name -> directory, building lazily.
 
 Tests whose fixtures' work begins in the background (tests/background.py: the CUDA compiles, the KV
-quantization's perplexity) run last.
+quantization's perplexity, the Docker recipe's install in a fresh venv) run last.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 import pytest
-from background import Background, lower_priority
+from background import BACKGROUND_POPEN, Background, lower_priority
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'csrc'))
@@ -35,7 +35,7 @@ class _Build:
         self.log = open(os.path.join(self.tmp, 'build.log'), 'w+')
         self.proc = subprocess.Popen([sys.executable, '-c', code, os.path.join(ROOT, 'csrc'), ','.join(map(str, archs)),
                                       self.out_dir, self.cache_dir],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=self.log, stderr=subprocess.STDOUT, **BACKGROUND_POPEN)
         lower_priority(self.proc.pid)
 
     def result(self, timeout):

@@ -25,7 +25,7 @@ import threading
 import time
 
 import pytest
-from background import Background, lower_priority
+from background import BACKGROUND_POPEN, Background, lower_priority
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = (70, 75, 80, 86, 90)  # compute capabilities, major * 10 + minor
@@ -234,7 +234,8 @@ class CompilePool:
 
     def _start(self, background=True):
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), '--worker'], env=self.env, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                **(BACKGROUND_POPEN if background else {}))
         if background:
             lower_priority(proc.pid)
         with self.lock:

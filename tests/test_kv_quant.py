@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from background import Background, lower_priority
+from background import BACKGROUND_POPEN, Background, lower_priority
 from engine_utils import assert_engine_clean, generate_all, greedy, submit
 from helpers import benchmark_module
 
@@ -179,7 +179,7 @@ class _Quality:
         for policy in QUALITY_POLICIES:
             out, err = tempfile.TemporaryFile('w+'), tempfile.TemporaryFile('w+')
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), '--quality', str(policy)], env=env,
-                                    stdout=out, stderr=err, text=True)
+                                    stdout=out, stderr=err, text=True, **BACKGROUND_POPEN)
             lower_priority(proc.pid)
             self.procs[policy] = proc, out, err
 

@@ -11,6 +11,7 @@ The float and round-to-nearest perplexities are computed by transformers in this
 (no third engine start: this file's time is short); the GPTQ ones through the engine."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -38,28 +39,32 @@ def _mean_ppl(losses, windows) -> float:
     return math.exp(sum(loss * (len(w) - 1) for loss, w in zip(losses, windows)) / n)
 
 
-@pytest.fixture(scope='module')
+@contextlib.contextmanager
 def one_thread():
     """The quantizer's layer passes and the transformers reference at one torch thread: on a busy 2-core machine
-    intra-op threads wait on each other (several times slower measured)."""
+    intra-op threads wait on each other (several times slower measured). Only while they run: the engine that
+    scores the checkpoints in the tests keeps its threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope='module')
-def quantized(smollm2_path, tmp_path_factory, one_thread):
+def quantized(smollm2_path, tmp_path_factory):
     from lmdeploy.lite import auto_gptq
     root = tmp_path_factory.mktemp('lite_gptq')
     kw = dict(w_group_size=GROUP, device='cpu', progress=False, **CALIB)
-    plain = auto_gptq(smollm2_path, str(root / 'gptq'), **kw)
-    act = auto_gptq(smollm2_path, str(root / 'gptq_act'), desc_act=True, **kw) if FULL else None
+    with one_thread():
+        plain = auto_gptq(smollm2_path, str(root / 'gptq'), **kw)
+        act = auto_gptq(smollm2_path, str(root / 'gptq_act'), desc_act=True, **kw) if FULL else None
     return dict(gptq=str(root / 'gptq'), act=str(root / 'gptq_act'), summary=plain, act_summary=act)
 
 
 @pytest.fixture(scope='module')
-def reference_ppl(smollm2_path, one_thread):
+def reference_ppl(smollm2_path):
     """{'float', 'rtn'}: transformers' perplexity on the eval windows, float32, and with every decoder linear
     rounded to nearest in the same 4-bit groups (lite.pack.fake_quantize: asymmetric, zero point)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,7 +76,7 @@ def reference_ppl(smollm2_path, one_thread):
     windows = _eval_windows(tok)
 
     def ppl():
-        with torch.no_grad():
+        with torch.no_grad(), one_thread():
             losses = [float(model(torch.tensor([w]), labels=torch.tensor([w])).loss) for w in windows]
         return _mean_ppl(losses, windows)
 

@@ -45,8 +45,10 @@ def srv(smollm2_path):
 
 @pytest.fixture(scope='module')
 def task_manager():
+    """The tasks of tests/data/lm_eval alone: indexing lm_eval's thousands of built-in task files too (its
+    default) takes about 10 s and none of them is used."""
     from lm_eval.tasks import TaskManager
-    return TaskManager(include_path=TASKS)
+    return TaskManager(include_path=TASKS, include_defaults=False)
 
 
 @pytest.fixture(scope='module')
