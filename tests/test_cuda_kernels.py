@@ -407,6 +407,35 @@ def test_decode_sequences_fill_only_the_slices_their_length_needs():
         assert rel_err(out, ref) < tol(dtype) * 2
 
 
+@pytest.mark.parametrize('d', [128, 256])
+def test_decode_merge_of_more_slices_than_it_reads_at_once(d):
+    """The merge reads a head's partial rows 8 slices at a time. Under a graph's bound of 4,096 tokens 16
+    slices are launched (3 sequences, 1 KV head, 132 SMs: slices of at least 16 tokens, cut on 64-token tiles
+    here), and a 600-token context fills 10 of them (two reads) beside shorter ones; at Llama's head size and
+    Gemma's (whose 256-wide heads take their own tiles on a GPU), with a soft cap, against the reference."""
+    kv_lens = [600, 70, 1]
+    assert attention.num_decode_splits(3, 1, 4096, 132) == 16 and attention.min_slice_tokens(3, 1, 132) == 16
+    dtype = DTYPES[-1]
+    k_cache, v_cache, tables, _ = make_paged(kv_lens, 1, d, 64, dtype)
+    q = torch.randn(len(kv_lens), 2, d, dtype=dtype, device=DEV)
+    lens = torch.tensor(kv_lens, device=DEV)
+    ref = REF.paged_decode_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()),
+                                     tables.cpu(), lens.cpu(), d**-0.5, max(kv_lens), logit_softcap=2.0)
+    out = attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5, 4096, num_sms=132,
+                                           logit_softcap=2.0)
+    assert rel_err(out, ref) < tol(dtype) * 2
+
+
+def test_decode_tiles_for_wide_heads():
+    """A 16-bit cache with 256-wide heads reads 64-token tiles with 8 warps at every batch (not the 128-token
+    tiles that 128-wide heads take from 128 sequences), 32-token ones where 64 KB of shared memory is all."""
+    hopper, turing = 227 * 1024, 64 * 1024
+    assert attention.decode_tiles(hopper, 256) == (128, 3, 4)
+    assert {attention.decode_tiles(hopper, b, 0, 256) for b in (1, 64, 256)} == {(64, 2, 8)}
+    assert attention.decode_tiles(turing, 256, 0, 256) == (32, 1, 8)
+    assert attention.decode_tiles(hopper, 256, 4, 256) == (128, 3, 4)  # quantized caches: as measured at 128
+
+
 def test_prefill_step_with_decode_rows_through_the_attention_layer():
     """A prefill step that carries decoding sequences (one-token rows first,
     attended by the decode kernel in longest-first order; prompt rows by the

@@ -587,10 +587,14 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, ksz_ptr, vsz_ptr, part_ptr, out_ptr, t
 def _decode_reduce_kernel(part_ptr, out_ptr, kv_lens_ptr, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
                           num_splits, min_slice, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, window=0,
-                          SLIDING: tl.constexpr = False):
+                          SLIDING: tl.constexpr = False, BLOCK_S: tl.constexpr = 8):
     """Merge one head's slices (any count up to MAX_SPLITS, masked: one
     compiled variant for every slice count) by their log-sum-exp: those
-    its sequence filled; one slice was written out already."""
+    its sequence filled; one slice was written out already. The partial
+    rows are read BLOCK_S at a time: all MAX_SPLITS of them at once is a
+    [64, head_dim] float32 tile, which at head_dim 256 spills its registers
+    (H100, Gemma2-9B's heads at batch 64: 48 us a call, half the layer's
+    attention)."""
     pdl.wait_then_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -600,21 +604,27 @@ def _decode_reduce_kernel(part_ptr, out_ptr, kv_lens_ptr, stride_pb, stride_ph, 
     if count == 1:
         return
     s = tl.arange(0, MAX_SPLITS)
-    s_valid = s < count
+    base = part_ptr + b * stride_pb + h * stride_ph
+    top = tl.max(tl.load(base + s * stride_ps + HEAD_DIM, mask=s < count, other=float('-inf')), axis=0)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    base = part_ptr + b * stride_pb + h * stride_ph + s * stride_ps
-    lse = tl.load(base + HEAD_DIM, mask=s_valid, other=float('-inf'))
-    top = tl.max(lse, axis=0)
-    w = tl.where(lse > float('-inf'), tl.exp2(lse - top), 0.0)
-    total = tl.sum(w, axis=0)
-    parts = tl.load(base[:, None] + offs_d[None, :], mask=s_valid[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = 0.0
+    for first in range(0, count, BLOCK_S):
+        c = first + tl.arange(0, BLOCK_S)
+        c_valid = c < count
+        lse = tl.load(base + c * stride_ps + HEAD_DIM, mask=c_valid, other=float('-inf'))
+        w = tl.where(lse > float('-inf'), tl.exp2(lse - top), 0.0)
+        total += tl.sum(w, axis=0)
+        parts = tl.load(base + c[:, None] * stride_ps + offs_d[None, :], mask=c_valid[:, None] & d_mask[None, :],
+                        other=0.0)
+        acc += tl.sum(parts * w[:, None], axis=0)
+    out = acc / tl.maximum(total, 1e-30)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def decode_tiles(smem_bytes: int, batch: int, quant: int = 0) -> Tuple[int, int]:
-    """(context tokens a tile, tiles in flight) for the decode kernel. From
+def decode_tiles(smem_bytes: int, batch: int, quant: int = 0, head_dim: int = 128) -> Tuple[int, int, int]:
+    """(context tokens a tile, tiles in flight, warps) for the decode kernel. From
     128 sequences on a Hopper-sized shared memory: 128-token tiles, 3 in
     flight (H100, 248 sequences of lognormal context lengths: 130 -> 120
     us a layer; 128 sequences: 107 -> 101). Otherwise 64-token tiles (batch
@@ -622,17 +632,24 @@ def decode_tiles(smem_bytes: int, batch: int, quant: int = 0) -> Tuple[int, int]
     Turing. A quantized cache (H100 sweep, batch 64-256, contexts 512-4k,
     benchmark/kv_quant_attn.py --tiles): int8 64 x 2 at every batch (at
     batch 256 and 1k context 283 us against 346 with 128 x 3), int4 128 x 3
-    from 16 sequences (batch 64 and 4k context: 247 against 270 with 64 x 2)."""
+    from 16 sequences (batch 64 and 4k context: 247 against 270 with 64 x 2).
+    A 16-bit cache with heads over 128 wide (Gemma's 256): 64-token tiles,
+    2 in flight, 8 warps at every batch (H100, 16/8 heads of 256, lognormal contexts around 450, benchmark/decode_tiles.py: 205
+    sequences 417 -> 307 us a layer against 128 x 3 with 4 warps, 64
+    sequences 106 -> 96 us, 8 sequences 21.3 -> 20.8 us)."""
     big = smem_bytes >= 200 * 1024
+    stages = 2 if smem_bytes >= 96 * 1024 else 1
+    if quant == 0 and head_dim > 128:  # (Turing's 64 KB: 32-token tiles, 40 KB; 64 would need 80)
+        return (64, stages, 8) if smem_bytes >= 96 * 1024 else (32, 1, 8)
     if (batch >= 128 and quant != 8 or batch >= 16 and quant == 4) and big:
-        return 128, 3
-    return 64, 2 if smem_bytes >= 96 * 1024 else 1
+        return 128, 3, 4
+    return 64, stages, 4
 
 
-def _decode_tiles(q: torch.Tensor, quant: int) -> Tuple[int, int]:
+def _decode_tiles(q: torch.Tensor, quant: int) -> Tuple[int, int, int]:
     if q.device.type != 'cuda':
-        return 64, 2  # the interpreter: stages are ignored
-    return decode_tiles(shared_memory(q.device), q.shape[0], quant)
+        return 64, 2, 4  # the interpreter: stages and warps are ignored
+    return decode_tiles(shared_memory(q.device), q.shape[0], quant, triton.next_power_of_2(q.shape[-1]))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale, max_kv_len, num_sms: int = 132,
@@ -649,7 +666,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, kv_seqlens, scale,
         return out
     block_d = triton.next_power_of_2(d)
     qk, ksz, vsz, zstrides, consts = _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero)
-    block_n, stages, warps = tiles or (*_decode_tiles(q, consts['QUANT']), 4)
+    block_n, stages, warps = tiles or _decode_tiles(q, consts['QUANT'])
     if sliding_window is not None:  # (the window's tokens and the tile its first one falls in)
         max_kv_len = min(max_kv_len, int(sliding_window) + block_n)
     splits = num_decode_splits(bsz, hkv, max_kv_len, num_sms)
