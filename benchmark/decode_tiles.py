@@ -40,7 +40,7 @@ def main():
                                                     'cuda', torch.bfloat16)
         gb = sum(lengths) * args.kv_heads * d * 2 * 2 / 1e9
         kw = dict(sliding_window=args.window, logit_softcap=args.softcap)
-        picked = (*attention.decode_tiles(attention.shared_memory(q.device), batch, 0), 4)
+        picked = attention.decode_tiles(attention.shared_memory(q.device), batch, 0, d)
 
         def call(tiles=None):
             return attention.paged_decode_attention(q, kc, vc, tables, lens, scale, max(lengths), 132, order,
