@@ -427,11 +427,13 @@ def test_decode_merge_of_more_slices_than_it_reads_at_once(d):
 
 
 def test_decode_tiles_for_wide_heads():
-    """A 16-bit cache with 256-wide heads reads 64-token tiles with 8 warps at every batch (not the 128-token
-    tiles that 128-wide heads take from 128 sequences), 32-token ones where 64 KB of shared memory is all."""
+    """A 16-bit cache with 256-wide heads reads 64-token tiles at every batch (not the 128-token tiles that
+    128-wide heads take from 128 sequences), with 8 warps below 128 sequences; 32-token ones where 64 KB of
+    shared memory is all."""
     hopper, turing = 227 * 1024, 64 * 1024
     assert attention.decode_tiles(hopper, 256) == (128, 3, 4)
-    assert {attention.decode_tiles(hopper, b, 0, 256) for b in (1, 64, 256)} == {(64, 2, 8)}
+    assert {attention.decode_tiles(hopper, b, 0, 256) for b in (1, 64, 127)} == {(64, 2, 8)}
+    assert attention.decode_tiles(hopper, 128, 0, 256) == attention.decode_tiles(hopper, 256, 0, 256) == (64, 2, 4)
     assert attention.decode_tiles(turing, 256, 0, 256) == (32, 1, 8)
     assert attention.decode_tiles(hopper, 256, 4, 256) == (128, 3, 4)  # quantized caches: as measured at 128
 

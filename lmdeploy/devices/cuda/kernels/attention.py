@@ -634,13 +634,14 @@ def decode_tiles(smem_bytes: int, batch: int, quant: int = 0, head_dim: int = 12
     batch 256 and 1k context 283 us against 346 with 128 x 3), int4 128 x 3
     from 16 sequences (batch 64 and 4k context: 247 against 270 with 64 x 2).
     A 16-bit cache with heads over 128 wide (Gemma's 256): 64-token tiles,
-    2 in flight, 8 warps at every batch (H100, 16/8 heads of 256, lognormal contexts around 450, benchmark/decode_tiles.py: 205
-    sequences 417 -> 307 us a layer against 128 x 3 with 4 warps, 64
-    sequences 106 -> 96 us, 8 sequences 21.3 -> 20.8 us)."""
+    2 in flight, 8 warps below 128 sequences, 4 from there (H100, 16/8
+    heads of 256, lognormal contexts around 450, benchmark/decode_tiles.py:
+    205 sequences 417 us a layer with 128 x 3 -> 301 us, 307 with 8 warps;
+    64 sequences 106 us with 4 warps -> 95 us)."""
     big = smem_bytes >= 200 * 1024
     stages = 2 if smem_bytes >= 96 * 1024 else 1
     if quant == 0 and head_dim > 128:  # (Turing's 64 KB: 32-token tiles, 40 KB; 64 would need 80)
-        return (64, stages, 8) if smem_bytes >= 96 * 1024 else (32, 1, 8)
+        return (64, stages, 4 if batch >= 128 else 8) if smem_bytes >= 96 * 1024 else (32, 1, 8)
     if (batch >= 128 and quant != 8 or batch >= 16 and quant == 4) and big:
         return 128, 3, 4
     return 64, stages, 4
