@@ -20,7 +20,10 @@ import lmdeploy.devices.layers  # noqa: F401 (imported first: it imports devices
 
 # measured here (README): float 13.38; int8 13.48 (+0.8 %), without the smoothing 13.86 (+3.6 %); fp8 13.66
 # (+2.1 %), without the smoothing 13.97 (+4.4 %). (On the last 512 tokens alone: int8 +1.9 %, fp8 +3.4 %.)
-# The bounds keep a margin and fail the unsmoothed models.
+# The bounds keep a margin and fail the unsmoothed models. (Session 46, torch 2.13 and transformers 5.24: int8
+# 13.43, fp8 13.69. One alpha for all of fp8's groups gave 13.51-13.97 between 0.3 and 0.8, not monotonically;
+# alpha chosen per group by the quantized group's output error on the calibration rows gave fp8 13.64 and
+# int8 13.58, worse for int8, so it was not taken.)
 MAX_INT8_OVER_FLOAT = 1.02
 MAX_FP8_OVER_FLOAT = 1.035
 
@@ -150,11 +153,7 @@ def test_smooth_quant_perplexity_and_answer(quantized, smollm2_path):
     assert 'Paris' in ans_int8, ans_int8
     assert ppl_int8 < ppl_float * MAX_INT8_OVER_FLOAT, (ppl_int8, ppl_float)
     assert ppl_fp8 < ppl_float * MAX_FP8_OVER_FLOAT, (ppl_fp8, ppl_float)
-    if 'Paris' not in ans_fp8:
-        # passed in session 44's CI; on 2026-11-27 the same tree (17acab6) with that day's PyPI packages
-        # (transformers 5.23 and 5.24 alike) has fp8's greedy answer "L'Étoile, la femme, ..." while its
-        # perplexity is within 2.4 % of float's: not yet root-caused (issue 38), reported rather than passed
-        pytest.xfail(f'fp8 W8A8 answer without Paris: {ans_fp8!r}')
+    assert 'Paris' in ans_fp8, ans_fp8
 
 
 def test_cli_and_refusals(tmp_path, tiny_model_factory, capsys):
