@@ -26,6 +26,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help='grid-search each group\'s activation-aware scale exponent (AWQ, 20 points); '
                    '--no-search-scale fixes it at 0.5 as LMDeploy does without --search-scale (default: on)')
     _device_arg(p)
+    _resume_arg(p)
     p.set_defaults(func=run_auto_awq)
     p = cmds.add_parser('auto_gptq', help='GPTQ 4-bit weights (group-wise, error feedback under the calibration '
                         'Hessian) into --work-dir', description=__doc__,
@@ -39,6 +40,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument('--damp-percent', type=float, default=0.01,
                    help='dampening added to the Hessian\'s diagonal, a fraction of its mean (default: %(default)s)')
     _device_arg(p)
+    _resume_arg(p)
     p.set_defaults(func=run_auto_gptq)
     _add_smooth_quant(cmds)
     _add_calibrate(cmds)
@@ -74,6 +76,13 @@ def _device_arg(p):
                    help="where layers run: 'auto' is cuda when torch sees a GPU, else cpu (default: %(default)s)")
 
 
+def _resume_arg(p):
+    p.add_argument('--resume', action=argparse.BooleanOptionalAction, default=True,
+                   help='go on from where an interrupted run into the same --work-dir with the same arguments '
+                   'stopped (its layers are kept in WORK_DIR/.lite-partial, removed when the model is written); '
+                   '--no-resume starts over (default: on)')
+
+
 def _usage(parser) -> int:
     parser.print_help(sys.stderr)
     return 1
@@ -84,7 +93,8 @@ def run_auto_awq(args, stdout=None) -> int:
     out = stdout or sys.stdout
     result = auto_awq(args.model, args.work_dir, calib_dataset=args.calib_dataset, calib_samples=args.calib_samples,
                       calib_seqlen=args.calib_seqlen, batch_size=args.batch_size, w_bits=args.w_bits,
-                      w_group_size=args.w_group_size, search_scale=args.search_scale, device=args.device)
+                      w_group_size=args.w_group_size, search_scale=args.search_scale, device=args.device,
+                      resume=args.resume)
     return _wrote(args, result, out)
 
 
@@ -99,7 +109,7 @@ def run_auto_gptq(args, stdout=None) -> int:
     result = auto_gptq(args.model, args.work_dir, calib_dataset=args.calib_dataset,
                        calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, batch_size=args.batch_size,
                        w_bits=args.w_bits, w_group_size=args.w_group_size, sym=args.sym, desc_act=args.desc_act,
-                       damp_percent=args.damp_percent, device=args.device)
+                       damp_percent=args.damp_percent, device=args.device, resume=args.resume)
     return _wrote(args, result, stdout or sys.stdout)
 
 

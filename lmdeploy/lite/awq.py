@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from .common import LINEARS, Prepared, check_group_size, check_model, run_layer  # noqa: F401 (re-exported)
 from .common import progress as layer_progress
 from .pack import MAX_Q, awq_tensors, quantization_config, quantize
+from .resume import Checkpoint, to_device
 
 N_GRID = 20
 CLIP_STEPS = 10
@@ -178,21 +179,28 @@ def auto_awq(model: Optional[str],
              device: str = 'auto',
              progress: bool = True,
              n_grid: int = N_GRID,
-             clip: bool = True) -> dict:
+             clip: bool = True,
+             resume: bool = True) -> dict:
     """Quantize ``model`` (a local Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model) into
     ``work_dir``: AWQ 4-bit weights in AutoAWQ's GEMM layout. Returns a summary: the layers' chosen alphas per
-    group and the seconds taken. ``n_grid``: alphas tried, 0, 1 / n_grid, ... (AWQ's 20; tests use fewer)."""
+    group and the seconds taken. ``n_grid``: alphas tried, 0, 1 / n_grid, ... (AWQ's 20; tests use fewer).
+    ``resume``: go on from an interrupted run with the same arguments (:mod:`.resume`)."""
     prep = Prepared(model, work_dir, 'auto_awq', calib_dataset, calib_samples, calib_seqlen, batch_size, w_bits,
                     w_group_size, device)
     dev, layers, batches = prep.device, prep.layers, prep.batches
+    ckpt = Checkpoint(work_dir, dict(prep.key(), w_bits=w_bits, w_group_size=w_group_size, search_scale=search_scale,
+                                     ratio=ratio, n_grid=n_grid, clip=clip), resume)
+    start, restored, packed, chosen = ckpt.restore(layers)
+    if start:
+        batches = to_device(restored, dev)
     if search_scale:
         alphas = [i / n_grid for i in range(n_grid)]
     else:
         alphas = [float(ratio)]
-    packed: Dict[str, torch.Tensor] = {}
-    chosen: List[Dict[str, float]] = []
     rtn = alphas == [0.0]  # no scaling: nothing to measure
     for i in layer_progress(len(layers), progress, 'auto_awq'):
+        if i < start:  # done by an earlier run
+            continue
         layer = layers[i].to(dev)
         inputs: Dict[str, List[torch.Tensor]] = {n: [] for n in ('self_attn.q_proj', 'self_attn.o_proj',
                                                                  'mlp.gate_proj', 'mlp.down_proj')}
@@ -220,13 +228,17 @@ def auto_awq(model: Optional[str],
         del xs
 
         prefix = f'model.layers.{i}.'
+        mine = {}
         for name in LINEARS:
             lin = layer.get_submodule(name)
             q, z, s = quantize(lin.weight.data.float(), w_group_size)
             for key, t in awq_tensors(q.cpu(), z.cpu(), s.cpu()).items():
-                packed[f'{prefix}{name}.{key}'] = t
+                mine[f'{prefix}{name}.{key}'] = t
             lin.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # its float copy is done
+        packed.update(mine)
         layers[i] = layer.to('cpu')
+        ckpt.save(i, layers[i], mine, picked, batches, last=i + 1 == len(layers))
 
     prep.save(work_dir, packed, quantization_config(w_group_size))
+    ckpt.done()
     return prep.summary(w_group_size, alphas=chosen)

@@ -181,6 +181,9 @@ class Prepared:
             check_group_size(layer, w_group_size, prefix=f'model.layers.{i}.', rows_packed=rows_packed)
         self.tokens = calib_tokens(tokenizer, calib_dataset, calib_samples, calib_seqlen)
         self.calib_tokens = int(self.tokens.numel())  # what the summary reports (smooth_quant --calib-stats: theirs)
+        self._key = dict(tool=tool, model=os.path.abspath(self.model_path), calib_dataset=calib_dataset,
+                         calib_samples=calib_samples, calib_seqlen=calib_seqlen, batch_size=batch_size,
+                         device=dev.type, dtype=str(self.compute_dtype))
         with torch.no_grad():
             hf.model.embed_tokens.to(dev)
             if getattr(hf.model, 'rotary_emb', None) is not None:
@@ -188,6 +191,11 @@ class Prepared:
             self.layers[0].to(dev)
             self.batches = capture_first_inputs(hf, self.layers, self.tokens, batch_size, dev)
             hf.model.embed_tokens.to('cpu')
+
+    def key(self) -> dict:
+        """What an interrupted run's partial results must match to be resumed (:mod:`.resume`): the tool, the
+        model, the calibration and the device's kind and dtype; the tool adds its own arguments."""
+        return dict(self._key)
 
     def save(self, work_dir: str, packed: Dict[str, torch.Tensor], qconfig: dict):
         """The model's tensors but the decoder linears' weights (and a tied lm_head), in the checkpoint's dtype,

@@ -35,6 +35,7 @@ import torch
 from .common import Captured, Prepared, run_layer
 from .common import progress as layer_progress
 from .pack import MAX_Q, group_params, gptq_tensors
+from .resume import Checkpoint, to_device
 
 BLOCK = 128
 DAMP_PERCENT = 0.01
@@ -230,19 +231,25 @@ def auto_gptq(model: Optional[str],
               desc_act: bool = False,
               damp_percent: float = DAMP_PERCENT,
               device: str = 'auto',
-              progress: bool = True) -> dict:
+              progress: bool = True,
+              resume: bool = True) -> dict:
     """Quantize ``model`` (a local Hugging Face directory of a Llama, Mistral, Qwen2 or Qwen3 model) into
     ``work_dir``: GPTQ 4-bit weights in the checkpoint format "gptq" (``quant_method: gptq``). Returns a
     summary: per layer, each stage's output error relative to the float stage's on the calibration inputs,
-    and the seconds taken."""
+    and the seconds taken. ``resume``: go on from an interrupted run with the same arguments (:mod:`.resume`)."""
     if not 0 <= damp_percent < 1:
         raise ValueError(f'damp_percent {damp_percent}: a fraction of the mean diagonal, 0 <= it < 1')
     prep = Prepared(model, work_dir, 'auto_gptq', calib_dataset, calib_samples, calib_seqlen, batch_size, w_bits,
                     w_group_size, device, rows_packed=True)
     dev, layers, batches = prep.device, prep.layers, prep.batches
-    packed: Dict[str, torch.Tensor] = {}
-    losses: List[Dict[str, float]] = []
+    ckpt = Checkpoint(work_dir, dict(prep.key(), w_bits=w_bits, w_group_size=w_group_size, sym=sym,
+                                     desc_act=desc_act, damp_percent=damp_percent), resume)
+    start, restored, packed, losses = ckpt.restore(layers)
+    if start:
+        batches = to_device(restored, dev)
     for i in layer_progress(len(layers), progress, 'auto_gptq'):
+        if i < start:  # done by an earlier run
+            continue
         layer = layers[i].to(dev)
         prefix = f'model.layers.{i}.'
         loss: Dict[str, float] = {}
@@ -271,8 +278,11 @@ def auto_gptq(model: Optional[str],
         for name in (n for names in STAGES for n in names):
             layer.get_submodule(name).weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
         layers[i] = layer.to('cpu')
+        ckpt.save(i, layers[i], {k: v for k, v in packed.items() if k.startswith(prefix)}, loss, batches,
+                  last=i + 1 == len(layers))
     qconfig = quantization_config(w_group_size, sym, desc_act, damp_percent)
     prep.save(work_dir, packed, qconfig)
     with open(os.path.join(work_dir, 'quantize_config.json'), 'w') as f:  # where AutoGPTQ / GPTQModel look
         json.dump(qconfig, f, indent=2)
+    ckpt.done()
     return prep.summary(w_group_size, losses=losses, desc_act=desc_act, sym=sym)
