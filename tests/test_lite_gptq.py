@@ -11,7 +11,6 @@ The float and round-to-nearest perplexities are computed by transformers in this
 (no third engine start: this file's time is short); the GPTQ ones through the engine."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -39,17 +38,12 @@ def _mean_ppl(losses, windows) -> float:
     return math.exp(sum(loss * (len(w) - 1) for loss, w in zip(losses, windows)) / n)
 
 
-@contextlib.contextmanager
 def one_thread():
     """The quantizer's layer passes and the transformers reference at one torch thread: on a busy 2-core machine
     intra-op threads wait on each other (several times slower measured). Only while they run: the engine that
     scores the checkpoints in the tests keeps its threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    from lmdeploy.lite.gptq import one_thread as cpu_one_thread
+    return cpu_one_thread(torch.device('cpu'))
 
 
 @pytest.fixture(scope='module')

@@ -78,9 +78,10 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _one_thread(device: torch.device):
+def one_thread(device: torch.device):
     """On the cpu, torch at one thread: the column loop is thousands of tiny ops, which intra-op threads only
-    slow down (100x measured on a busy 2-core machine, where each op waits for both threads to be scheduled)."""
+    slow down (100x measured on a busy 2-core machine, where each op waits for both threads to be scheduled);
+    tests/test_lite_gptq.py runs its quantizer passes and transformers reference under it too."""
     if device.type != 'cpu':
         yield
         return
@@ -104,7 +105,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group: int, sym: bool = Fals
     group = in_f if group == -1 else group
     if in_f % group:
         raise ValueError(f'input size {in_f} is not a multiple of the group size {group}')
-    with _one_thread(w.device):
+    with one_thread(w.device):
         return _gptq(w, h, group, sym, desc_act, damp, block)
 
 

@@ -6,9 +6,9 @@ The quantizers work one decoder layer at a time. After each layer, :class:`Check
 
 * what the layer left behind: its float state as quantizing left it (norms with scales folded in, the quantized
   linears' float weights emptied), its packed tensors and its summary entry, one file a layer;
-* at most once every ``interval`` seconds (and after the last layer), the calibration inputs of the next layer.
-  Those cost as much to write as a layer's weights, and they are what a restart cannot get back without redoing
-  every layer before them.
+* at most once every ``interval`` seconds, the calibration inputs of the next layer. Those cost as much to
+  write as a layer's weights, and they are what a restart cannot get back without redoing every layer before
+  them. After the last layer only its number is kept (no layer reads its outputs).
 
 A run given the same model, tool and arguments (``key``) restarts at the newest saved inputs. The layers before
 them are loaded; the rest are redone. A different key starts over. The folder is removed once the model is
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 PARTIAL = '.lite-partial'
-INPUTS_EVERY_S = 60.0  # how often the next layer's calibration inputs are kept (and after the last layer)
+INPUTS_EVERY_S = 60.0  # how often the next layer's calibration inputs are kept
 
 
 class Checkpoint:
@@ -91,7 +91,8 @@ class Checkpoint:
                                      'summary': summary})
         now = time.monotonic()
         if last or now - self._inputs_saved >= self.interval:
-            batches = None if next_batches is None else [(h.cpu(), _to_cpu(kw)) for h, kw in next_batches]
+            # (after the last layer no layer reads them: only the count is kept)
+            batches = None if next_batches is None or last else [(h.cpu(), _to_cpu(kw)) for h, kw in next_batches]
             self._write('inputs.pt', {'layer': i + 1, 'batches': batches})
             self._inputs_saved = time.monotonic()
 

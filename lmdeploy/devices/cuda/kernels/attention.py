@@ -641,7 +641,7 @@ def decode_tiles(smem_bytes: int, batch: int, quant: int = 0, head_dim: int = 12
     big = smem_bytes >= 200 * 1024
     stages = 2 if smem_bytes >= 96 * 1024 else 1
     if quant == 0 and head_dim > 128:  # (Turing's 64 KB: 32-token tiles, 40 KB; 64 would need 80)
-        return (64, stages, 4 if batch >= 128 else 8) if smem_bytes >= 96 * 1024 else (32, 1, 8)
+        return (64, 2, 4 if batch >= 128 else 8) if stages == 2 else (32, 1, 8)
     if (batch >= 128 and quant != 8 or batch >= 16 and quant == 4) and big:
         return 128, 3, 4
     return 64, stages, 4
