@@ -10,6 +10,10 @@ GB/s: the weight bytes read (packed values, scales and zeros for W4A16) over the
 
     PYTHONPATH=. python3 benchmark/w4a16_gemm.py
     PYTHONPATH=. python3 benchmark/w4a16_gemm.py --m 1 16 --shapes qkv down --desc-act
+    PYTHONPATH=. python3 benchmark/w4a16_gemm.py --gemv-sweep --m 1 2 [--table-only]
+
+``--gemv-sweep``: the GEMV kernel (up to 4 rows) with the table's tile and a grid of others, each checked
+against the table's output, next to the split-K tensor-core kernel it replaced (``gemv=False``).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import nn
 
 from lmdeploy.devices.cuda.kernels import w4a16
@@ -134,13 +139,65 @@ def bench_shape(ops, name, n, k, ms, desc_act, gen):
             torch.cuda.empty_cache()
 
 
+def gemv_sweep(ops, name, n, k, ms, gen, table_only=False):
+    """The GEMV kernel's tiles at decode rows: the table's choice, every candidate of a small grid (checked
+    against the table's output), and the split-K tensor-core kernel it replaced (``gemv=False``)."""
+    impl, mine, ref_impl, ref = gptq_layers(ops, n, k, False, gen)
+    qw, s, z = mine.w4_qweight, mine.w4_scales, mine.w4_zeros
+    w4_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
+    packs = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(copies_for(1, w4_bytes) - 1)]
+    for m in ms:
+        x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
+        want = ref_impl.apply(ref, x).float()
+        base = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms)
+
+        def run(**kw):
+            return time_us([lambda p=p: w4a16.w4a16_linear(x, *p, mine.w4_group, None, None, ops._num_sms, **kw)
+                            for p in packs])
+
+        err = ((base.float() - want).abs().max() / want.abs().max()).item()
+        table = w4a16.gemv_choose(m, n, k, mine.w4_group, ops._num_sms)
+        old = run(gemv=False)
+        rows = []
+        for bp in () if table_only else (8, 16) if m == 1 else (8, ):  # (a smaller grid at more rows)
+            for bn, warps in ((256, 2), (512, 4)):
+                for per_sm in (4, 8) if m == 1 else (2, 4):
+                    split = max(1, min(triton.cdiv(per_sm * ops._num_sms, triton.cdiv(n, bn)), k // 8 // bp))
+                    cfg = w4a16.GemvConfig(bp, bn, split, warps, 1)
+                    try:
+                        got = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms, gemv=cfg)
+                        if not torch.allclose(got.float(), base.float(), rtol=2e-2,
+                                              atol=2e-2 * base.abs().max().item()):
+                            rows.append((float('inf'), cfg))
+                            continue
+                        rows.append((run(gemv=cfg), cfg))
+                    except Exception as e:  # (out of shared memory or registers)
+                        rows.append((float('nan'), cfg, type(e).__name__))
+        best = sorted(r for r in rows if r[0] == r[0])[:5]
+        t_table = run()
+        print(f'{name:8s} M={m} err {err:.2e}  table {tuple(table)} {t_table:.1f} us ({w4_bytes / t_table / 1e3:.0f} GB/s)'
+              f'  tensor-core split-K {old:.1f} us', flush=True)
+        for t, cfg in best:
+            print(f'    {t:7.1f} us {w4_bytes / t / 1e3:6.0f} GB/s  {tuple(cfg)}', flush=True)
+        print(f'    ({sum(1 for r in rows if r[0] == float("inf"))} wrong, {sum(1 for r in rows if r[0] != r[0])} '
+              f'failed of {len(rows)})', flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--m', type=int, nargs='+', default=[1, 4, 16, 64, 128, 256, 1024, 4096])
     p.add_argument('--shapes', nargs='+', default=[s[0] for s in SHAPES])
     p.add_argument('--desc-act', action='store_true', help='GPTQ desc_act (x gathered by the permutation)')
+    p.add_argument('--gemv-sweep', action='store_true', help="the GEMV kernel's tile grid at each --m (<= 4)")
+    p.add_argument('--table-only', action='store_true', help="with --gemv-sweep: the table's tile alone")
     args = p.parse_args()
     ops = CudaOps()
+    if args.gemv_sweep:
+        gen = torch.Generator().manual_seed(0)
+        for name, n, k in SHAPES:
+            if name in args.shapes:
+                gemv_sweep(ops, name, n, k, [m for m in args.m if m <= 4], gen, args.table_only)
+        return
     gen = torch.Generator().manual_seed(0)
     t0 = time.time()
     print(f'{torch.cuda.get_device_name()}, {ops._num_sms} SMs, torch {torch.__version__}, triton '

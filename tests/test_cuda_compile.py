@@ -135,6 +135,11 @@ def kernel_specs(cap: int):
               BLOCK_K=cfg.block_k, GROUP_M=8, RESHAPE=True, PRECISION='tf32'),
          dict(num_warps=cfg.warps, num_stages=cfg.stages))
         for cfg in (w4a16.choose(1, 4096, 4096, 128, 132), w4a16.choose(w4a16.DEQUANT_ROWS - 1, 4096, 4096, 128, 132))
+    ] + [  # batch 1's GEMV: K split 32 ways, the last program adding the float32 partial sums up
+        (w4a16._w4a16_gemv_kernel, {'qw_ptr': 'i32', 'ws_ptr': 'fp32', 'lock_ptr': 'i32'}, {},
+         dict(GROUP=128, HAS_BIAS=False, ROWS=1, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, SPLIT=cfg.split),
+         dict(num_warps=cfg.warps, num_stages=cfg.stages))
+        for cfg in (w4a16.gemv_choose(1, 4096, 4096, 128, 132), )
     ] + [
         (w4a16._sum_splits_kernel, {'ws_ptr': 'fp32'}, {}, dict(HAS_BIAS=True, BLOCK=1024), dict(num_warps=4)),
         # (more rows: the weight dequantized into a scratch matrix, then cuBLAS)

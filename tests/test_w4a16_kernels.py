@@ -145,6 +145,40 @@ def test_split_k_and_unpacking_variants(reshape):
 
 
 
+def test_gemv_kernel(monkeypatch):
+    """The GEMV kernel (up to GEMV_ROWS rows): scales per tile (the tile in one group) and per packed row
+    (smaller groups), K split with the last program adding the splits up (a last split shorter than the
+    others, the bias), every counter back at zero after each call (the second call as right as the first),
+    and the default route of 1 to GEMV_ROWS rows through it."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
+    calls = []
+    real = w4a16._gemv
+    monkeypatch.setattr(w4a16, '_gemv', lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for k, n, group, cfg in ((384, 80, 128, w4a16.GemvConfig(16, 32, 3, 4, 1)),
+                             (320, 48, 32, w4a16.GemvConfig(16, 32, 2, 4, 1)),
+                             (256, 40, 64, w4a16.GemvConfig(8, 64, 1, 4, 1)), (256, 72, 256, None)):
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
+        s = torch.rand(n, k // group, generator=gen) / 40 + 1e-3
+        bias = torch.randn(n, generator=gen)
+        w = (q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)
+        args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous(), z.t().float().contiguous())]
+        for m in range(1, 5):  # (forced: the kernel's 4 rows; by default up to GEMV_ROWS)
+            x = torch.randn(m, k, generator=gen)
+            for b in (bias, None):
+                want = x.double() @ w.double().t() + (0 if b is None else b.double())
+                for _ in range(2):
+                    got = w4a16.w4a16_linear(x.to(DEV), *args, group, None, None if b is None else b.to(DEV),
+                                             gemv=cfg)
+                    assert_close(got, want, torch.float32)
+                    assert not w4a16.reserve_locks(args[0].device).any()
+    assert calls == [m for cfg in (1, 1, 1, None) for m in range(1, 5) for _ in range(4)
+                     if cfg or m <= w4a16.GEMV_ROWS]
+    with pytest.raises(ValueError, match='in-order groups'):
+        w4a16.w4a16_linear(x.to(DEV), *args, 1, torch.zeros(k, dtype=torch.int32, device=DEV),
+                           gemv=w4a16.GemvConfig(16, 32, 1, 4, 1))
+
+
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16], ids=str)
 def test_dequantize_is_the_rounded_weight(dtype):
     """The scratch weight of many rows' path: (q - z) * s rounded once to the dtype, bit for bit, whether
@@ -190,6 +224,12 @@ def test_the_table():
     assert w4a16.choose(4096, 4096, 4096, 128, 132) == w4a16.Config(128, 128, 64, 1, 8, 3)
     assert w4a16.choose(1, 4096, 4096, 32, 132).block_k == 32
     assert w4a16.SMALL_M < 64 < w4a16.DEQUANT_ROWS  # (the fused tile in between)
+    assert w4a16.GEMV_ROWS < w4a16.SMALL_M
+    # the GEMV: ~4 programs per SM, at least two tiles of K each
+    assert w4a16.gemv_choose(1, 6144, 4096, 128, 132) == w4a16.GemvConfig(8, 512, 32, 4, 1)
+    assert w4a16.gemv_choose(1, 28672, 4096, 128, 132).split == 19
+    assert w4a16.gemv_choose(2, 28672, 4096, 128, 132).split == 10
+    assert w4a16.gemv_choose(1, 4096, 256, 128, 132).split == 2
 
 
 @pytest.mark.parametrize('fmt', ['awq', 'gptq'])

@@ -25,7 +25,8 @@ class _W4A16:
         n, k = q.shape
         if k % 8:
             return  # the kernel's layout packs 8 inputs an int32: the reference's apply
-        from .kernels.w4a16 import pack_int4
+        from .kernels.w4a16 import pack_int4, reserve_locks
+        reserve_locks(q.device)  # (the GEMV's counters: made before any CUDA graph records a call)
         perm, size = group_runs(group_of, scales.shape[1])  # desc_act: groups made contiguous
         if perm is not None:
             q, group_of = q[:, perm], group_of[perm]

@@ -8,12 +8,21 @@ Layout (made once at load by devices/cuda/w4a16.py):
   stays an integer (exact in 16 bits), so (q - z) is exact and the product rounds once, as the reference's;
 * g(k) = k // GROUP, or ``g_idx[k]`` (a GPTQ desc_act layer whose sorted groups are not all equal).
 
-Three regimes by row count M (fixed tables: no autotuning, so a CUDA graph records the same launches and
-start-up compiles nothing more than the shapes used). The fused kernel, configured by :func:`choose`:
+Four regimes by row count M (fixed tables: no autotuning, so a CUDA graph records the same launches and
+start-up compiles nothing more than the shapes used):
 
-* few rows (M <= 16, decode): memory bound, so the work is the packed weight read once. x is padded to
-  16 rows for ``tl.dot``; K is split so that ~4 programs per SM stream their own part of the weight, the
-  partial sums going to a float32 workspace that a second small kernel adds up (with the bias);
+* up to GEMV_ROWS rows (a small decode batch): :func:`_w4a16_gemv_kernel`, no tensor cores. The work is the
+  packed weight read once at memory speed, so the unpacking must cost less than the read: a nibble becomes a
+  float by or-ing it into the mantissa of 2^23 (one logic op, no int-to-float conversion, which runs at a
+  quarter of the FMA rate), the zero point is subtracted exactly, and the group's scale is applied once per
+  int32 rather than per input. K is split over programs; the last program of a column tile to finish adds
+  the partial sums up (in split order: deterministic) and writes the output, so one launch does it all. On
+  an H100 at one row (Llama-3-8B's qkv, o, gate_up, down) 11.1 / 9.7 / 34.6 / 22.3 us against the split-K
+  tensor-core kernel's 18.8 / 14.9 / 65.6 / 38.1 (1.2-1.8 TB/s of packed weight; bf16 cuBLAS reads ~2.8);
+* few rows (M <= 16, decode), the fused kernel configured by :func:`choose`: memory bound, so the work is
+  the packed weight read once. x is padded to 16 rows for ``tl.dot``; K is split so that ~4 programs per SM
+  stream their own part of the weight, the partial sums going to a float32 workspace that a second small
+  kernel adds up (with the bias);
 * up to DEQUANT_ROWS rows: a GEMM tile (BLOCK_M up to 64) with the dequantized B tile fed to tensor cores,
   programs grouped along M so that the weight tiles a wave reads stay in L2;
 
@@ -34,11 +43,22 @@ import triton.language as tl
 
 from .tiles import grouped_tile
 
+# rows up to which the GEMV kernel is used (each row costs an FMA per weight element): on an H100 (session 47,
+# benchmark/w4a16_gemm.py --gemv-sweep) it beat the tensor-core split-K kernel at 1 and 2 rows, not at 4
+GEMV_ROWS = 2
 SMALL_M = 16  # rows up to which the decode (split-K) configuration is used
 DEQUANT_ROWS = 128  # rows from which the weight is dequantized and multiplied by cuBLAS
 # rows up to which the fused kernel dequantizes in the activation dtype (the same values): on an H100 (session
 # 43, benchmark/w4a16_gemm.py, Llama-3-8B's four layers) 3-9 % faster at 1-16 rows and 1-11 % at 32, slower at 64
 DT_MATH_ROWS = 32
+
+
+class GemvConfig(NamedTuple):
+    block_p: int  # packed (int32) rows of a tile: 8 inputs each
+    block_n: int
+    split: int  # programs along K
+    warps: int
+    stages: int
 
 
 class Config(NamedTuple):
@@ -105,6 +125,133 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + rows_m[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+MANTISSA_ONE = tl.constexpr(0x4B000000)  # 2^23's bits in float32: or-ing an integer below 2^23 in adds it
+
+
+@triton.jit
+def _nibble(p, p_hi, z, j: tl.constexpr):
+    """(q_j - z) 2^(4 e) exactly, as float32, for nibble j of the int32s ``p`` (``p_hi``: p >> 12), without a
+    shift or an int-to-float conversion: the nibble, left at bits 4e..4e+3 (e = j for j <= 4, else j - 3 in
+    p_hi), is or-ed into the mantissa of 2^23, whose last place is worth 1: the float is 2^23 + q 2^(4 e).
+    ``z``: the zero point (float32)."""
+    e: tl.constexpr = j if j <= 4 else j - 3
+    src = p if j <= 4 else p_hi
+    f = ((src & (0xF << (4 * e))) | MANTISSA_ONE).to(tl.float32, bitcast=True)
+    return f - (z * (2.0**(4 * e)) + 8388608.0)
+
+
+@triton.jit
+def _gemv_row(acc, x_ptr, row, m_p, offs_p, p_mask, j: tl.constexpr, w):
+    """acc + x[row, 8 p + j] w[p, n] (w scaled by 2^(4 e): x by 2^(-4 e), exact), one row's share of a nibble
+    plane (2-D tensors only: a third dimension for the rows made Triton move every unpacked tile through
+    shared memory)."""
+    e: tl.constexpr = j if j <= 4 else j - 3
+    xj = tl.load(x_ptr + offs_p * 8 + j, mask=p_mask & (row < m_p), other=0.0).to(tl.float32)
+    return acc + (xj * 2.0**(-4 * e))[:, None] * w
+
+
+@triton.jit
+def _gemv_store(part, out_ptr, row, m_n, stride_om, offs_n, n_mask):
+    tl.store(out_ptr + row * stride_om + offs_n, part.to(out_ptr.dtype.element_ty), mask=n_mask & (row < m_n))
+
+
+@triton.jit
+def _gemv_load(qw_ptr, s_ptr, z_ptr, p0, p_end, N, offs_n, n_mask, GROUP: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The packed tile at packed row p0 (p0 < p_end), its scales and zeros (float32)."""
+    offs_p = p0 + tl.arange(0, BLOCK_P)
+    p_mask = offs_p < p_end
+    p = tl.load(qw_ptr + offs_p[:, None].to(tl.int64) * N + offs_n[None, :],
+                mask=p_mask[:, None] & n_mask[None, :], other=0)
+    if GROUP % (8 * BLOCK_P) == 0:  # the tile in one group: one row of scales and zeros
+        sz = (p0 * 8 // GROUP) * N + offs_n[None, :]
+        sz_mask = n_mask[None, :]
+    else:
+        sz = (offs_p[:, None] * 8 // GROUP).to(tl.int64) * N + offs_n[None, :]
+        sz_mask = p_mask[:, None] & n_mask[None, :]
+    s = tl.load(s_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+    return p, s, z
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, ws_ptr, lock_ptr, out_ptr, M, N, K, P_SPLIT,
+                       stride_xm, stride_om, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """out[:M, tile] for M <= ROWS <= 4 over packed rows [pid_k P_SPLIT, (pid_k + 1) P_SPLIT); GROUP a multiple
+    of 8 (an int32's 8 inputs share a group). With SPLIT > 1 each program writes its partial sums to the
+    float32 workspace ``ws`` [SPLIT, M, N] and counts itself in ``lock[pid_n]``; the last one adds the splits
+    in order (+ bias), writes out and sets the count back to 0 for the next call. (Loading the next tile
+    before unpacking this one measured slower on an H100: more registers, fewer programs per SM.)"""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    p_start = pid_k * P_SPLIT
+    p_end = tl.minimum(K // 8, p_start + P_SPLIT)
+    m_p = tl.zeros((BLOCK_P, ), dtype=tl.int32) + M  # (M as vectors: row < M a mask, in the interpreter too)
+    m_n = tl.zeros((BLOCK_N, ), dtype=tl.int32) + M
+    t0 = tl.zeros((BLOCK_N, ), dtype=tl.float32)  # per row: the sums of scaled tiles
+    t1 = t0
+    t2 = t0
+    t3 = t0
+    for p0 in range(p_start, p_end, BLOCK_P):
+        p, s, z = _gemv_load(qw_ptr, s_ptr, z_ptr, p0, p_end, N, offs_n, n_mask, GROUP, BLOCK_P)
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        p_mask = offs_p < p_end
+        p_hi = p >> 12
+        a0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        for j in tl.static_range(8):  # input 8 r + j of packed row r: nibble j
+            w = _nibble(p, p_hi, z, j)
+            a0 = _gemv_row(a0, x_ptr, 0, m_p, offs_p, p_mask, j, w)
+            if ROWS > 1:
+                a1 = _gemv_row(a1, x_ptr + stride_xm, 1, m_p, offs_p, p_mask, j, w)
+            if ROWS > 2:
+                a2 = _gemv_row(a2, x_ptr + 2 * stride_xm, 2, m_p, offs_p, p_mask, j, w)
+                a3 = _gemv_row(a3, x_ptr + 3 * stride_xm, 3, m_p, offs_p, p_mask, j, w)
+        # (the tile's rows summed at once: BLOCK_N = 128 x warps puts every warp along N, a row's sums in a thread)
+        t0 += tl.sum(a0 * s, axis=0)
+        if ROWS > 1:
+            t1 += tl.sum(a1 * s, axis=0)
+        if ROWS > 2:
+            t2 += tl.sum(a2 * s, axis=0)
+            t3 += tl.sum(a3 * s, axis=0)
+    if SPLIT > 1:  # this program's partial sums, counted; the last program of the tile goes on
+        tl.store(ws_ptr + pid_k * M * N + offs_n, t0, mask=n_mask)
+        if ROWS > 1:
+            tl.store(ws_ptr + (pid_k * M + 1) * N + offs_n, t1, mask=n_mask & (1 < m_n))
+        if ROWS > 2:
+            tl.store(ws_ptr + (pid_k * M + 2) * N + offs_n, t2, mask=n_mask & (2 < m_n))
+            tl.store(ws_ptr + (pid_k * M + 3) * N + offs_n, t3, mask=n_mask & (3 < m_n))
+        tl.debug_barrier()  # every thread's partial sums written before the count says so (a release, gpu-wide)
+        last = tl.atomic_add(lock_ptr + pid_n, 1, sem='acq_rel', scope='gpu') == SPLIT - 1
+    else:
+        last = True
+    if last:
+        bias = tl.zeros((BLOCK_N, ), dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        for row in tl.static_range(ROWS):
+            if SPLIT > 1:  # the splits in order (.cg: from L2, where the other programs wrote; no stale L1 line)
+                part = tl.zeros((BLOCK_N, ), dtype=tl.float32)
+                for k in range(SPLIT):
+                    part += tl.load(ws_ptr + (k * M + row) * N + offs_n, mask=n_mask & (row < m_n), other=0.0,
+                                    cache_modifier='.cg')
+            elif row == 0:
+                part = t0
+            elif row == 1:
+                part = t1
+            elif row == 2:
+                part = t2
+            else:
+                part = t3
+            _gemv_store(part + bias, out_ptr, row, m_n, stride_om, offs_n, n_mask)
+        if SPLIT > 1:
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
 @triton.jit
@@ -200,19 +347,75 @@ def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Config:
     return Config(bm, bn, bk, max(1, split), warps, stages)
 
 
+LOCK_SLOTS = 1 << 14  # column tiles one GEMV call may count in (N up to 2M at BLOCK_N 128)
+_locks: dict = {}
+
+
+def reserve_locks(device: torch.device) -> torch.Tensor:
+    """The GEMV kernel's counters on ``device`` (int32, zero; every call leaves them at zero), made once. Called
+    when a layer is loaded, so that no CUDA graph records their allocation."""
+    key = str(device)
+    if key not in _locks:
+        _locks[key] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
+    return _locks[key]
+
+
+def gemv_choose(m: int, n: int, k: int, group: int, num_sms: int) -> GemvConfig:
+    """The GEMV kernel's tile: 8 packed rows (64 inputs) by 512 columns for 4 warps (BLOCK_N = 128 per warp
+    puts the warps side by side along N: a thread's 4 columns and all 8 rows in its registers, each row a
+    16-byte read, the tile's sum over rows without shared memory). K is split for ~8 programs per SM at one row
+    (4 at two), each over 2 tiles at least, and 64 splits at most: the last program adds the splits up one
+    after the other, and at 112 splits (down_proj, 2 tiles each) that took 41 us against 22 at 56. Measured on
+    an H100 (benchmark/w4a16_gemm.py --gemv-sweep)."""
+    block_p, block_n = 8, 512
+    tiles = triton.cdiv(n, block_n)
+    split = max(1, min(triton.cdiv((8 if m == 1 else 4) * num_sms, tiles), k // 8 // (2 * block_p), 64))
+    return GemvConfig(block_p, block_n, split, 4, 1)
+
+
+def _gemv(x, qweight, scales, zeros, group, bias, num_sms, cfg: Optional[GemvConfig]):
+    m, k = x.shape
+    n = qweight.shape[1]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = cfg or gemv_choose(m, n, k, group, num_sms)
+    kp = k // 8
+    p_split = triton.cdiv(triton.cdiv(kp, cfg.split), cfg.block_p) * cfg.block_p  # tiles stay in one group
+    split = triton.cdiv(kp, p_split)
+    tiles = triton.cdiv(n, cfg.block_n)
+    if split > 1 and tiles > LOCK_SLOTS:
+        raise ValueError(f'W4A16 GEMV: {tiles} column tiles, more than the {LOCK_SLOTS} counters')
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    locks = reserve_locks(x.device) if split > 1 else out
+    _w4a16_gemv_kernel[(tiles, split)](x, qweight, scales, zeros, bias if bias is not None else x, ws, locks, out,
+                                       m, n, k, p_split, x.stride(0), out.stride(0), GROUP=group,
+                                       HAS_BIAS=bias is not None, ROWS=triton.next_power_of_2(m),
+                                       BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, SPLIT=split, num_warps=cfg.warps,
+                                       num_stages=cfg.stages)
+    return out
+
+
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                  g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, num_sms: int = 132,
-                 config: Optional[Config] = None, reshape: bool = True,
-                 dt_math: Optional[bool] = None) -> torch.Tensor:
+                 config: Optional[Config] = None, reshape: bool = True, dt_math: Optional[bool] = None,
+                 gemv=None) -> torch.Tensor:
     """x [M, K] (contiguous rows) -> [M, N] in x's dtype. ``group``: inputs per group (ignored with
     ``g_idx`` int32 [K], the group of each input, non-decreasing or not). ``config``: the table's
     (:func:`choose`) unless given; ``reshape``: how the packed tile is unpacked (the kernel's RESHAPE);
     ``dt_math``: the weight dequantized in x's dtype rather than float32 (the same values), by default up to
-    DT_MATH_ROWS rows, where it was measured faster."""
+    DT_MATH_ROWS rows, where it was measured faster. ``gemv``: the GEMV kernel's use, by default up to
+    GEMV_ROWS rows where groups are in order and a multiple of 8; False never, a :class:`GemvConfig` forces
+    it with that tile."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = qweight.shape[1]
+    gemv_ok = g_idx is None and group % 8 == 0
+    if isinstance(gemv, GemvConfig) or (gemv is None and config is None and gemv_ok and m <= GEMV_ROWS):
+        if not gemv_ok or m > 4:
+            raise ValueError('the W4A16 GEMV takes up to 4 rows, with in-order groups of a multiple of 8 inputs')
+        return _gemv(x, qweight, scales, zeros, group, bias, num_sms, gemv if isinstance(gemv, GemvConfig) else None)
     if dt_math is None:
         dt_math = m <= DT_MATH_ROWS
     if config is None and m >= DEQUANT_ROWS and (g_idx is not None or group % 8 == 0):
