@@ -175,8 +175,8 @@ def gemv_sweep(ops, name, n, k, ms, gen, table_only=False):
                         rows.append((float('nan'), cfg, type(e).__name__))
         best = sorted(r for r in rows if r[0] == r[0])[:5]
         t_table = run()
-        print(f'{name:8s} M={m} err {err:.2e}  table {tuple(table)} {t_table:.1f} us ({w4_bytes / t_table / 1e3:.0f} GB/s)'
-              f'  tensor-core split-K {old:.1f} us', flush=True)
+        print(f'{name:8s} M={m} err {err:.2e}  table {tuple(table)} {t_table:.1f} us '
+              f'({w4_bytes / t_table / 1e3:.0f} GB/s)  tensor-core split-K {old:.1f} us', flush=True)
         for t, cfg in best:
             print(f'    {t:7.1f} us {w4_bytes / t / 1e3:6.0f} GB/s  {tuple(cfg)}', flush=True)
         print(f'    ({sum(1 for r in rows if r[0] == float("inf"))} wrong, {sum(1 for r in rows if r[0] != r[0])} '

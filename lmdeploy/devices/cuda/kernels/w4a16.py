@@ -19,10 +19,10 @@ start-up compiles nothing more than the shapes used):
   the partial sums up (in split order: deterministic) and writes the output, so one launch does it all. On
   an H100 at one row (Llama-3-8B's qkv, o, gate_up, down) 11.1 / 9.7 / 34.6 / 22.3 us against the split-K
   tensor-core kernel's 18.8 / 14.9 / 65.6 / 38.1 (1.2-1.8 TB/s of packed weight; bf16 cuBLAS reads ~2.8);
-* few rows (M <= 16, decode), the fused kernel configured by :func:`choose`: memory bound, so the work is
-  the packed weight read once. x is padded to 16 rows for ``tl.dot``; K is split so that ~4 programs per SM
-  stream their own part of the weight, the partial sums going to a float32 workspace that a second small
-  kernel adds up (with the bias);
+* few rows (GEMV_ROWS < M <= 16, decode), the fused kernel configured by :func:`choose`: memory bound, so
+  the work is the packed weight read once. x is padded to 16 rows for ``tl.dot``; K is split so that ~4
+  programs per SM stream their own part of the weight, the partial sums going to a float32 workspace that a
+  second small kernel adds up (with the bias);
 * up to DEQUANT_ROWS rows: a GEMM tile (BLOCK_M up to 64) with the dequantized B tile fed to tensor cores,
   programs grouped along M so that the weight tiles a wave reads stay in L2;
 
