@@ -8,6 +8,9 @@
   ``helpers.TINY_MODEL_NAMES``), built once per session.
 * ``tiny_model_factory`` - callable name -> directory, building lazily.
 
+Triton's interpreter (the cuda device's kernels without a GPU) runs without repeating its set-up inside a
+launch: tests/triton_interpreter.py.
+
 Tests whose fixtures' work begins in the background (tests/background.py: the CUDA compiles, the KV
 quantization's perplexity, the Docker recipe's install in a fresh venv) run last.
 """
@@ -29,6 +32,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')
 
+import triton_interpreter  # noqa: E402
 from background import Background, served  # noqa: E402
 from helpers import TINY_MODEL_NAMES, build_tiny_model  # noqa: E402
 
@@ -45,6 +49,12 @@ def pytest_collection_finish(session):
     if not session.config.option.collectonly:
         for bg in Background.instances:
             bg.start(session.items)
+
+
+def pytest_runtest_setup(item):
+    # Triton's interpreter without its repeated patching inside a launch (tests/triton_interpreter.py), once
+    # something has imported it (the kernel modules do, at collection or in a test)
+    triton_interpreter.install()
 
 
 def pytest_sessionfinish(session):

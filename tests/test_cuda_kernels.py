@@ -139,7 +139,12 @@ def test_gelu_tanh_and_mul(dtype):
 
 def make_paged(lengths, hkv, d, block_size, dtype, extra_blocks=3):
     """K/V for each sequence scattered over shuffled blocks of a cache
-    poisoned with NaN; returns caches, tables and the dense K/V."""
+    poisoned with NaN; returns caches, tables and the dense K/V.
+
+    The K/V are written at their slots directly, not by the fill kernel (what it writes there is checked
+    once for each shape and dtype of the caches built here: test_fill_kv_cache_writes_each_token_at_its_slot):
+    in the interpreter that kernel is one program a token, and filling took most of each attention test's time
+    (~450 tokens, filled again for every tile variant, dtype and configuration)."""
     nblocks = [-(-n // block_size) for n in lengths]
     total = sum(nblocks) + extra_blocks
     k_cache = torch.full((total, block_size, hkv, d), float('nan'), dtype=dtype, device=DEV)
@@ -152,10 +157,38 @@ def make_paged(lengths, hkv, d, block_size, dtype, extra_blocks=3):
         tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         dense.append((torch.randn(n, hkv, d, dtype=dtype, device=DEV), torch.randn(n, hkv, d, dtype=dtype,
                                                                                   device=DEV)))
-        slots.append(torch.tensor([blocks[j // block_size] * block_size + j % block_size for j in range(n)]))
+        slots.append(paged_slots(tables[b], n, block_size))
     for (k, v), s in zip(dense, slots):
-        kv_cache.fill_kv_cache(k, v, k_cache, v_cache, s.to(DEV))
+        k_cache.view(-1, hkv, d)[s.to(DEV)] = k
+        v_cache.view(-1, hkv, d)[s.to(DEV)] = v
     return k_cache, v_cache, tables.to(DEV), dense
+
+
+def paged_slots(table, n, block_size):
+    """The cache slots of a sequence's n tokens under its block table."""
+    return torch.tensor([int(table[j // block_size]) * block_size + j % block_size for j in range(n)])
+
+
+CONFIGS = [(8, 8, 64, 16), (8, 2, 64, 64), (8, 1, 128, 16)]  # H, Hkv, D, block size
+# (Hkv, D, block size) of every cache make_paged builds for the tests below (at full size: 4x the KV heads)
+PAGED_SHAPES = sorted({(hkv * (4 if FULL else 1), d, bs) for _, hkv, d, bs in CONFIGS} | {
+    (2, 64, 16), (1, 64, 16), (1, 32, 16), (2, 32, 16), (1, 128, 64), (1, 256, 64)})
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('hkv,d,bs', PAGED_SHAPES)
+def test_fill_kv_cache_writes_each_token_at_its_slot(dtype, hkv, d, bs):
+    """The fill kernel writes each token's K and V at its slot of shuffled blocks and nothing else: the cache
+    make_paged gives the attention tests (written directly), NaN elsewhere, for each of their KV head counts,
+    head sizes and block sizes, in both dtypes. Sequences of 1 token, of a partial block and of several blocks."""
+    lengths = [1, 19, 70]
+    want_k, want_v, tables, dense = make_paged(lengths, hkv, d, bs, dtype)
+    k_cache, v_cache = torch.full_like(want_k, float('nan')), torch.full_like(want_v, float('nan'))
+    for b, (k, v) in enumerate(dense):
+        kv_cache.fill_kv_cache(k, v, k_cache, v_cache, paged_slots(tables[b].cpu(), lengths[b], bs).to(DEV))
+    for got, want in ((k_cache, want_k), (v_cache, want_v)):
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 def test_fill_kv_cache_skips_negative_slots():
@@ -196,9 +229,6 @@ def test_rotary_fill_kv(dtype, h, hkv, d):
         written = ~torch.isnan(ref)
         assert torch.equal(written, ~torch.isnan(out))  # the same slots, none for the padding token
         assert rel_err(out[written], ref[written]) < tol(dtype) * 2
-
-
-CONFIGS = [(8, 8, 64, 16), (8, 2, 64, 64), (8, 1, 128, 16)]  # H, Hkv, D, block size
 
 
 @pytest.mark.parametrize('dtype', DTYPES)

@@ -20,7 +20,10 @@ NEW = 12
 
 @pytest.fixture
 def engine(tiny_model_factory):
-    eng = Engine(tiny_model_factory('llama'), PytorchEngineConfig(device_type='cpu', block_size=4, session_len=256))
+    # 512 blocks: room for every request here (the default for a tiny model is millions, whose bookkeeping and
+    # invariant checks take about a second an engine)
+    eng = Engine(tiny_model_factory('llama'), PytorchEngineConfig(device_type='cpu', block_size=4, session_len=256,
+                                                                  num_gpu_blocks=512))
     yield eng
     eng.close()
 
@@ -132,7 +135,7 @@ def test_prefill_steps_carry_the_decoding_sequences(tiny_model_factory):
     one-token rows first, and their tokens are those of a step-by-step
     reference."""
     eng = Engine(tiny_model_factory('llama'), PytorchEngineConfig(device_type='cpu', block_size=4, session_len=256,
-                                                                  max_batch_size=2))
+                                                                  max_batch_size=2, num_gpu_blocks=512))
     eng.scheduler.mix = False
     steps = []
     forward = eng.runner.forward

@@ -47,6 +47,9 @@ def assert_transformers_tokens(model, prompts, limits, got):
 
 
 def _config(**kw):
+    # unless a test sets it: 512 blocks, room for every request here (the default for a tiny model is millions,
+    # whose bookkeeping and invariant checks take about a second an engine)
+    kw['num_gpu_blocks'] = kw.get('num_gpu_blocks') or 512
     return PytorchEngineConfig(device_type='cpu', block_size=4, session_len=128, max_batch_size=8,
                                max_prefill_token_num=32, **kw)
 

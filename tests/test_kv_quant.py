@@ -121,8 +121,13 @@ def test_quantized_cache_gives_the_same_tokens_however_the_work_is_cut(tiny_mode
     model = tiny_model_factory('llama')
     prompts, params = _prompts(10, policy), greedy(12)
     runs = {}
-    for name, kw in (('plain', {}), ('chunks of 8', dict(max_prefill_token_num=8)),
-                     ('prefix cache', dict(enable_prefix_caching=True)),
+    # 512 blocks of 4 tokens: room for all 10 sequences (at most 14 blocks each) and the prefix cache's blocks of
+    # the first pass. (Left to the default, the tiny model's quantized cache is 6-11 million blocks, whose
+    # bookkeeping and assert_engine_clean's walk over every block took 3-5 s an engine.) Preempting: 14 blocks,
+    # as few as the longest sequence needs.
+    room = dict(num_gpu_blocks=512)
+    for name, kw in (('plain', room), ('chunks of 8', dict(room, max_prefill_token_num=8)),
+                     ('prefix cache', dict(room, enable_prefix_caching=True)),
                      ('preempting', dict(num_gpu_blocks=14, max_batch_size=8))):
         eng = Engine(model, PytorchEngineConfig(device_type='cpu', block_size=4, session_len=128, quant_policy=policy,
                                                 **kw))
@@ -143,7 +148,8 @@ def test_quantized_cache_gives_the_same_tokens_however_the_work_is_cut(tiny_mode
 @pytest.mark.parametrize('policy', [8, 4])
 def test_interactive_sessions_keep_a_quantized_cache(tiny_model_factory, policy):
     model = tiny_model_factory('qwen3')
-    eng = Engine(model, PytorchEngineConfig(device_type='cpu', block_size=4, session_len=256, quant_policy=policy))
+    eng = Engine(model, PytorchEngineConfig(device_type='cpu', block_size=4, session_len=256, quant_policy=policy,
+                                            num_gpu_blocks=64))  # (the default: millions, see above)
     try:
         first = submit(eng, [5, 6, 7, 8, 9], greedy(6), session_id=1, interactive=True).wait()
         second = submit(eng, [10, 11], greedy(6), session_id=1, interactive=True).wait()

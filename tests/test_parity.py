@@ -21,13 +21,16 @@ def make_prompts(seed: int, lengths, vocab: int = 49152, shared_prefix: int = 0)
     return [prefix + [rng.randrange(20, vocab) for _ in range(n)] for n in lengths]
 
 
+# Where the KV budget is not the point: 512 blocks, room for every prompt here with all its tokens (left to the
+# default, a tiny model's cache is a million blocks or more, whose bookkeeping and invariant checks take seconds)
+ROOM = 512
 SCENARIOS = {
-    'batched': dict(block_size=16),
-    'prefix_cache': dict(block_size=4, enable_prefix_caching=True),
-    'chunked_prefill': dict(block_size=8, max_prefill_token_num=7),
+    'batched': dict(block_size=16, num_gpu_blocks=ROOM),
+    'prefix_cache': dict(block_size=4, enable_prefix_caching=True, num_gpu_blocks=ROOM),
+    'chunked_prefill': dict(block_size=8, max_prefill_token_num=7, num_gpu_blocks=ROOM),
     'preemption': dict(block_size=4, num_gpu_blocks=40),
     # prefill and decode in separate steps, as on devices that replay graphs
-    'separate_phases': dict(block_size=8, max_prefill_token_num=16, prefill_interval=2),
+    'separate_phases': dict(block_size=8, max_prefill_token_num=16, prefill_interval=2, num_gpu_blocks=ROOM),
 }
 
 

@@ -51,7 +51,7 @@ def test_mixed_steps_in_pieces_give_transformers_tokens(tiny_model_factory, reco
         return call(self, input_ids, positions, ctx)
     monkeypatch.setattr(PiecewiseRunner, '__call__', spy)
     eng = Engine(model, PytorchEngineConfig(device_type='cpu', block_size=4, session_len=160, max_batch_size=6,
-                                            max_prefill_token_num=24))
+                                            max_prefill_token_num=24, num_gpu_blocks=512))
     try:
         runner = eng.runner.pieces
         assert runner is not None and runner.sizes == [16, 30]  # 24 prompt tokens + 6 one-token rows
