@@ -6,7 +6,10 @@
 Weights are drawn on the GPU when there is one (an 8B model takes ~40 s to
 create and save). A model larger than one GPU (``--stream``, and the 70B
 shape always) is drawn a tensor at a time and written in safetensors shards
-with an index, as a hub checkpoint is, never whole in memory. The tokenizer
+with an index, as a hub checkpoint is, never whole in memory. ``--awq GROUP``
+writes the decoder layers' linears in AWQ's GEMM format instead (each drawn
+weight rounded to 4 bits, as ``lite auto_awq --no-search-scale`` does without
+its calibration): a 70B model in W4A16 takes ~40 GB of disk, not 140. The tokenizer
 is a word-level one with one token per id ("t0", "t1", ...) so that any id
 decodes; it is for benchmarks, not text.
 """
@@ -104,13 +107,19 @@ def draw(name: str, p, num_layers: int, generator=None):
 
 
 def make_model_streamed(shape: str, out: str, dtype: str = 'bfloat16', seed: int = 0,
-                        shard_bytes: int = 5 << 30, **overrides) -> str:
+                        shard_bytes: int = 5 << 30, awq_group: int = 0, **overrides) -> str:
     """As make_model, a tensor at a time: the parameters' names and shapes come from the model built on the
     meta device; each is drawn (on the GPU where there is one), moved to the host and written into the
-    current shard, which is saved once it holds ``shard_bytes``. Writes model.safetensors.index.json."""
+    current shard, which is saved once it holds ``shard_bytes``. Writes model.safetensors.index.json.
+
+    ``awq_group``: the decoder layers' projections are written as AWQ tensors of that group size
+    (``qweight``, ``qzeros``, ``scales``; round to nearest), and config.json gets the matching
+    ``quantization_config``."""
     import torch
     import transformers
     from safetensors.torch import save_file
+    if awq_group:
+        from lmdeploy.lite.pack import awq_tensors, quantization_config, quantize
     cfg = make_config(shape, **overrides)
     cfg.dtype = dtype
     with torch.device('meta'):
@@ -132,9 +141,15 @@ def make_model_streamed(shape: str, out: str, dtype: str = 'bfloat16', seed: int
         for name, meta in model.state_dict().items():
             t = torch.empty(meta.shape, dtype=meta.dtype, device=device)
             draw(name, t, cfg.num_hidden_layers, gen)
-            current[name] = t.cpu()
-            size += t.numel() * t.element_size()
-            total += t.numel() * t.element_size()
+            if awq_group and '.layers.' in name and name.endswith('_proj.weight'):
+                prefix = name[:-len('weight')]
+                parts = {prefix + k: v for k, v in awq_tensors(*quantize(t, awq_group)).items()}
+            else:
+                parts = {name: t}
+            for key, v in parts.items():
+                current[key] = v.cpu()
+                size += v.numel() * v.element_size()
+                total += v.numel() * v.element_size()
             if size >= shard_bytes:
                 flush()
         flush()
@@ -146,6 +161,13 @@ def make_model_streamed(shape: str, out: str, dtype: str = 'bfloat16', seed: int
     with open(os.path.join(out, 'model.safetensors.index.json'), 'w') as f:
         json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=1)
     cfg.save_pretrained(out)
+    if awq_group:
+        path = os.path.join(out, 'config.json')
+        with open(path) as f:
+            config = json.load(f)
+        config['quantization_config'] = quantization_config(awq_group)
+        with open(path, 'w') as f:
+            json.dump(config, f, indent=2)
     write_tokenizer(out, cfg.vocab_size)
     return out
 
@@ -159,11 +181,13 @@ def main():
                    'vocabulary size) instead of the synthetic word-level one')
     p.add_argument('--stream', action='store_true', help='draw and write a tensor at a time, in shards (the '
                    '70B shape always is)')
+    p.add_argument('--awq', type=int, default=0, metavar='GROUP', help='write the decoder layers\' linears in '
+                   'AWQ\'s format with this group size (streamed; 4-bit round to nearest)')
     args = p.parse_args()
-    if args.stream or args.shape == 'llama3-70b':
+    if args.stream or args.awq or args.shape == 'llama3-70b':
         if args.tokenizer:
             p.error('--tokenizer is not supported with a streamed model')
-        print(make_model_streamed(args.shape, args.out, args.dtype))
+        print(make_model_streamed(args.shape, args.out, args.dtype, awq_group=args.awq))
     else:
         print(make_model(args.shape, args.out, args.dtype, tokenizer=args.tokenizer))
 

@@ -31,7 +31,9 @@ from lmdeploy.devices.cuda.ops import CudaOps
 from lmdeploy.devices.quant_formats import GptqLinear
 from lmdeploy.devices.reference import ReferenceOps
 
-SHAPES = [('qkv', 6144, 4096), ('o', 4096, 4096), ('gate_up', 28672, 4096), ('down', 4096, 14336)]
+SHAPES = [('qkv', 6144, 4096), ('o', 4096, 4096), ('gate_up', 28672, 4096), ('down', 4096, 14336),
+          # Llama-3-70B's (not run by default)
+          ('qkv70', 10240, 8192), ('o70', 8192, 8192), ('gate_up70', 57344, 8192), ('down70', 8192, 28672)]
 GROUP = 128
 COPY_BYTES = 1 << 30  # weights walked per replay at small M (well past the 50 MB of L2)
 
@@ -186,7 +188,7 @@ def gemv_sweep(ops, name, n, k, ms, gen, table_only=False):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--m', type=int, nargs='+', default=[1, 4, 16, 64, 128, 256, 1024, 4096])
-    p.add_argument('--shapes', nargs='+', default=[s[0] for s in SHAPES])
+    p.add_argument('--shapes', nargs='+', default=[s[0] for s in SHAPES[:4]])
     p.add_argument('--desc-act', action='store_true', help='GPTQ desc_act (x gathered by the permutation)')
     p.add_argument('--gemv-sweep', action='store_true', help="the GEMV kernel's tile grid at each --m (<= 4)")
     p.add_argument('--table-only', action='store_true', help="with --gemv-sweep: the table's tile alone")

@@ -53,3 +53,46 @@ def test_streamed_checkpoint_is_sharded_complete_and_runs(tmp_path):
     finally:
         engine.close()
     assert got == want
+
+
+def test_streamed_awq_checkpoint_is_the_rounded_float_one(tmp_path):
+    """``--awq``: the layers' projections come out in AWQ's format, rounded from the very draws the float
+    writer makes, so this engine on it gives transformers' greedy tokens on the float model with those
+    weights rounded (lite.pack.fake_quantize) and nothing else changed."""
+    rm = benchmark_module('random_model')
+    from safetensors.torch import load_file, save_file
+
+    from lmdeploy.lite.pack import fake_quantize
+    seed, group = random.randrange(1 << 30), 32
+    awq, flt = str(tmp_path / 'awq'), str(tmp_path / 'float')
+    rm.make_model_streamed('llama-small', awq, dtype='float32', seed=seed, awq_group=group, **SMALL)
+    rm.make_model_streamed('llama-small', flt, dtype='float32', seed=seed, **SMALL)
+    with open(os.path.join(awq, 'config.json')) as f:
+        assert json.load(f)['quantization_config'] == {'quant_method': 'awq', 'version': 'gemm', 'bits': 4,
+                                                       'group_size': group, 'zero_point': True}
+    names = set()
+    for name in os.listdir(awq):
+        if name.endswith('.safetensors'):
+            names.update(load_file(os.path.join(awq, name)))
+    assert 'model.layers.1.mlp.down_proj.qweight' in names and 'model.layers.1.mlp.down_proj.weight' not in names
+    assert 'lm_head.weight' in names and 'model.embed_tokens.weight' in names
+
+    for name in os.listdir(flt):  # the float model, its projections rounded as the AWQ writer rounded them
+        if name.endswith('.safetensors'):
+            path = os.path.join(flt, name)
+            state = load_file(path)
+            for k, v in state.items():
+                if '.layers.' in k and k.endswith('_proj.weight'):
+                    state[k] = fake_quantize(v, group)
+            save_file(state, path, metadata={'format': 'pt'})
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, SMALL['vocab_size']) for _ in range(n)] for n in (5, 23)]
+    want = hf_greedy_fresh(flt, prompts, 8)
+    engine = Engine(awq, PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=128,
+                                             max_batch_size=4, cache_max_entry_count=0.05))
+    try:
+        got = generate_all(engine, prompts, greedy(8))
+    finally:
+        engine.close()
+    assert got == want

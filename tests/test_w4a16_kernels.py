@@ -230,6 +230,9 @@ def test_the_table():
     assert w4a16.gemv_choose(1, 28672, 4096, 128, 132).split == 19
     assert w4a16.gemv_choose(2, 28672, 4096, 128, 132).split == 10
     assert w4a16.gemv_choose(1, 4096, 256, 128, 132).split == 2
+    # Llama-3-70B's o_proj and down_proj: ~4 programs per SM, not 8
+    assert w4a16.gemv_choose(1, 8192, 8192, 128, 132).split == 33
+    assert w4a16.gemv_choose(1, 8192, 28672, 128, 132).split == 33
 
 
 @pytest.mark.parametrize('fmt', ['awq', 'gptq'])

@@ -363,13 +363,20 @@ def reserve_locks(device: torch.device) -> torch.Tensor:
 def gemv_choose(m: int, n: int, k: int, group: int, num_sms: int) -> GemvConfig:
     """The GEMV kernel's tile: 8 packed rows (64 inputs) by 512 columns for 4 warps (BLOCK_N = 128 per warp
     puts the warps side by side along N: a thread's 4 columns and all 8 rows in its registers, each row a
-    16-byte read, the tile's sum over rows without shared memory). K is split for ~8 programs per SM at one row
-    (4 at two), each over 2 tiles at least, and 64 splits at most: the last program adds the splits up one
-    after the other, and at 112 splits (down_proj, 2 tiles each) that took 41 us against 22 at 56. Measured on
-    an H100 (benchmark/w4a16_gemm.py --gemv-sweep)."""
+    16-byte read, the tile's sum over rows without shared memory).
+
+    K is split for ~4 programs per SM, each over 2 tiles at least, and 64 splits at most: the last program
+    adds the splits up one after the other, and at 112 splits (8B's down_proj, 2 tiles each) that took 41 us
+    against 22 at 56. At one row, where that leaves fewer than 16 splits (many column tiles: gate_up), ~8
+    programs per SM: 8B's gate_up took 34.9 us at 19 splits against 39.2 at 10. Twice as many programs
+    everywhere lost on the 70B layers (o_proj 34.3 us at 64 splits against 22.3 at 33, down_proj 90.8 against
+    65.1). Measured on an H100 (benchmark/w4a16_gemm.py --gemv-sweep, the 8B and 70B shapes)."""
     block_p, block_n = 8, 512
     tiles = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv((8 if m == 1 else 4) * num_sms, tiles), k // 8 // (2 * block_p), 64))
+    split = triton.cdiv(4 * num_sms, tiles)
+    if m == 1 and split < 16:
+        split = triton.cdiv(8 * num_sms, tiles)
+    split = max(1, min(split, k // 8 // (2 * block_p), 64))
     return GemvConfig(block_p, block_n, split, 4, 1)
 
 
