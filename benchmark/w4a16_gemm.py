@@ -14,6 +14,13 @@ GB/s: the weight bytes read (packed values, scales and zeros for W4A16) over the
 
 ``--gemv-sweep``: the GEMV kernel (up to 4 rows) with the table's tile and a grid of others, each checked
 against the table's output, next to the split-K tensor-core kernel it replaced (``gemv=False``).
+
+``--gemm-sweep``: at each --m (batched decode and prefill sizes, e.g. 128 256 512), the fused tensor-core
+kernel over a grid of tiles (up to BLOCK_M 256, so that a tile's rows share one dequantization of the weight),
+each checked against the table's output, next to the table's route (from DEQUANT_ROWS: dequantize, then
+cuBLAS) and bf16 cuBLAS.
+
+    PYTHONPATH=. python3 benchmark/w4a16_gemm.py --gemm-sweep --m 128 256 512
 """
 from __future__ import annotations
 
@@ -185,6 +192,57 @@ def gemv_sweep(ops, name, n, k, ms, gen, table_only=False):
               f'failed of {len(rows)})', flush=True)
 
 
+# (BLOCK_M, BLOCK_N, warps) of the --gemm-sweep grid; each with BLOCK_K 64 / 128, 3 / 4 stages, both dequantization
+# dtypes
+GEMM_TILES = ((64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 32, 8), (256, 64, 8))
+
+
+def gemm_sweep(ops, name, n, k, ms, gen):
+    """The fused kernel's tiles at M rows against the table's route and bf16 cuBLAS (us per call)."""
+    impl, mine, ref_impl, ref = gptq_layers(ops, n, k, False, gen)
+    qw, s, z = mine.w4_qweight, mine.w4_scales, mine.w4_zeros
+    w4_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
+    for m in ms:
+        x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
+        base = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms)
+        packs = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(copies_for(m, w4_bytes) - 1)]
+
+        def run(**kw):
+            return time_us([lambda p=p: w4a16.w4a16_linear(x, *p, mine.w4_group, None, None, ops._num_sms, **kw)
+                            for p in packs])
+
+        dense = [torch.randn(n, k, device='cuda', dtype=torch.bfloat16) / k**0.5
+                 for _ in range(copies_for(m, n * k * 2))]
+        t_bf = time_us([lambda w=w: F.linear(x, w) for w in dense])
+        del dense
+        t_table = run()
+        rows = []
+        for bm, bn, warps in GEMM_TILES:
+            for bk in (64, 128):
+                for stages in (3, 4):
+                    for dt_math in (True, False):
+                        cfg = w4a16.Config(bm, bn, bk, 1, warps, stages)
+                        try:
+                            got = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms,
+                                                     config=cfg, dt_math=dt_math)
+                            if not torch.allclose(got.float(), base.float(), rtol=2e-2,
+                                                  atol=2e-2 * base.abs().max().item()):
+                                rows.append((float('inf'), cfg, dt_math))
+                                continue
+                            rows.append((run(config=cfg, dt_math=dt_math), cfg, dt_math))
+                        except Exception as e:  # (out of shared memory or registers)
+                            rows.append((float('nan'), cfg, dt_math, type(e).__name__))
+        best = sorted((r for r in rows if r[0] == r[0]), key=lambda r: r[0])[:5]
+        route = 'dequantize + cuBLAS' if m >= w4a16.DEQUANT_ROWS else tuple(w4a16.choose(m, n, k, GROUP, ops._num_sms))
+        print(f'{name:8s} M={m} table ({route}) {t_table:.1f} us  bf16 {t_bf:.1f} us', flush=True)
+        for t, cfg, dt_math in best:
+            print(f'    {t:7.1f} us  {t_bf / t:5.2f}x bf16  {tuple(cfg)} {"dt" if dt_math else "f32"}-math', flush=True)
+        print(f'    ({sum(1 for r in rows if r[0] == float("inf"))} wrong, {sum(1 for r in rows if r[0] != r[0])} '
+              f'failed of {len(rows)})', flush=True)
+        del packs
+        torch.cuda.empty_cache()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--m', type=int, nargs='+', default=[1, 4, 16, 64, 128, 256, 1024, 4096])
@@ -192,8 +250,15 @@ def main():
     p.add_argument('--desc-act', action='store_true', help='GPTQ desc_act (x gathered by the permutation)')
     p.add_argument('--gemv-sweep', action='store_true', help="the GEMV kernel's tile grid at each --m (<= 4)")
     p.add_argument('--table-only', action='store_true', help="with --gemv-sweep: the table's tile alone")
+    p.add_argument('--gemm-sweep', action='store_true', help="the fused kernel's tile grid at each --m")
     args = p.parse_args()
     ops = CudaOps()
+    if args.gemm_sweep:
+        gen = torch.Generator().manual_seed(0)
+        for name, n, k in SHAPES:
+            if name in args.shapes:
+                gemm_sweep(ops, name, n, k, args.m, gen)
+        return
     if args.gemv_sweep:
         gen = torch.Generator().manual_seed(0)
         for name, n, k in SHAPES:
