@@ -15,12 +15,12 @@ GB/s: the weight bytes read (packed values, scales and zeros for W4A16) over the
 ``--gemv-sweep``: the GEMV kernel (up to 4 rows) with the table's tile and a grid of others, each checked
 against the table's output, next to the split-K tensor-core kernel it replaced (``gemv=False``).
 
-``--gemm-sweep``: at each --m (batched decode and prefill sizes, e.g. 128 256 512), the fused tensor-core
-kernel over a grid of tiles (up to BLOCK_M 256, so that a tile's rows share one dequantization of the weight),
-each checked against the table's output, next to the table's route (from DEQUANT_ROWS: dequantize, then
-cuBLAS) and bf16 cuBLAS.
+``--gemm-sweep``: at each --m (batched decode and prefill sizes, e.g. 16 64 128 256 512), the fused
+tensor-core kernel over a grid of tiles (up to BLOCK_M 256, so that a tile's rows share one dequantization of
+the weight) and three ways of dequantizing (MATHS), each checked against the table's output, next to the
+table's route (from DEQUANT_ROWS: dequantize, then cuBLAS) and bf16 cuBLAS.
 
-    PYTHONPATH=. python3 benchmark/w4a16_gemm.py --gemm-sweep --m 128 256 512
+    PYTHONPATH=. python3 benchmark/w4a16_gemm.py --gemm-sweep --m 16 64 128 256 512
 """
 from __future__ import annotations
 
@@ -192,9 +192,11 @@ def gemv_sweep(ops, name, n, k, ms, gen, table_only=False):
               f'failed of {len(rows)})', flush=True)
 
 
-# (BLOCK_M, BLOCK_N, warps) of the --gemm-sweep grid; each with BLOCK_K 64 / 128, 3 / 4 stages, both dequantization
-# dtypes
+# (BLOCK_M, BLOCK_N, warps) of the --gemm-sweep grid; each with BLOCK_K 64 / 128, 3 / 4 stages and every MATHS
 GEMM_TILES = ((64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 32, 8), (256, 64, 8))
+# how the fused kernel dequantizes: in float32, in bf16 after converting the nibbles, or in bf16 with the nibbles
+# or-ed into a constant's mantissa (no conversion)
+MATHS = {'f32-math': dict(dt_math=False), 'dt-math': dict(dt_math=True), 'magic': dict(dt_math=True, magic=True)}
 
 
 def gemm_sweep(ops, name, n, k, ms, gen):
@@ -220,23 +222,27 @@ def gemm_sweep(ops, name, n, k, ms, gen):
         for bm, bn, warps in GEMM_TILES:
             for bk in (64, 128):
                 for stages in (3, 4):
-                    for dt_math in (True, False):
+                    for math, kw in MATHS.items():
                         cfg = w4a16.Config(bm, bn, bk, 1, warps, stages)
                         try:
                             got = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms,
-                                                     config=cfg, dt_math=dt_math)
+                                                     config=cfg, **kw)
                             if not torch.allclose(got.float(), base.float(), rtol=2e-2,
                                                   atol=2e-2 * base.abs().max().item()):
-                                rows.append((float('inf'), cfg, dt_math))
+                                rows.append((float('inf'), cfg, math))
                                 continue
-                            rows.append((run(config=cfg, dt_math=dt_math), cfg, dt_math))
+                            rows.append((run(config=cfg, **kw), cfg, math))
                         except Exception as e:  # (out of shared memory or registers)
-                            rows.append((float('nan'), cfg, dt_math, type(e).__name__))
+                            rows.append((float('nan'), cfg, math, type(e).__name__))
         best = sorted((r for r in rows if r[0] == r[0]), key=lambda r: r[0])[:5]
         route = 'dequantize + cuBLAS' if m >= w4a16.DEQUANT_ROWS else tuple(w4a16.choose(m, n, k, GROUP, ops._num_sms))
         print(f'{name:8s} M={m} table ({route}) {t_table:.1f} us  bf16 {t_bf:.1f} us', flush=True)
-        for t, cfg, dt_math in best:
-            print(f'    {t:7.1f} us  {t_bf / t:5.2f}x bf16  {tuple(cfg)} {"dt" if dt_math else "f32"}-math', flush=True)
+        for t, cfg, math in best:
+            print(f'    {t:7.1f} us  {t_bf / t:5.2f}x bf16  {tuple(cfg)} {math}', flush=True)
+        for math, kw in MATHS.items():  # each way of dequantizing at its best tile
+            mine_best = min((r for r in rows if r[0] == r[0] and r[2] == math), key=lambda r: r[0], default=None)
+            if mine_best:
+                print(f'    best {math}: {mine_best[0]:.1f} us {tuple(mine_best[1])}', flush=True)
         print(f'    ({sum(1 for r in rows if r[0] == float("inf"))} wrong, {sum(1 for r in rows if r[0] != r[0])} '
               f'failed of {len(rows)})', flush=True)
         del packs

@@ -135,6 +135,11 @@ def kernel_specs(cap: int):
               BLOCK_K=cfg.block_k, GROUP_M=8, RESHAPE=True, PRECISION='tf32'),
          dict(num_warps=cfg.warps, num_stages=cfg.stages))
         for cfg in (w4a16.choose(1, 4096, 4096, 128, 132), w4a16.choose(w4a16.DEQUANT_ROWS - 1, 4096, 4096, 128, 132))
+    ] + [  # the nibbles made 16-bit floats through a constant's mantissa (w4a16_linear's ``magic``)
+        (w4a16._w4a16_kernel, {'qw_ptr': 'i32', 'g_ptr': 'i32'}, {},
+         dict(GROUP=128, HAS_GIDX=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, RESHAPE=True,
+              PRECISION='tf32', DT_MATH=True, MAGIC=0x4300 if act == 'bf16' else 0x6400,
+              MAGIC_BASE=128.0 if act == 'bf16' else 1024.0), dict(num_warps=4, num_stages=3))
     ] + [  # batch 1's GEMV: K split 32 ways, the last program adding the float32 partial sums up
         (w4a16._w4a16_gemv_kernel, {'qw_ptr': 'i32', 'ws_ptr': 'fp32', 'lock_ptr': 'i32'}, {},
          dict(GROUP=128, HAS_BIAS=False, ROWS=1, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, SPLIT=cfg.split),
@@ -165,7 +170,7 @@ def label(fn, constexprs: dict) -> str:
     (the head size where it is not Llama's 128)."""
     return fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items()
                                  if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'BM', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP',
-                                          'TANH', 'FP8') or k == 'HEAD_DIM' and v != 128)
+                                          'TANH', 'FP8', 'MAGIC') or k == 'HEAD_DIM' and v != 128)
 
 
 def compile_all(cap: int, specs=None, act=None) -> dict:

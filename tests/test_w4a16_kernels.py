@@ -145,6 +145,27 @@ def test_split_k_and_unpacking_variants(reshape):
 
 
 
+def test_magic_dequantization_gives_the_same_values():
+    """``magic``: each nibble or-ed into the mantissa of 2^10 (float16; bfloat16's 2^7 on a GPU, where the
+    interpreter's bfloat16 is not exact) gives the very outputs of the converting path, with groups per tile
+    and per row, and a split K."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
+    dtypes = (torch.float16, torch.bfloat16) if HAS_CUDA else (torch.float16, )
+    for k, n, m, group, cfg in ((256, 48, 5, 64, w4a16.Config(16, 32, 64, 1, 4, 1)),
+                                (192, 40, 19, 32, w4a16.Config(32, 16, 64, 2, 4, 1))):
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
+        s = torch.rand(n, k // group, generator=gen) / 40 + 1e-3
+        for dt in dtypes:
+            x = torch.randn(m, k, generator=gen).to(dt)
+            args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous().to(dt), z.t().contiguous().to(dt))]
+            got = w4a16.w4a16_linear(x.to(DEV), *args, group, None, None, config=cfg, dt_math=True, magic=True)
+            want = w4a16.w4a16_linear(x.to(DEV), *args, group, None, None, config=cfg, dt_math=True)
+            assert torch.equal(got, want)
+            w = (q.float() - z.float().repeat_interleave(group, 1)) * s.to(dt).float().repeat_interleave(group, 1)
+            assert_close(got.cpu(), x.double() @ w.to(dt).double().t(), dt)
+
+
 def test_gemv_kernel(monkeypatch):
     """The GEMV kernel (up to GEMV_ROWS rows): scales per tile (the tile in one group) and per packed row
     (smaller groups), K split with the last program adding the splits up (a last split shorter than the

@@ -51,6 +51,8 @@ DEQUANT_ROWS = 128  # rows from which the weight is dequantized and multiplied b
 # rows up to which the fused kernel dequantizes in the activation dtype (the same values): on an H100 (session
 # 43, benchmark/w4a16_gemm.py, Llama-3-8B's four layers) 3-9 % faster at 1-16 rows and 1-11 % at 32, slower at 64
 DT_MATH_ROWS = 32
+# a 16-bit float whose mantissa's last 4 bits count in ones (MAGIC in the kernel): its bits and value
+MAGIC_OF = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 class GemvConfig(NamedTuple):
@@ -74,9 +76,12 @@ class Config(NamedTuple):
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_om,
                   stride_os, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  RESHAPE: tl.constexpr, PRECISION: tl.constexpr, DT_MATH: tl.constexpr = False):
+                  RESHAPE: tl.constexpr, PRECISION: tl.constexpr, DT_MATH: tl.constexpr = False,
+                  MAGIC: tl.constexpr = 0, MAGIC_BASE: tl.constexpr = 0.0):
     """One [BLOCK_M, BLOCK_N] tile of out over K range [pid_k K_SPLIT, (pid_k + 1) K_SPLIT); ``stride_os``:
-    between the splits' partial outputs (a float32 workspace when there are several)."""
+    between the splits' partial outputs (a float32 workspace when there are several). ``MAGIC`` (with
+    DT_MATH): the 16-bit pattern of MAGIC_BASE, 2^7 in bfloat16 or 2^10 in float16, whose last mantissa bits
+    are 0..15 apart by 1: or-ing a nibble into it gives MAGIC_BASE + q with no int-to-float conversion."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
 
@@ -116,7 +121,9 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K
             sz_mask = k_mask[:, None] & n_mask[None, :]
         s = tl.load(s_ptr + sz, mask=sz_mask, other=0.0)
         z = tl.load(z_ptr + sz, mask=sz_mask, other=0.0)
-        if DT_MATH:  # the same values: q - z is a small integer, exact in 16 bits, and the product rounds once
+        if DT_MATH and MAGIC:  # (base + q) - (base + z) = q - z exactly: the same values as below
+            w = ((q | MAGIC).to(tl.int16).to(dt, bitcast=True) - (z.to(dt) + MAGIC_BASE)) * s.to(dt)
+        elif DT_MATH:  # the same values: q - z is a small integer, exact in 16 bits, and the product rounds once
             w = (q.to(dt) - z.to(dt)) * s.to(dt)
         else:  # float32 (exact for (q - z) * s of a 16-bit s), rounded once as the reference's dequantized weight
             w = ((q.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)).to(dt)
@@ -406,14 +413,16 @@ def _gemv(x, qweight, scales, zeros, group, bias, num_sms, cfg: Optional[GemvCon
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                  g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, num_sms: int = 132,
                  config: Optional[Config] = None, reshape: bool = True, dt_math: Optional[bool] = None,
-                 gemv=None) -> torch.Tensor:
+                 gemv=None, magic: bool = False) -> torch.Tensor:
     """x [M, K] (contiguous rows) -> [M, N] in x's dtype. ``group``: inputs per group (ignored with
     ``g_idx`` int32 [K], the group of each input, non-decreasing or not). ``config``: the table's
     (:func:`choose`) unless given; ``reshape``: how the packed tile is unpacked (the kernel's RESHAPE);
     ``dt_math``: the weight dequantized in x's dtype rather than float32 (the same values), by default up to
-    DT_MATH_ROWS rows, where it was measured faster. ``gemv``: the GEMV kernel's use, by default up to
-    GEMV_ROWS rows where groups are in order and a multiple of 8; False never, a :class:`GemvConfig` forces
-    it with that tile."""
+    DT_MATH_ROWS rows, where it was measured faster; ``magic`` (with it): the nibbles made 16-bit floats by
+    or-ing them into a constant's mantissa instead of converting them (the same values; not yet timed on a
+    GPU, so off by default: benchmark/w4a16_gemm.py --gemm-sweep times it). ``gemv``: the GEMV kernel's use,
+    by default up to GEMV_ROWS rows where groups are in order and a multiple of 8; False never, a
+    :class:`GemvConfig` forces it with that tile."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -437,11 +446,13 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     has_bias = bias is not None and split == 1
+    dt_math = dt_math and x.dtype != torch.float32
+    magic_bits, magic_base = MAGIC_OF.get(x.dtype, (0, 0.0)) if magic and dt_math else (0, 0.0)
     _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
                         bias if has_bias else x, dst, m, n, k, k_split, x.stride(0), n, m * n,
                         GROUP=group if g_idx is None else 1, HAS_GIDX=g_idx is not None, HAS_BIAS=has_bias,
                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, RESHAPE=reshape,
-                        DT_MATH=dt_math and x.dtype != torch.float32,
+                        DT_MATH=dt_math, MAGIC=magic_bits, MAGIC_BASE=magic_base,
                         PRECISION='ieee' if x.dtype == torch.float32 else 'tf32', num_warps=cfg.warps,
                         num_stages=cfg.stages)
     if split > 1:
