@@ -4,7 +4,7 @@
 #   bash benchmark/quant_agree.sh /tmp/vsite /tmp/qa
 set -u
 VSITE=${1:?vLLM site dir}; OUT=${2:-/tmp/qa}
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit
 PYTHONPATH=$PWD python3 benchmark/quant_agree.py make --out "$OUT" || exit 1
 status=0
 for fmt in awq gptq gptq_act; do
