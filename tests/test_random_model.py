@@ -6,14 +6,12 @@ import os
 import random
 
 import torch
-from engine_utils import generate_all, greedy
+from engine_utils import engine_tokens
 from helpers import benchmark_module, hf_greedy_fresh
-
-from lmdeploy.engine.engine import Engine
-from lmdeploy.messages import PytorchEngineConfig
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=160, vocab_size=600)
+TINY_ENGINE = dict(device_type='cpu', dtype='float32', session_len=128, max_batch_size=4, cache_max_entry_count=0.05)
 
 
 def test_streamed_checkpoint_is_sharded_complete_and_runs(tmp_path):
@@ -46,13 +44,7 @@ def test_streamed_checkpoint_is_sharded_complete_and_runs(tmp_path):
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, SMALL['vocab_size']) for _ in range(n)] for n in (4, 19, 33)]
     want = hf_greedy_fresh(out, prompts, 8)
-    engine = Engine(out, PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=128,
-                                             max_batch_size=4, cache_max_entry_count=0.05))
-    try:
-        got = generate_all(engine, prompts, greedy(8))
-    finally:
-        engine.close()
-    assert got == want
+    assert engine_tokens(out, prompts, 8, **TINY_ENGINE) == want
 
 
 def test_streamed_awq_checkpoint_is_the_rounded_float_one(tmp_path):
@@ -89,10 +81,4 @@ def test_streamed_awq_checkpoint_is_the_rounded_float_one(tmp_path):
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, SMALL['vocab_size']) for _ in range(n)] for n in (5, 23)]
     want = hf_greedy_fresh(flt, prompts, 8)
-    engine = Engine(awq, PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=128,
-                                             max_batch_size=4, cache_max_entry_count=0.05))
-    try:
-        got = generate_all(engine, prompts, greedy(8))
-    finally:
-        engine.close()
-    assert got == want
+    assert engine_tokens(awq, prompts, 8, **TINY_ENGINE) == want
