@@ -170,6 +170,27 @@ def test_gptq_core_beats_round_to_nearest(sym, desc_act, group):
     assert torch.equal(t['scales'].t(), s) and torch.equal(t['g_idx'], g_idx)
 
 
+def test_hessian_weighs_each_windows_first_token():
+    """H = 2 X^T D X / tokens, D the rows' weights: ``first_weight`` on each window's first token, 1 elsewhere
+    (windows of ``window`` rows, added a batch at a time)."""
+    from lmdeploy.lite.gptq import Hessian
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
+    window, n, weight = 5, 6, 7.0
+    batches = [torch.randn(2 * window, n, generator=gen), torch.randn(window, n, generator=gen)]
+    h = Hessian(n, 'cpu', window, weight)
+    for x in batches:
+        h.add(x)
+    x = torch.cat(batches).double()
+    d = torch.ones(len(x), dtype=torch.float64)
+    d[::window] = weight
+    want = 2 * (x.t() * d) @ x / len(x)
+    assert torch.allclose(h.value().double(), want, rtol=1e-5, atol=1e-6)
+    plain = Hessian(n, 'cpu')
+    for b in batches:
+        plain.add(b)
+    assert torch.allclose(plain.value().double(), 2 * x.t() @ x / len(x), rtol=1e-5, atol=1e-6)
+
+
 def test_refusals_and_cli(tmp_path, smollm2_path):
     from lmdeploy import cli
     from lmdeploy.lite import auto_gptq
@@ -178,9 +199,13 @@ def test_refusals_and_cli(tmp_path, smollm2_path):
         auto_gptq(smollm2_path, str(tmp_path / 'out'), calib_samples=1, calib_seqlen=8, device='cpu')
     with pytest.raises(ValueError, match='damp_percent'):
         auto_gptq(smollm2_path, str(tmp_path / 'out'), damp_percent=1.5)
+    with pytest.raises(ValueError, match='first_token_weight'):
+        auto_gptq(smollm2_path, str(tmp_path / 'out'), first_token_weight=0)
     args = cli.build_parser().parse_args(['lite', 'auto_gptq', smollm2_path, '--work-dir', 'x', '--w-group-size',
-                                          '64', '--desc-act', '--sym', '--calib-samples', '4', '--batch-size', '2'])
-    assert (args.desc_act, args.sym, args.w_group_size, args.calib_samples, args.batch_size) == (True, True, 64, 4, 2)
+                                          '64', '--desc-act', '--sym', '--calib-samples', '4', '--batch-size', '2',
+                                          '--first-token-weight', '3'])
+    assert (args.desc_act, args.sym, args.w_group_size, args.calib_samples, args.batch_size,
+            args.first_token_weight) == (True, True, 64, 4, 2, 3.0)
     assert args.func.__name__ == 'run_auto_gptq'
 
 

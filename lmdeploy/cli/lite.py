@@ -39,6 +39,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    '(writes g_idx with desc_act: true)')
     p.add_argument('--damp-percent', type=float, default=0.01,
                    help='dampening added to the Hessian\'s diagonal, a fraction of its mean (default: %(default)s)')
+    p.add_argument('--first-token-weight', type=float, default=None,
+                   help='how many tokens each calibration window\'s first token (where models put massive '
+                   'activations that every later token reads) counts as in the Hessian (default: a 32nd of '
+                   '--calib-seqlen, at least 1)')
     _device_arg(p)
     _resume_arg(p)
     p.set_defaults(func=run_auto_gptq)
@@ -109,7 +113,8 @@ def run_auto_gptq(args, stdout=None) -> int:
     result = auto_gptq(args.model, args.work_dir, calib_dataset=args.calib_dataset,
                        calib_samples=args.calib_samples, calib_seqlen=args.calib_seqlen, batch_size=args.batch_size,
                        w_bits=args.w_bits, w_group_size=args.w_group_size, sym=args.sym, desc_act=args.desc_act,
-                       damp_percent=args.damp_percent, device=args.device, resume=args.resume)
+                       damp_percent=args.damp_percent, device=args.device, resume=args.resume,
+                       first_token_weight=args.first_token_weight)
     return _wrote(args, result, stdout or sys.stdout)
 
 
