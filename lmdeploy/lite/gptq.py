@@ -28,7 +28,7 @@ output errors cost far more than one token's. Counted once, GPTQ traded them for
 SmolLM2-135M (group 64, 16 windows) perplexity rose with the window, +13 % at 128 tokens, +26 % at 512 and
 +33 % at 2,048 (the default), on the calibration text's held-out tail and on another text (stdlib
 docstrings) alike. Weighted, the best weight on both texts grew with the window (4 at 128, 16 at 512, 64 at
-2,048, against 1, 4, 16, 64 and 256 tried): +11 % at each length.
+2,048, against 1, 4, 16, 64 and 256 tried): +9 to +12 % at each length (benchmark/RESULTS.md).
 
 Written to the checkpoint format "gptq" (:func:`.pack.gptq_tensors`), where zero points are stored minus one:
 asymmetric zero points are kept at 1 or more (:func:`.pack.group_params` with ``min_zero=1``).
