@@ -5,15 +5,20 @@
 # (300 prompts of 3,000 tokens, 64 out). Each step logs to $LOG_DIR (default ./quant-logs) and appends a timed
 # line to $LOG_DIR/progress; every run has a time limit.
 #
-#   bash benchmark/quant_suite.sh vsite sweep agree bf16 awq sq
+#   bash benchmark/quant_suite.sh vsite sweep agree bf16 awq awq-vllm sq
+#
+# Steps of several instances may run at once, one GPU each (CUDA_VISIBLE_DEVICES, each its own LOG_DIR): the
+# bf16 model and vLLM's site are made by the first step that needs them while the others wait.
 #
 # Steps:
-#   vsite   unpack vLLM's site from $VPARTS (default /tmp/vparts) into /tmp/vsite, once (as family_suite.sh)
-#   sweep   w4a16_gemm.py --gemm-sweep (the fused kernel's tiles and dequantizations, 16 to 512 rows) and
+#   vsite   unpack vLLM's site from $VPARTS (default /tmp/vparts) into /tmp/vsite, once (as family_suite.sh),
+#           waiting up to 15 minutes for the last part (copied in while the suite runs)
+#   sweep   w4a16_gemm.py --gemm-sweep (the fused kernel's tiles and dequantizations, 256 rows first) and
 #           --gemv-sweep --table-only (1-2 rows), Llama-3-8B's layers
 #   agree   quant_agree.sh: lite's AWQ / GPTQ / GPTQ act-order, greedy tokens against vLLM's
 #   bf16    the bf16 8B shape in /tmp/l8b (kept for lite and sq): batch 1, 2000 requests, prefill-heavy
-#   awq     /tmp/l8b-awq (random_model.py --awq 128): ours then vLLM's AWQ-Marlin, batch 1 and 2000 requests
+#   awq     /tmp/l8b-awq (random_model.py --awq 128): batch 1 and 2000 requests
+#   awq-vllm  the same through vLLM's AWQ-Marlin
 #   lite    lmdeploy lite auto_awq on /tmp/l8b at the issue's 128 x 2048 calibration, timed (15 minutes asked)
 #   sq      lite smooth_quant int8 and fp8 of /tmp/l8b (8 x 512 calibration): 2000 requests, prefill-heavy
 set -uo pipefail
@@ -39,18 +44,33 @@ vllm() {  # name model: vLLM's batch 1 and 2000 requests
     HF_HUB_OFFLINE=1 timeout 600 python3 vllm_offline.py --model "$2") >"$LOG_DIR/$1.log" 2>&1
   note "$1 rc=$? $(lines "$LOG_DIR/$1.log")"
 }
-bf16_model() {
-  [ -f /tmp/l8b/config.json ] || timeout 300 python3 benchmark/random_model.py --shape llama3-8b --out /tmp/l8b \
-    >"$LOG_DIR/gen-bf16.log" 2>&1
+bf16_model() {  # the first caller writes /tmp/l8b; the others wait for it
+  if mkdir /tmp/l8b.lock 2>/dev/null; then
+    [ -f /tmp/l8b/config.json ] || { timeout 300 python3 benchmark/random_model.py --shape llama3-8b \
+      --out /tmp/l8b.part >"$LOG_DIR/gen-bf16.log" 2>&1 && mv /tmp/l8b.part /tmp/l8b; }
+    touch /tmp/l8b.lock/done
+  fi
+  until [ -f /tmp/l8b.lock/done ]; do sleep 5; done
+  [ -f /tmp/l8b/config.json ]
+}
+vllm_site() {  # the first caller unpacks; the others wait for it
+  local parts=${VPARTS:-/tmp/vparts}
+  if mkdir /tmp/vsite.lock 2>/dev/null; then
+    for _ in $(seq 180); do [ -f "$parts/vllm-site.tgz.part04" ] && break; sleep 5; done
+    sleep 5  # (the last part's copy finishing)
+    [ -f /tmp/vsite/.ok ] || { mkdir -p /tmp/vsite && cat "$parts"/vllm-site.tgz.part* | tar -xz -C /tmp/vsite &&
+      touch /tmp/vsite/.ok; }
+    touch /tmp/vsite.lock/done
+  fi
+  until [ -f /tmp/vsite.lock/done ]; do sleep 5; done
 }
 
 for step in "$@"; do
   note "=== $step"
   case $step in
-    vsite) [ -f /tmp/vsite/.ok ] || { mkdir -p /tmp/vsite && cat "${VPARTS:-/tmp/vparts}"/vllm-site.tgz.part* |
-             tar -xz -C /tmp/vsite && touch /tmp/vsite/.ok; } ;;
+    vsite) vllm_site; note "vsite ok=$([ -f /tmp/vsite/.ok ] && echo 1 || echo 0)" ;;
     sweep)
-      timeout 900 python3 benchmark/w4a16_gemm.py --gemm-sweep --m 16 64 128 256 512 >"$LOG_DIR/gemm-sweep.log" 2>&1
+      timeout 900 python3 benchmark/w4a16_gemm.py --gemm-sweep --m 256 128 512 64 16 >"$LOG_DIR/gemm-sweep.log" 2>&1
       note "gemm sweep rc=$?"
       timeout 300 python3 benchmark/w4a16_gemm.py --gemv-sweep --table-only --m 1 2 >"$LOG_DIR/gemv.log" 2>&1
       note "gemv table rc=$?" ;;
@@ -64,8 +84,8 @@ for step in "$@"; do
     awq)
       [ -f /tmp/l8b-awq/config.json ] || timeout 300 python3 benchmark/random_model.py --shape llama3-8b --awq 128 \
         --out /tmp/l8b-awq >"$LOG_DIR/gen-awq.log" 2>&1 || { note "awq gen failed"; continue; }
-      ours awq /tmp/l8b-awq --latency-first "${WORKLOAD[@]}"
-      vllm awq-vllm /tmp/l8b-awq ;;
+      ours awq /tmp/l8b-awq --latency-first "${WORKLOAD[@]}" ;;
+    awq-vllm) vllm awq-vllm /tmp/l8b-awq ;;
     lite)
       bf16_model || { note "bf16 gen failed"; continue; }
       start=$(date +%s)

@@ -17,8 +17,9 @@ against the table's output, next to the split-K tensor-core kernel it replaced (
 
 ``--gemm-sweep``: at each --m (batched decode and prefill sizes, e.g. 16 64 128 256 512), the fused
 tensor-core kernel over a grid of tiles (up to BLOCK_M 256, so that a tile's rows share one dequantization of
-the weight) and three ways of dequantizing (MATHS), each checked against the table's output, next to the
-table's route (from DEQUANT_ROWS: dequantize, then cuBLAS) and bf16 cuBLAS.
+the weight), plain and with the operands swapped (the weight the left operand), and three ways of dequantizing
+(MATHS), each checked against the table's output, next to the table's route (from DEQUANT_ROWS: dequantize,
+then cuBLAS) and bf16 cuBLAS; every shape at one M, then the next M.
 
     PYTHONPATH=. python3 benchmark/w4a16_gemm.py --gemm-sweep --m 16 64 128 256 512
 """
@@ -194,59 +195,80 @@ def gemv_sweep(ops, name, n, k, ms, gen, table_only=False):
 
 # (BLOCK_M, BLOCK_N, warps) of the --gemm-sweep grid; each with BLOCK_K 64 / 128, 3 / 4 stages and every MATHS
 GEMM_TILES = ((64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 32, 8), (256, 64, 8))
+# the same for the swapped tile (out^T = W x^T: BLOCK_N the weight's side, which wgmma may read from registers)
+SWAP_TILES = ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8),
+              (128, 256, 8))
 # how the fused kernel dequantizes: in float32, in bf16 after converting the nibbles, or in bf16 with the nibbles
 # or-ed into a constant's mantissa (no conversion)
 MATHS = {'f32-math': dict(dt_math=False), 'dt-math': dict(dt_math=True), 'magic': dict(dt_math=True, magic=True)}
 
 
-def gemm_sweep(ops, name, n, k, ms, gen):
-    """The fused kernel's tiles at M rows against the table's route and bf16 cuBLAS (us per call)."""
-    impl, mine, ref_impl, ref = gptq_layers(ops, n, k, False, gen)
-    qw, s, z = mine.w4_qweight, mine.w4_scales, mine.w4_zeros
-    w4_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
-    for m in ms:
-        x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
-        base = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms)
-        packs = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(copies_for(m, w4_bytes) - 1)]
-
-        def run(**kw):
-            return time_us([lambda p=p: w4a16.w4a16_linear(x, *p, mine.w4_group, None, None, ops._num_sms, **kw)
-                            for p in packs])
-
-        dense = [torch.randn(n, k, device='cuda', dtype=torch.bfloat16) / k**0.5
-                 for _ in range(copies_for(m, n * k * 2))]
-        t_bf = time_us([lambda w=w: F.linear(x, w) for w in dense])
-        del dense
-        t_table = run()
-        rows = []
-        for bm, bn, warps in GEMM_TILES:
+def sweep_configs(m, n, k, num_sms):
+    """The grid's configs at M rows: tiles no taller than M needs (BLOCK_M up to max(64, M)), K split as the
+    table splits it for that tile."""
+    tall = max(64, triton.next_power_of_2(m))
+    for swap, tiles in ((False, GEMM_TILES), (True, SWAP_TILES)):
+        for bm, bn, warps in tiles:
+            if bm > tall:
+                continue
             for bk in (64, 128):
                 for stages in (3, 4):
-                    for math, kw in MATHS.items():
-                        cfg = w4a16.Config(bm, bn, bk, 1, warps, stages)
-                        try:
-                            got = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms,
-                                                     config=cfg, **kw)
-                            if not torch.allclose(got.float(), base.float(), rtol=2e-2,
-                                                  atol=2e-2 * base.abs().max().item()):
-                                rows.append((float('inf'), cfg, math))
-                                continue
-                            rows.append((run(config=cfg, **kw), cfg, math))
-                        except Exception as e:  # (out of shared memory or registers)
-                            rows.append((float('nan'), cfg, math, type(e).__name__))
-        best = sorted((r for r in rows if r[0] == r[0]), key=lambda r: r[0])[:5]
-        route = 'dequantize + cuBLAS' if m >= w4a16.DEQUANT_ROWS else tuple(w4a16.choose(m, n, k, GROUP, ops._num_sms))
-        print(f'{name:8s} M={m} table ({route}) {t_table:.1f} us  bf16 {t_bf:.1f} us', flush=True)
-        for t, cfg, math in best:
-            print(f'    {t:7.1f} us  {t_bf / t:5.2f}x bf16  {tuple(cfg)} {math}', flush=True)
-        for math, kw in MATHS.items():  # each way of dequantizing at its best tile
-            mine_best = min((r for r in rows if r[0] == r[0] and r[2] == math), key=lambda r: r[0], default=None)
+                    yield w4a16.Config(bm, bn, bk, w4a16.split_k(m, n, k, bm, bn, num_sms), warps, stages, swap)
+
+
+def gemm_sweep(ops, shapes, ms, gen):
+    """The fused kernel's tiles at M rows against the table's route and bf16 cuBLAS (us per call), every
+    shape at one M before the next M."""
+    layers = {name: gptq_layers(ops, n, k, False, gen)[1] for name, n, k in shapes}
+    for m in ms:
+        for name, n, k in shapes:
+            gemm_sweep_one(ops, name, layers[name], n, k, m)
+
+
+def gemm_sweep_one(ops, name, mine, n, k, m):
+    t0 = time.time()
+    qw, s, z = mine.w4_qweight, mine.w4_scales, mine.w4_zeros
+    w4_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
+    x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
+    base = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms)
+    packs = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(copies_for(m, w4_bytes) - 1)]
+
+    def run(**kw):
+        return time_us([lambda p=p: w4a16.w4a16_linear(x, *p, mine.w4_group, None, None, ops._num_sms, **kw)
+                        for p in packs])
+
+    dense = [torch.randn(n, k, device='cuda', dtype=torch.bfloat16) / k**0.5 for _ in range(copies_for(m, n * k * 2))]
+    t_bf = time_us([lambda w=w: F.linear(x, w) for w in dense])
+    del dense
+    t_table = run()
+    rows = []
+    for cfg in sweep_configs(m, n, k, ops._num_sms):
+        for math, kw in MATHS.items():
+            try:
+                got = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms, config=cfg, **kw)
+                if not torch.allclose(got.float(), base.float(), rtol=2e-2, atol=2e-2 * base.abs().max().item()):
+                    rows.append((float('inf'), cfg, math))
+                    continue
+                rows.append((run(config=cfg, **kw), cfg, math))
+            except Exception as e:  # (out of shared memory or registers)
+                rows.append((float('nan'), cfg, math, type(e).__name__))
+    best = sorted((r for r in rows if r[0] == r[0]), key=lambda r: r[0])[:5]
+    route = 'dequantize + cuBLAS' if m >= w4a16.DEQUANT_ROWS else tuple(w4a16.choose(m, n, k, GROUP, ops._num_sms))
+    print(f'{name:8s} M={m} table ({route}) {t_table:.1f} us  bf16 {t_bf:.1f} us  ({time.time() - t0:.0f} s)',
+          flush=True)
+    for t, cfg, math in best:
+        print(f'    {t:7.1f} us  {t_bf / t:5.2f}x bf16  {t_table / t:5.2f}x table  {tuple(cfg)} {math}', flush=True)
+    for swap in (False, True):
+        for math in MATHS:  # each way of dequantizing at its best tile
+            mine_best = min((r for r in rows if r[0] == r[0] and r[2] == math and r[1].swap == swap),
+                            key=lambda r: r[0], default=None)
             if mine_best:
-                print(f'    best {math}: {mine_best[0]:.1f} us {tuple(mine_best[1])}', flush=True)
-        print(f'    ({sum(1 for r in rows if r[0] == float("inf"))} wrong, {sum(1 for r in rows if r[0] != r[0])} '
-              f'failed of {len(rows)})', flush=True)
-        del packs
-        torch.cuda.empty_cache()
+                print(f'    best {"swapped " if swap else ""}{math}: {mine_best[0]:.1f} us {tuple(mine_best[1])}',
+                      flush=True)
+    print(f'    ({sum(1 for r in rows if r[0] == float("inf"))} wrong, {sum(1 for r in rows if r[0] != r[0])} '
+          f'failed of {len(rows)})', flush=True)
+    del packs
+    torch.cuda.empty_cache()
 
 
 def main():
@@ -261,9 +283,7 @@ def main():
     ops = CudaOps()
     if args.gemm_sweep:
         gen = torch.Generator().manual_seed(0)
-        for name, n, k in SHAPES:
-            if name in args.shapes:
-                gemm_sweep(ops, name, n, k, args.m, gen)
+        gemm_sweep(ops, [sh for sh in SHAPES if sh[0] in args.shapes], args.m, gen)
         return
     if args.gemv_sweep:
         gen = torch.Generator().manual_seed(0)

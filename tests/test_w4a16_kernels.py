@@ -145,6 +145,32 @@ def test_split_k_and_unpacking_variants(reshape):
 
 
 
+def test_swapped_operands():
+    """The swapped tile (out^T = W x^T) against the float product: a split K with the bias added after it,
+    groups per tile and per row, g_idx, rows and columns that do not fill a tile; and in float16 with the
+    nibbles made floats by the mantissa trick, the same outputs as converting them."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
+    for k, n, m, group, cfg, by_gidx in ((160, 48, 3, 32, w4a16.Config(16, 32, 32, 3, 4, 1, True), False),
+                                         (256, 80, 37, 64, w4a16.Config(32, 64, 64, 1, 4, 1, True), False),
+                                         (192, 40, 19, 32, w4a16.Config(16, 16, 64, 2, 4, 1, True), True)):
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
+        s = torch.rand(n, k // group, generator=gen) / 40 + 1e-3
+        bias = torch.randn(n, generator=gen)
+        w = (q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)
+        x = torch.randn(m, k, generator=gen)
+        args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous(), z.t().float().contiguous())]
+        g_idx = (torch.arange(k, dtype=torch.int32) // group).to(DEV) if by_gidx else None
+        got = w4a16.w4a16_linear(x.to(DEV), *args, 1 if by_gidx else group, g_idx, bias.to(DEV), config=cfg)
+        assert_close(got, x.double() @ w.double().t() + bias.double(), torch.float32)
+        half = [args[0]] + [a.half() for a in args[1:]]
+        got = w4a16.w4a16_linear(x.half().to(DEV), *half, group, None, None, config=cfg, dt_math=True, magic=True)
+        want = w4a16.w4a16_linear(x.half().to(DEV), *half, group, None, None, config=cfg, dt_math=True)
+        assert torch.equal(got, want)
+        w16 = (q.float() - z.float().repeat_interleave(group, 1)) * s.half().float().repeat_interleave(group, 1)
+        assert_close(got.cpu(), x.half().double() @ w16.half().double().t(), torch.float16)
+
+
 def test_magic_dequantization_gives_the_same_values():
     """``magic``: each nibble or-ed into the mantissa of 2^10 (float16; bfloat16's 2^7 on a GPU, where the
     interpreter's bfloat16 is not exact) gives the very outputs of the converting path, with groups per tile

@@ -70,6 +70,18 @@ class Config(NamedTuple):
     split: int  # programs along K (1: the GEMM kernel writes the output itself)
     warps: int
     stages: int
+    swap: bool = False  # the operands swapped (:func:`_w4a16_swap_kernel`)
+
+
+@triton.jit
+def _dequant(q, s, z, dt, DT_MATH: tl.constexpr, MAGIC: tl.constexpr, MAGIC_BASE: tl.constexpr):
+    """(q - z) s in ``dt``, rounded once, for nibbles ``q`` (int32) and their scales and zeros (broadcast)."""
+    if DT_MATH and MAGIC:  # (base + q) - (base + z) = q - z exactly: the same values as below
+        return ((q | MAGIC).to(tl.int16).to(dt, bitcast=True) - (z.to(dt) + MAGIC_BASE)) * s.to(dt)
+    elif DT_MATH:  # the same values: q - z is a small integer, exact in 16 bits, and the product rounds once
+        return (q.to(dt) - z.to(dt)) * s.to(dt)
+    else:  # float32 (exact for (q - z) * s of a 16-bit s), rounded once as the reference's dequantized weight
+        return ((q.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)).to(dt)
 
 
 @triton.jit
@@ -121,17 +133,62 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K
             sz_mask = k_mask[:, None] & n_mask[None, :]
         s = tl.load(s_ptr + sz, mask=sz_mask, other=0.0)
         z = tl.load(z_ptr + sz, mask=sz_mask, other=0.0)
-        if DT_MATH and MAGIC:  # (base + q) - (base + z) = q - z exactly: the same values as below
-            w = ((q | MAGIC).to(tl.int16).to(dt, bitcast=True) - (z.to(dt) + MAGIC_BASE)) * s.to(dt)
-        elif DT_MATH:  # the same values: q - z is a small integer, exact in 16 bits, and the product rounds once
-            w = (q.to(dt) - z.to(dt)) * s.to(dt)
-        else:  # float32 (exact for (q - z) * s of a 16-bit s), rounded once as the reference's dequantized weight
-            w = ((q.to(tl.float32) - z.to(tl.float32)) * s.to(tl.float32)).to(dt)
-        acc += tl.dot(x, w, input_precision=PRECISION)
+        acc += tl.dot(x, _dequant(q, s, z, dt, DT_MATH, MAGIC, MAGIC_BASE), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + rows_m[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_om,
+                       stride_os, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       PRECISION: tl.constexpr, DT_MATH: tl.constexpr = False, MAGIC: tl.constexpr = 0,
+                       MAGIC_BASE: tl.constexpr = 0.0):
+    """:func:`_w4a16_kernel`'s tile with the product's operands swapped, out^T = W x^T: the dequantized weight
+    [BLOCK_N, BLOCK_K] is the left operand, which Hopper's wgmma may take from registers (the right one it
+    reads from shared memory), so the unpacked tile need not be stored to shared memory first; the rows of x
+    are the product's narrow side (BLOCK_M from 16), as in Marlin's and Machete's designs."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    rows_m = offs_m.to(tl.int64)
+    n_mask = offs_n < N
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(K, k_start + K_SPLIT)
+    dt = x_ptr.dtype.element_ty
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        xt = tl.load(x_ptr + rows_m[None, :] * stride_xm + offs_k[:, None], mask=k_mask[:, None] & m_mask[None, :],
+                     other=0.0)
+        offs_p = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        p = tl.load(qw_ptr + offs_p[None, :].to(tl.int64) * N + offs_n[:, None],
+                    mask=n_mask[:, None] & (offs_p < k_end // 8)[None, :], other=0)
+        q = tl.reshape((p[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+        if HAS_GIDX:
+            g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+            sz = g[None, :].to(tl.int64) * N + offs_n[:, None]
+            sz_mask = n_mask[:, None] & k_mask[None, :]
+        elif GROUP % BLOCK_K == 0:
+            sz = (k0 // GROUP) * N + offs_n[:, None]
+            sz_mask = n_mask[:, None]
+        else:
+            sz = (offs_k[None, :] // GROUP).to(tl.int64) * N + offs_n[:, None]
+            sz_mask = n_mask[:, None] & k_mask[None, :]
+        s = tl.load(s_ptr + sz, mask=sz_mask, other=0.0)
+        z = tl.load(z_ptr + sz, mask=sz_mask, other=0.0)
+        acc += tl.dot(_dequant(q, s, z, dt, DT_MATH, MAGIC, MAGIC_BASE), xt, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + rows_m[None, :] * stride_om + offs_n[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
 MANTISSA_ONE = tl.constexpr(0x4B000000)  # 2^23's bits in float32: or-ing an integer below 2^23 in adds it
@@ -348,10 +405,13 @@ def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Config:
         bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
-    bk = _block_k(bk, group)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split = min(triton.cdiv(4 * num_sms, tiles), max(1, k // 512), max(1, k // (64 * m)))
-    return Config(bm, bn, bk, max(1, split), warps, stages)
+    return Config(bm, bn, _block_k(bk, group), split_k(m, n, k, bm, bn, num_sms), warps, stages)
+
+
+def split_k(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int) -> int:
+    """Programs along K for a tile (:func:`choose`'s rule)."""
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    return max(1, min(triton.cdiv(4 * num_sms, tiles), max(1, k // 512), max(1, k // (64 * m))))
 
 
 LOCK_SLOTS = 1 << 14  # column tiles one GEMV call may count in (N up to 2M at BLOCK_N 128)
@@ -448,13 +508,13 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     has_bias = bias is not None and split == 1
     dt_math = dt_math and x.dtype != torch.float32
     magic_bits, magic_base = MAGIC_OF.get(x.dtype, (0, 0.0)) if magic and dt_math else (0, 0.0)
-    _w4a16_kernel[grid](x, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
-                        bias if has_bias else x, dst, m, n, k, k_split, x.stride(0), n, m * n,
-                        GROUP=group if g_idx is None else 1, HAS_GIDX=g_idx is not None, HAS_BIAS=has_bias,
-                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8, RESHAPE=reshape,
-                        DT_MATH=dt_math, MAGIC=magic_bits, MAGIC_BASE=magic_base,
-                        PRECISION='ieee' if x.dtype == torch.float32 else 'tf32', num_warps=cfg.warps,
-                        num_stages=cfg.stages)
+    kernel, extra = (_w4a16_swap_kernel, {}) if cfg.swap else (_w4a16_kernel, dict(RESHAPE=reshape))
+    kernel[grid](x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, bias if has_bias else x, dst, m,
+                 n, k, k_split, x.stride(0), n, m * n, GROUP=group if g_idx is None else 1, HAS_GIDX=g_idx is not None,
+                 HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
+                 DT_MATH=dt_math, MAGIC=magic_bits, MAGIC_BASE=magic_base,
+                 PRECISION='ieee' if x.dtype == torch.float32 else 'tf32', num_warps=cfg.warps,
+                 num_stages=cfg.stages, **extra)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(m, triton.cdiv(n, block))](dst, bias if bias is not None else dst, out, m, n, split,
