@@ -39,7 +39,8 @@ def _vocab(model: str) -> int:
 
 
 def make(out: str, shape: str, device: str):
-    """A random bf16 model of ``shape`` and its lite AWQ, GPTQ and GPTQ act-order checkpoints under ``out``."""
+    """A random bf16 model of ``shape`` (``base``: the bf16 control) and its lite AWQ, GPTQ and GPTQ act-order
+    checkpoints under ``out``."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from random_model import make_model
 
@@ -47,8 +48,10 @@ def make(out: str, shape: str, device: str):
     base = make_model(shape, os.path.join(out, 'base'), dtype='bfloat16')
     kw = dict(calib_samples=8, calib_seqlen=256, device=device, progress=False)
     lite.auto_awq(base, os.path.join(out, 'awq'), **kw)
-    lite.auto_gptq(base, os.path.join(out, 'gptq'), **kw)
-    lite.auto_gptq(base, os.path.join(out, 'gptq_act'), desc_act=True, **kw)
+    # symmetric GPTQ: vLLM 0.25.1 rejects 4-bit GPTQ with zero points ("Unsupported quantization config: bits=4,
+    # sym=False", seen on the GPU machine); lite's asymmetric default is checked on the CPU
+    lite.auto_gptq(base, os.path.join(out, 'gptq'), sym=True, **kw)
+    lite.auto_gptq(base, os.path.join(out, 'gptq_act'), sym=True, desc_act=True, **kw)
     print(out)
 
 
@@ -96,10 +99,14 @@ def run_ours(model: str, device: str, dtype: str, prompts: List[List[int]], new_
     return rows
 
 
-def run_vllm(model: str, prompts: List[List[int]], new_tokens: int) -> List[dict]:
+def run_vllm(model: str, prompts: List[List[int]], new_tokens: int, dtype: str = 'bfloat16',
+             quantization=None) -> List[dict]:
+    """``quantization``: vLLM's method by name (e.g. 'awq' for its plain AWQ kernel, float16 only), else its
+    choice (AWQ-Marlin / Machete on Hopper)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = LLM(model=model, dtype='bfloat16', max_model_len=1024, gpu_memory_utilization=0.5, seed=0)
+    llm = LLM(model=model, dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.5, seed=0,
+              enforce_eager=True, quantization=quantization)  # (no compile or graph capture: the tokens)
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, logprobs=TOP)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     rows = []
@@ -167,9 +174,11 @@ def main():
         r.add_argument('--seed', type=int, default=0)
         r.add_argument('--prompts', type=int, default=PROMPTS)
         r.add_argument('--new-tokens', type=int, default=NEW_TOKENS)
+        r.add_argument('--dtype', default='bfloat16')
         if name == 'ours':
             r.add_argument('--device', default='cuda')
-            r.add_argument('--dtype', default='bfloat16')
+        else:
+            r.add_argument('--quantization', default=None, help="vLLM's method by name (default: its choice)")
     c = sub.add_parser('compare')
     c.add_argument('ours')
     c.add_argument('theirs')
@@ -183,7 +192,7 @@ def main():
     if args.cmd == 'ours':
         rows = run_ours(args.model, args.device, args.dtype, prompts, args.new_tokens)
     else:
-        rows = run_vllm(args.model, prompts, args.new_tokens)
+        rows = run_vllm(args.model, prompts, args.new_tokens, args.dtype, args.quantization)
     with open(args.json, 'w') as f:
         json.dump({'model': args.model, 'engine': args.cmd, 'rows': rows}, f)
 

@@ -21,6 +21,7 @@
 #   awq-vllm  the same through vLLM's AWQ-Marlin
 #   lite    lmdeploy lite auto_awq on /tmp/l8b at the issue's 128 x 2048 calibration, timed (15 minutes asked)
 #   sq      lite smooth_quant int8 and fp8 of /tmp/l8b (8 x 512 calibration): 2000 requests, prefill-heavy
+#           (sq-int8, sq-fp8: one of them)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -92,9 +93,10 @@ for step in "$@"; do
       timeout 1800 python3 -m lmdeploy lite auto_awq /tmp/l8b --work-dir /tmp/l8b-lite --calib-samples 128 \
         --calib-seqlen 2048 --no-resume >"$LOG_DIR/lite-awq.log" 2>&1
       note "lite auto_awq 128 x 2048 rc=$? in $(( $(date +%s) - start )) s" ;;
-    sq)
+    sq|sq-int8|sq-fp8)
       bf16_model || { note "bf16 gen failed"; continue; }
-      for dt in int8 fp8; do
+      dts=(int8 fp8); [ "$step" = sq ] || dts=("${step#sq-}")
+      for dt in "${dts[@]}"; do
         timeout 600 python3 -m lmdeploy lite smooth_quant /tmp/l8b --work-dir "/tmp/l8b-$dt" --quant-dtype "$dt" \
           --calib-samples 8 --calib-seqlen 512 >"$LOG_DIR/sq-$dt-gen.log" 2>&1 || { note "sq $dt failed"; continue; }
         ours "sq-$dt" "/tmp/l8b-$dt" "${WORKLOAD[@]}"

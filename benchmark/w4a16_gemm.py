@@ -4,7 +4,7 @@ For each shape (group 128) and row count M: the cuda GPTQ layer (CudaGptqLinear:
 then the repack) checked against the reference layer's apply (GptqLinear: dequantize, then F.linear), and
 the time of one call of the kernel next to ``F.linear`` with a bf16 weight of the same shape, timed as CUDA
 graph replays over enough copies of the weights that L2 holds none of them (a decode step reads each layer's
-from memory). Below DEQUANT_ROWS the fused kernel's variants are timed too: the other way of unpacking the
+from memory). Where the table takes the fused kernel, its variants are timed too: the other way of unpacking the
 int32s, and the weight dequantized in bf16 arithmetic (checked to give the same values).
 GB/s: the weight bytes read (packed values, scales and zeros for W4A16) over the time, for M <= 16.
 
@@ -18,8 +18,8 @@ against the table's output, next to the split-K tensor-core kernel it replaced (
 ``--gemm-sweep``: at each --m (batched decode and prefill sizes, e.g. 16 64 128 256 512), the fused
 tensor-core kernel over a grid of tiles (up to BLOCK_M 256, so that a tile's rows share one dequantization of
 the weight), plain and with the operands swapped (the weight the left operand), and three ways of dequantizing
-(MATHS), each checked against the table's output, next to the table's route (from DEQUANT_ROWS: dequantize,
-then cuBLAS) and bf16 cuBLAS; every shape at one M, then the next M.
+(MATHS), each checked against the table's output, next to the table's route (the fused tile, or the weight
+dequantized, then cuBLAS) and bf16 cuBLAS; every shape at one M, then the next M.
 
     PYTHONPATH=. python3 benchmark/w4a16_gemm.py --gemm-sweep --m 16 64 128 256 512
 """
@@ -113,8 +113,7 @@ def bench_shape(ops, name, n, k, ms, desc_act, gen):
             x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
             got, want = impl.apply(mine, x), ref_impl.apply(ref, x)
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            cfg = w4a16.choose(m, n, k, mine.w4_group, ops._num_sms) if m < w4a16.DEQUANT_ROWS else \
-                'dequantize + cuBLAS'
+            cfg = w4a16.choose(m, n, k, mine.w4_group, ops._num_sms) or 'dequantize + cuBLAS'
             n_w4 = copies_for(m, w4_bytes)
             packs = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(n_w4 - 1)]
             n_bf = copies_for(m, n * k * 2)
@@ -124,9 +123,9 @@ def bench_shape(ops, name, n, k, ms, desc_act, gen):
             t_w4 = {}
             perm = mine.w4_perm
             xp = x if perm is None else x.index_select(1, perm)
-            # the table's kernel, then its variants (the fused kernel's: rows below DEQUANT_ROWS)
+            # the table's kernel, then its variants (where the table takes the fused kernel)
             for key, kw in (('table', {}), ('gather', dict(reshape=False)), ('f32-math', dict(dt_math=False))):
-                if key != 'table' and m >= w4a16.DEQUANT_ROWS:
+                if key != 'table' and isinstance(cfg, str):
                     t_w4[key] = float('nan')
                     continue
                 t_w4[key] = time_us([
@@ -253,7 +252,7 @@ def gemm_sweep_one(ops, name, mine, n, k, m):
             except Exception as e:  # (out of shared memory or registers)
                 rows.append((float('nan'), cfg, math, type(e).__name__))
     best = sorted((r for r in rows if r[0] == r[0]), key=lambda r: r[0])[:5]
-    route = 'dequantize + cuBLAS' if m >= w4a16.DEQUANT_ROWS else tuple(w4a16.choose(m, n, k, GROUP, ops._num_sms))
+    route = tuple(w4a16.choose(m, n, k, GROUP, ops._num_sms) or ()) or 'dequantize + cuBLAS'
     print(f'{name:8s} M={m} table ({route}) {t_table:.1f} us  bf16 {t_bf:.1f} us  ({time.time() - t0:.0f} s)',
           flush=True)
     for t, cfg, math in best:

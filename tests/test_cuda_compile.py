@@ -129,12 +129,18 @@ def kernel_specs(cap: int):
         (sample._sample_slices_kernel, {'x_ptr': 'fp32', 'seed_ptr': 'i64', 'offset_ptr': 'i64', 'val_ptr': 'fp32',
                                         'idx_ptr': 'i32'}, {}, dict(CHUNK=sample.CHUNK, BLOCK=1024, PDL=pdl),
          dict(num_warps=4)),
-    ] + [  # W4A16 (AWQ / GPTQ, group 128): a decode step's split-K tiles into the float32 workspace, a prefill's
-        (w4a16._w4a16_kernel, {'qw_ptr': 'i32', 'g_ptr': 'i32', 'out_ptr': 'fp32' if cfg.split > 1 else act}, {},
+    ] + [  # W4A16 (AWQ / GPTQ, group 128), the table's tiles: a decode step's split-K swapped tile into the float32
+        # workspace (its nibbles made floats through a constant's mantissa), a batch of 64 rows, a wide layer's
+        # 200 rows
+        ((w4a16._w4a16_swap_kernel if cfg.swap else w4a16._w4a16_kernel),
+         {'qw_ptr': 'i32', 'g_ptr': 'i32', 'out_ptr': 'fp32' if cfg.split > 1 else act}, {},
          dict(GROUP=128, HAS_GIDX=False, HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-              BLOCK_K=cfg.block_k, GROUP_M=8, RESHAPE=True, PRECISION='tf32'),
+              BLOCK_K=cfg.block_k, GROUP_M=8, PRECISION='tf32',
+              **(dict(DT_MATH=True, MAGIC=0x4300 if act == 'bf16' else 0x6400,
+                      MAGIC_BASE=128.0 if act == 'bf16' else 1024.0) if cfg.swap else dict(RESHAPE=True))),
          dict(num_warps=cfg.warps, num_stages=cfg.stages))
-        for cfg in (w4a16.choose(1, 4096, 4096, 128, 132), w4a16.choose(w4a16.DEQUANT_ROWS - 1, 4096, 4096, 128, 132))
+        for cfg in (w4a16.choose(1, 4096, 4096, 128, 132), w4a16.choose(64, 4096, 4096, 128, 132),
+                    w4a16.choose(200, 28672, 4096, 128, 132))
     ] + [  # the nibbles made 16-bit floats through a constant's mantissa (w4a16_linear's ``magic``)
         (w4a16._w4a16_kernel, {'qw_ptr': 'i32', 'g_ptr': 'i32'}, {},
          dict(GROUP=128, HAS_GIDX=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, RESHAPE=True,

@@ -264,11 +264,18 @@ def test_pack_int4_is_gptq_packing():
 
 
 def test_the_table():
-    """Decode rows split K over the SMs; a GEMM's rows do not split; a tile never straddles a group."""
-    assert w4a16.choose(1, 4096, 4096, 128, 132) == w4a16.Config(16, 64, 128, 8, 4, 4)
+    """Decode rows split K over the SMs in the swapped tile; a GEMM's rows do not split; a tile never straddles a
+    group; from DEQUANT_ROWS rows (from 256 on the widest layers) dequantize + cuBLAS (None)."""
+    assert w4a16.choose(1, 4096, 4096, 128, 132) == w4a16.Config(16, 64, 128, 8, 4, 4, True)
     assert w4a16.choose(1, 28672, 4096, 128, 132).split == 2
     assert w4a16.choose(16, 4096, 4096, 128, 132).split == 4
-    assert w4a16.choose(4096, 4096, 4096, 128, 132) == w4a16.Config(128, 128, 64, 1, 8, 3)
+    assert w4a16.choose(64, 4096, 4096, 128, 132) == w4a16.Config(32, 64, 128, 1, 4, 4, True)
+    assert w4a16.choose(64, 28672, 4096, 128, 132) == w4a16.Config(64, 128, 128, 1, 4, 3)
+    assert w4a16.choose(96, 4096, 4096, 128, 132) == w4a16.Config(128, 128, 64, 1, 8, 3)
+    assert w4a16.choose(128, 4096, 4096, 128, 132) is None
+    assert w4a16.choose(200, 28672, 4096, 128, 132) == w4a16.Config(128, 128, 64, 1, 8, 3)
+    assert w4a16.choose(256, 28672, 4096, 128, 132) is None
+    assert w4a16.choose(4096, 4096, 4096, 128, 132) is None
     assert w4a16.choose(1, 4096, 4096, 32, 132).block_k == 32
     assert w4a16.SMALL_M < 64 < w4a16.DEQUANT_ROWS  # (the fused tile in between)
     assert w4a16.GEMV_ROWS < w4a16.SMALL_M

@@ -19,15 +19,16 @@ start-up compiles nothing more than the shapes used):
   the partial sums up (in split order: deterministic) and writes the output, so one launch does it all. On
   an H100 at one row (Llama-3-8B's qkv, o, gate_up, down) 11.1 / 9.7 / 34.6 / 22.3 us against the split-K
   tensor-core kernel's 18.8 / 14.9 / 65.6 / 38.1 (1.2-1.8 TB/s of packed weight; bf16 cuBLAS reads ~2.8);
-* few rows (GEMV_ROWS < M <= 16, decode), the fused kernel configured by :func:`choose`: memory bound, so
-  the work is the packed weight read once. x is padded to 16 rows for ``tl.dot``; K is split so that ~4
-  programs per SM stream their own part of the weight, the partial sums going to a float32 workspace that a
-  second small kernel adds up (with the bias);
-* up to DEQUANT_ROWS rows: a GEMM tile (BLOCK_M up to 64) with the dequantized B tile fed to tensor cores,
-  programs grouped along M so that the weight tiles a wave reads stay in L2;
+* few rows (GEMV_ROWS < M <= 16, decode), the fused kernel configured by :func:`choose`, with the operands
+  swapped (out^T = W x^T, :func:`_w4a16_swap_kernel`): memory bound, so the work is the packed weight read
+  once. x is padded to 16 rows for ``tl.dot``; K is split so that ~4 programs per SM stream their own part of
+  the weight, the partial sums going to a float32 workspace that a second small kernel adds up (with the bias);
+* up to DEQUANT_ROWS rows (up to 255 on layers WIDE_N wide): a GEMM tile with the dequantized weight tile fed
+  to tensor cores (swapped up to 64 rows), programs grouped along M so that the weight tiles a wave reads stay
+  in L2;
 
-and from DEQUANT_ROWS rows on, the weight dequantized once into a 16-bit scratch matrix (:func:`dequantize`,
-the same values as the fused kernel's) and multiplied by cuBLAS. The fused tile dequantizes each weight
+and from there on, the weight dequantized once into a 16-bit scratch matrix (:func:`dequantize`, the same
+values as the fused kernel's) and multiplied by cuBLAS. The fused tile dequantizes each weight
 element once per row tile, and that arithmetic, not memory, bounded it: on an H100 (benchmark/w4a16_gemm.py,
 Llama-3-8B's layers) it ran at 0.24-0.42x of bf16's speed from 256 rows on, where dequantize-then-GEMM runs at
 0.45-0.67x at 256 rows and 0.9-0.96x at 4,096 (a prefill's sizes). The scratch matrix is the layer's size in
@@ -47,7 +48,8 @@ from .tiles import grouped_tile
 # benchmark/w4a16_gemm.py --gemv-sweep) it beat the tensor-core split-K kernel at 1 and 2 rows, not at 4
 GEMV_ROWS = 2
 SMALL_M = 16  # rows up to which the decode (split-K) configuration is used
-DEQUANT_ROWS = 128  # rows from which the weight is dequantized and multiplied by cuBLAS
+DEQUANT_ROWS = 128  # rows from which the weight is dequantized and multiplied by cuBLAS (but see WIDE_N)
+WIDE_N = 16384  # outputs from which a layer (gate_up) keeps the fused tile up to 255 rows (:func:`choose`)
 # rows up to which the fused kernel dequantizes in the activation dtype (the same values): on an H100 (session
 # 43, benchmark/w4a16_gemm.py, Llama-3-8B's four layers) 3-9 % faster at 1-16 rows and 1-11 % at 32, slower at 64
 DT_MATH_ROWS = 32
@@ -381,31 +383,41 @@ def _block_k(block_k: int, group: int) -> int:
     return block_k
 
 
-def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Config:
-    """Block sizes by shape (sized for an H100, 132 SMs; see benchmark/w4a16_gemm.py):
+def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Optional[Config]:
+    """The fused kernel's tile by shape, or None where dequantize + cuBLAS is faster (sized on an H200, 132 SMs,
+    benchmark/w4a16_gemm.py --gemm-sweep over Llama-3-8B's layers, session 49):
 
-    =========  =======  =======  =======  =====  ======
-    rows M     BLOCK_M  BLOCK_N  BLOCK_K  warps  stages
-    =========  =======  =======  =======  =====  ======
-    <= 16      16       64       128      4      4
-    <= 64      32 / 64  64       64       4      4
-    <= 256     64       128      64       4      3
-    more       128      128      64       8      3
-    =========  =======  =======  =======  =====  ======
+    ===========  ==========================  =======  =======  =======  =====  ======
+    rows M       layer                       BLOCK_M  BLOCK_N  BLOCK_K  warps  stages
+    ===========  ==========================  =======  =======  =======  =====  ======
+    <= 16        any                         16 (swapped)      128      4      4
+    <= 64        N < WIDE_N                  32 (swapped)      128      4      4
+    <= 64        N >= WIDE_N                 64       128      128      4      3
+    < 256        N >= WIDE_N                 128      128      64       8      3
+    otherwise    dequantize + cuBLAS
+    ===========  ==========================  =======  =======  =======  =====  ======
 
-    Split-K aims at 4 programs per SM, each split over 512 inputs at least, and the float32 workspace's
-    traffic (write and read, 8 S M N bytes) at a quarter of the packed weight's (K N / 2): S <= K / (64 M).
-    So M = 1 at N = K = 4096 runs 64 column tiles x 8 splits; M = 64 and more never split.
+    Swapped: out^T = W x^T (BLOCK_N 64 the weight's side), from 1.0x the plain tile at 16 rows to 1.5x at 64
+    (o_proj: 32.4 us against 47.9). The plain tile dequantizes each weight element once per BLOCK_M rows and
+    that arithmetic bounds it (0.3-0.5x bf16 cuBLAS from 64 rows on), while dequantize + cuBLAS pays a fixed
+    pass over the weight: that pass wins from 128 rows on except on gate_up (N 28,672: 189 us against the
+    plain tile's 108 at 128 rows; 177 against 195 at 256).
+
+    Split-K (:func:`split_k`) aims at 4 programs per SM, each split over 512 inputs at least, and the float32
+    workspace's traffic (write and read, 8 S M N bytes) at a quarter of the packed weight's (K N / 2):
+    S <= K / (64 M). So M = 1 at N = K = 4096 runs 64 column tiles x 8 splits; M = 64 and more never split.
     """
     if m <= SMALL_M:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+        bm, bn, bk, warps, stages, swap = 16, 64, 128, 4, 4, True
     elif m <= 64:
-        bm, bn, bk, warps, stages = (32 if m <= 32 else 64), 64, 64, 4, 4
-    elif m <= 256:
-        bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
+        bm, bn, bk, warps, stages, swap = (32, 64, 128, 4, 4, True) if n < WIDE_N else (64, 128, 128, 4, 3, False)
+    elif m < DEQUANT_ROWS or n >= WIDE_N:
+        if m >= 256:
+            return None
+        bm, bn, bk, warps, stages, swap = 128, 128, 64, 8, 3, False
     else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
-    return Config(bm, bn, _block_k(bk, group), split_k(m, n, k, bm, bn, num_sms), warps, stages)
+        return None
+    return Config(bm, bn, _block_k(bk, group), split_k(m, n, k, bm, bn, num_sms), warps, stages, swap)
 
 
 def split_k(m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int) -> int:
@@ -473,14 +485,14 @@ def _gemv(x, qweight, scales, zeros, group, bias, num_sms, cfg: Optional[GemvCon
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                  g_idx: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, num_sms: int = 132,
                  config: Optional[Config] = None, reshape: bool = True, dt_math: Optional[bool] = None,
-                 gemv=None, magic: bool = False) -> torch.Tensor:
+                 gemv=None, magic: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] (contiguous rows) -> [M, N] in x's dtype. ``group``: inputs per group (ignored with
     ``g_idx`` int32 [K], the group of each input, non-decreasing or not). ``config``: the table's
     (:func:`choose`) unless given; ``reshape``: how the packed tile is unpacked (the kernel's RESHAPE);
     ``dt_math``: the weight dequantized in x's dtype rather than float32 (the same values), by default up to
-    DT_MATH_ROWS rows, where it was measured faster; ``magic`` (with it): the nibbles made 16-bit floats by
-    or-ing them into a constant's mantissa instead of converting them (the same values; not yet timed on a
-    GPU, so off by default: benchmark/w4a16_gemm.py --gemm-sweep times it). ``gemv``: the GEMV kernel's use,
+    DT_MATH_ROWS rows and with the swapped tile, where it was measured faster; ``magic`` (with it, by
+    default): the nibbles made 16-bit floats by or-ing them into a constant's mantissa instead of converting
+    them (the same values; 2-25 % faster on an H200, benchmark/w4a16_gemm.py --gemm-sweep). ``gemv``: the GEMV kernel's use,
     by default up to GEMV_ROWS rows where groups are in order and a multiple of 8; False never, a
     :class:`GemvConfig` forces it with that tile."""
     if x.stride(-1) != 1:
@@ -492,15 +504,18 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         if not gemv_ok or m > 4:
             raise ValueError('the W4A16 GEMV takes up to 4 rows, with in-order groups of a multiple of 8 inputs')
         return _gemv(x, qweight, scales, zeros, group, bias, num_sms, gemv if isinstance(gemv, GemvConfig) else None)
-    if dt_math is None:
-        dt_math = m <= DT_MATH_ROWS
-    if config is None and m >= DEQUANT_ROWS and (g_idx is not None or group % 8 == 0):
+    cfg = config or choose(m, n, k, group if g_idx is None else 1, num_sms)
+    if cfg is None and (g_idx is not None or group % 8 == 0):
         w_t = dequantize(qweight, scales, zeros, group, g_idx, x.dtype)
         return torch.mm(x, w_t) if bias is None else torch.addmm(bias.to(x.dtype), x, w_t)
+    cfg = cfg or Config(128, 128, 64, 1, 8, 3)  # (a group that splits an int32's 8 inputs: only the fused tile)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or choose(m, n, k, group if g_idx is None else 1, num_sms)
+    if dt_math is None:
+        dt_math = cfg.swap or m <= DT_MATH_ROWS
+    if magic is None:
+        magic = dt_math
     k_split = triton.cdiv(triton.cdiv(k, cfg.split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_split)  # no empty split
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
