@@ -7,14 +7,14 @@ are elementwise and keep the element width (Triton's OptimizeDotOperands hoists 
 load then: the *packed* tile goes through shared memory, 4x fewer bytes, and the unpacking runs in the
 operand's register layout). The fused tiles of kernels/w4a16.py break both rules (a reshape that spreads an
 int32's 8 nibbles over 8 rows; int32 to 16-bit), so their dequantized tile is stored to shared memory and read
-back (read off their sm90 IR, session 49, compiled here by Triton 3.9; the GPU machine's 3.6 may differ).
+back (read off their sm90 IR, session 49, compiled here by Triton 3.6, the GPU machine's, and 3.9 alike).
 
 How: each int32 is read as two int16 halves (h = 0: inputs 8r..8r+3, h = 1: 8r+4..8r+7), and nibble j of
 half h over a tile's packed rows r is a *plane*: W[n, 8r + 4h + j] for r in the tile, an elementwise function
 of the loaded int16 tile (shift, mask, or-ing into a 16-bit float's mantissa: MAGIC of kernels/w4a16.py). Each
 of the 8 planes is one product of K = BLOCK_K / 8 with the matching inputs of x, which :func:`permute_input`
 lays out plane by plane beforehand (one pass over x, small next to the weight at the row counts this is for).
-Compiled for sm90 (Triton 3.9), only the packed int16 tile goes through shared memory, loaded from there in
+Compiled for sm90 (Triton 3.6 and 3.9), only the packed int16 tile goes through shared memory, loaded from there in
 the operand's layout, and the 8 wgmma take the unpacked planes from registers. Its packed loads are not copied
 ahead by the pipeliner (2-byte pieces); a layout of the halves side by side along N would be, but then the
 tile's 4 uses per half keep Triton from hoisting the conversion (tried: the dequantized planes went through
