@@ -492,9 +492,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     ``dt_math``: the weight dequantized in x's dtype rather than float32 (the same values), by default up to
     DT_MATH_ROWS rows and with the swapped tile, where it was measured faster; ``magic`` (with it, by
     default): the nibbles made 16-bit floats by or-ing them into a constant's mantissa instead of converting
-    them (the same values; 2-25 % faster on an H200, benchmark/w4a16_gemm.py --gemm-sweep). ``gemv``: the GEMV kernel's use,
-    by default up to GEMV_ROWS rows where groups are in order and a multiple of 8; False never, a
-    :class:`GemvConfig` forces it with that tile."""
+    them (the same values; on an H200 up to 25 % faster, 1 % slower at worst: benchmark/w4a16_gemm.py
+    --gemm-sweep). ``gemv``: the GEMV kernel's use, by default up to GEMV_ROWS rows where groups are in order
+    and a multiple of 8; False never, a :class:`GemvConfig` forces it with that tile."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
