@@ -202,8 +202,9 @@ def auto_awq(model: Optional[str],
     prep = Prepared(model, work_dir, 'auto_awq', calib_dataset, calib_samples, calib_seqlen, batch_size, w_bits,
                     w_group_size, device)
     dev, layers, batches = prep.device, prep.layers, prep.batches
+    # (scaling: the rule's name, so that layers kept by a run under another rule are not resumed)
     ckpt = Checkpoint(work_dir, dict(prep.key(), w_bits=w_bits, w_group_size=w_group_size, search_scale=search_scale,
-                                     ratio=ratio, n_grid=n_grid, clip=clip), resume)
+                                     ratio=ratio, n_grid=n_grid, clip=clip, scaling='duo'), resume)
     start, restored, packed, chosen = ckpt.restore(layers)
     if start:
         batches = to_device(restored, dev)
