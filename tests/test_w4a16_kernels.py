@@ -121,20 +121,33 @@ def test_half_precision(fmt, desc):
         assert_close(impl.apply(mine, x.to(DEV)), ref_impl.apply(ref, x), torch.float16)
 
 
+def random_codes(k, n, group, gen):
+    """A random [n, k] layer's codes, zero points and scales: (q, z, s, bias, W float32 = (q - z) s, the
+    kernels' float32 arguments on DEV: packed codes, scales and zeros [groups, n])."""
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
+    s = torch.rand(n, k // group, generator=gen) / 40 + 1e-3
+    bias = torch.randn(n, generator=gen)
+    w = (q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)
+    args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous(), z.t().float().contiguous())]
+    return q, z, s, bias, w, args
+
+
+def in_dtype(q, z, s, group, args, dt):
+    """(the arguments with scales and zeros in ``dt``, W with its scales rounded to ``dt``, as float32)."""
+    w = (q.float() - z.float().repeat_interleave(group, 1)) * s.to(dt).float().repeat_interleave(group, 1)
+    return [args[0]] + [a.to(dt) for a in args[1:]], w
+
+
 @pytest.mark.parametrize('reshape', [True, False])
 def test_split_k_and_unpacking_variants(reshape):
     """Forced split-K (the partial sums and the bias added by the second kernel, a last split shorter than
     the others), both ways of unpacking the int32s, scales gathered per row and read per tile."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
     k, n, m, group = 160, 48, 3, 32
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
-    s = torch.rand(n, k // group, generator=gen) / 40 + 1e-3
-    bias = torch.randn(n, generator=gen)
-    w = (q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)
+    q, z, s, bias, w, args = random_codes(k, n, group, gen)
     x = torch.randn(m, k, generator=gen)
     want = x.double() @ w.double().t() + bias.double()
-    args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous(), z.t().float().contiguous())]
     for cfg in (w4a16.Config(16, 32, 32, 3, 4, 1), w4a16.Config(16, 16, 16, 4, 4, 1)):
         got = w4a16.w4a16_linear(x.to(DEV), *args, group, None, bias.to(DEV), config=cfg, reshape=reshape)
         assert_close(got, want, torch.float32)
@@ -153,21 +166,15 @@ def test_swapped_operands():
     for k, n, m, group, cfg, by_gidx in ((160, 48, 3, 32, w4a16.Config(16, 32, 32, 3, 4, 1, True), False),
                                          (256, 80, 37, 64, w4a16.Config(32, 64, 64, 1, 4, 1, True), False),
                                          (192, 40, 19, 32, w4a16.Config(16, 16, 64, 2, 4, 1, True), True)):
-        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-        z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
-        s = torch.rand(n, k // group, generator=gen) / 40 + 1e-3
-        bias = torch.randn(n, generator=gen)
-        w = (q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)
+        q, z, s, bias, w, args = random_codes(k, n, group, gen)
         x = torch.randn(m, k, generator=gen)
-        args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous(), z.t().float().contiguous())]
         g_idx = (torch.arange(k, dtype=torch.int32) // group).to(DEV) if by_gidx else None
         got = w4a16.w4a16_linear(x.to(DEV), *args, 1 if by_gidx else group, g_idx, bias.to(DEV), config=cfg)
         assert_close(got, x.double() @ w.double().t() + bias.double(), torch.float32)
-        half = [args[0]] + [a.half() for a in args[1:]]
+        half, w16 = in_dtype(q, z, s, group, args, torch.float16)
         got = w4a16.w4a16_linear(x.half().to(DEV), *half, group, None, None, config=cfg, dt_math=True, magic=True)
         want = w4a16.w4a16_linear(x.half().to(DEV), *half, group, None, None, config=cfg, dt_math=True)
         assert torch.equal(got, want)
-        w16 = (q.float() - z.float().repeat_interleave(group, 1)) * s.half().float().repeat_interleave(group, 1)
         assert_close(got.cpu(), x.half().double() @ w16.half().double().t(), torch.float16)
 
 
@@ -183,18 +190,12 @@ def test_planes_kernel():
     assert torch.equal(w4a16_planes.permute_input(x)[:, :128].reshape(3, 8, 16)[:, :, :5], want)
     for k, n, m, group, cfg in ((192, 48, 5, 64, None), (256, 80, 19, 128, w4a16.Config(16, 32, 128, 2, 4, 1)),
                                 (320, 40, 33, 32, w4a16.Config(32, 64, 128, 1, 4, 1))):
-        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-        z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
-        s = torch.rand(n, k // group, generator=gen) / 40 + 1e-3
-        bias = torch.randn(n, generator=gen)
-        w = (q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)
+        q, z, s, bias, w, args = random_codes(k, n, group, gen)
         x = torch.randn(m, k, generator=gen)
-        args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous(), z.t().float().contiguous())]
         got = w4a16_planes.w4a16_planes_linear(x.to(DEV), *args, group, bias.to(DEV), config=cfg)
         assert_close(got, x.double() @ w.double().t() + bias.double(), torch.float32)
-        half = [args[0]] + [a.half() for a in args[1:]]
+        half, w16 = in_dtype(q, z, s, group, args, torch.float16)
         got = w4a16_planes.w4a16_planes_linear(x.half().to(DEV), *half, group, None, config=cfg)
-        w16 = (q.float() - z.float().repeat_interleave(group, 1)) * s.half().float().repeat_interleave(group, 1)
         assert_close(got.cpu(), x.half().double() @ w16.half().double().t(), torch.float16)
     with pytest.raises(ValueError, match='multiple of 8'):
         w4a16_planes.w4a16_planes_linear(x.to(DEV), *args, 4)
@@ -208,16 +209,13 @@ def test_magic_dequantization_gives_the_same_values():
     dtypes = (torch.float16, torch.bfloat16) if HAS_CUDA else (torch.float16, )
     for k, n, m, group, cfg in ((256, 48, 5, 64, w4a16.Config(16, 32, 64, 1, 4, 1)),
                                 (192, 40, 19, 32, w4a16.Config(32, 16, 64, 2, 4, 1))):
-        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-        z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
-        s = torch.rand(n, k // group, generator=gen) / 40 + 1e-3
+        q, z, s, _, _, args32 = random_codes(k, n, group, gen)
         for dt in dtypes:
             x = torch.randn(m, k, generator=gen).to(dt)
-            args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous().to(dt), z.t().contiguous().to(dt))]
+            args, w = in_dtype(q, z, s, group, args32, dt)
             got = w4a16.w4a16_linear(x.to(DEV), *args, group, None, None, config=cfg, dt_math=True, magic=True)
             want = w4a16.w4a16_linear(x.to(DEV), *args, group, None, None, config=cfg, dt_math=True)
             assert torch.equal(got, want)
-            w = (q.float() - z.float().repeat_interleave(group, 1)) * s.to(dt).float().repeat_interleave(group, 1)
             assert_close(got.cpu(), x.double() @ w.to(dt).double().t(), dt)
 
 
@@ -233,12 +231,7 @@ def test_gemv_kernel(monkeypatch):
     for k, n, group, cfg in ((384, 80, 128, w4a16.GemvConfig(16, 32, 3, 4, 1)),
                              (320, 48, 32, w4a16.GemvConfig(16, 32, 2, 4, 1)),
                              (256, 40, 64, w4a16.GemvConfig(8, 64, 1, 4, 1)), (256, 72, 256, None)):
-        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-        z = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
-        s = torch.rand(n, k // group, generator=gen) / 40 + 1e-3
-        bias = torch.randn(n, generator=gen)
-        w = (q.float() - z.float().repeat_interleave(group, 1)) * s.repeat_interleave(group, 1)
-        args = [t.to(DEV) for t in (w4a16.pack_int4(q), s.t().contiguous(), z.t().float().contiguous())]
+        _, _, _, bias, w, args = random_codes(k, n, group, gen)
         for m in range(1, 5):  # (forced: the kernel's 4 rows; by default up to GEMV_ROWS)
             x = torch.randn(m, k, generator=gen)
             for b in (bias, None):

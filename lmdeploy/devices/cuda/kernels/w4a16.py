@@ -87,6 +87,17 @@ def _dequant(q, s, z, dt, DT_MATH: tl.constexpr, MAGIC: tl.constexpr, MAGIC_BASE
 
 
 @triton.jit
+def _tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile and K range: (offs_m, offs_n, rows_m (int64: row offsets of x and out past
+    2^31 elements in a long prefill), m_mask, n_mask, k_start, k_end)."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * K_SPLIT
+    return offs_m, offs_n, offs_m.to(tl.int64), offs_m < M, offs_n < N, k_start, tl.minimum(K, k_start + K_SPLIT)
+
+
+@triton.jit
 def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_om,
                   stride_os, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -96,16 +107,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K
     between the splits' partial outputs (a float32 workspace when there are several). ``MAGIC`` (with
     DT_MATH): the 16-bit pattern of MAGIC_BASE, 2^7 in bfloat16 or 2^10 in float16, whose last mantissa bits
     are 0..15 apart by 1: or-ing a nibble into it gives MAGIC_BASE + q with no int-to-float conversion."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    rows_m = offs_m.to(tl.int64)  # (row offsets of x and out past 2^31 elements in a long prefill)
-    n_mask = offs_n < N
-    k_start = pid_k * K_SPLIT
-    k_end = tl.minimum(K, k_start + K_SPLIT)
+    offs_m, offs_n, rows_m, m_mask, n_mask, k_start, k_end = _tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     dt = x_ptr.dtype.element_ty
     shifts = tl.arange(0, 8) * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -138,7 +140,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K, K
         acc += tl.dot(x, _dequant(q, s, z, dt, DT_MATH, MAGIC, MAGIC_BASE), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + rows_m[:, None] * stride_om + offs_n[None, :],
+    tl.store(out_ptr + tl.program_id(1).to(tl.int64) * stride_os + rows_m[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -152,16 +154,7 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N,
     [BLOCK_N, BLOCK_K] is the left operand, which Hopper's wgmma may take from registers (the right one it
     reads from shared memory), so the unpacked tile need not be stored to shared memory first; the rows of x
     are the product's narrow side (BLOCK_M from 16), as in Marlin's and Machete's designs."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    rows_m = offs_m.to(tl.int64)
-    n_mask = offs_n < N
-    k_start = pid_k * K_SPLIT
-    k_end = tl.minimum(K, k_start + K_SPLIT)
+    offs_m, offs_n, rows_m, m_mask, n_mask, k_start, k_end = _tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     dt = x_ptr.dtype.element_ty
     shifts = tl.arange(0, 8) * 4
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -189,7 +182,7 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N,
         acc += tl.dot(_dequant(q, s, z, dt, DT_MATH, MAGIC, MAGIC_BASE), xt, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + rows_m[None, :] * stride_om + offs_n[:, None],
+    tl.store(out_ptr + tl.program_id(1).to(tl.int64) * stride_os + rows_m[None, :] * stride_om + offs_n[:, None],
              acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
@@ -530,11 +523,18 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  DT_MATH=dt_math, MAGIC=magic_bits, MAGIC_BASE=magic_base,
                  PRECISION='ieee' if x.dtype == torch.float32 else 'tf32', num_warps=cfg.warps,
                  num_stages=cfg.stages, **extra)
-    if split > 1:
+    return add_splits(dst, out, bias)
+
+
+def add_splits(dst: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``out`` itself where the tile kernel wrote it (``dst`` is ``out``), else the float32 partial sums
+    ``dst`` [split, M, N] added up into it, in order, with the bias."""
+    if dst is not out:
+        m, n = out.shape
         block = 1024
-        _sum_splits_kernel[(m, triton.cdiv(n, block))](dst, bias if bias is not None else dst, out, m, n, split,
-                                                       out.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
-                                                       num_warps=4)
+        _sum_splits_kernel[(m, triton.cdiv(n, block))](dst, bias if bias is not None else dst, out, m, n,
+                                                       dst.shape[0], out.stride(0), HAS_BIAS=bias is not None,
+                                                       BLOCK=block, num_warps=4)
     return out
 
 

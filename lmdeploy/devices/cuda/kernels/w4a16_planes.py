@@ -35,8 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .tiles import grouped_tile
-from .w4a16 import MAGIC_OF, Config, _sum_splits_kernel, split_k
+from .w4a16 import MAGIC_OF, Config, _tile, add_splits, split_k
 
 PLANE_K = 128  # inputs per step: 8 planes of 16 (16 packed rows)
 
@@ -60,15 +59,7 @@ def _w4a16_planes_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, K
     permuted by :func:`permute_input` (stride_xm its row stride). ``MAGIC`` 0: the nibbles converted to x's
     dtype (float32 runs, the interpreter), else or-ed into MAGIC_BASE's mantissa."""
     PLANE: tl.constexpr = 16  # packed rows of a step: one plane's inputs
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    rows_m = offs_m.to(tl.int64)
-    k_start = pid_k * K_SPLIT
-    k_end = tl.minimum(K, k_start + K_SPLIT)
+    offs_m, offs_n, rows_m, m_mask, n_mask, k_start, k_end = _tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     dt = x_ptr.dtype.element_ty
     qw16 = qw_ptr.to(tl.pointer_type(tl.int16))
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -97,7 +88,7 @@ def _w4a16_planes_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, K
                 acc += tl.dot(w, xt, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + pid_k.to(tl.int64) * stride_os + rows_m[None, :] * stride_om + offs_n[:, None],
+    tl.store(out_ptr + tl.program_id(1).to(tl.int64) * stride_os + rows_m[None, :] * stride_om + offs_n[:, None],
              acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
@@ -127,9 +118,4 @@ def w4a16_planes_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
                                BLOCK_N=cfg.block_n, GROUP_M=8, MAGIC=magic_bits, MAGIC_BASE=magic_base,
                                PRECISION='ieee' if x.dtype == torch.float32 else 'tf32', num_warps=cfg.warps,
                                num_stages=cfg.stages)
-    if split > 1:
-        block = 1024
-        _sum_splits_kernel[(m, triton.cdiv(n, block))](dst, bias if bias is not None else dst, out, m, n, split,
-                                                       out.stride(0), HAS_BIAS=bias is not None, BLOCK=block,
-                                                       num_warps=4)
-    return out
+    return add_splits(dst, out, bias)
