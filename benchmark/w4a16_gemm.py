@@ -105,18 +105,40 @@ def copies_for(m, nbytes):
     return max(2, min(64, COPY_BYTES // nbytes))
 
 
+def try_candidate(rows: list, base, call, timed, *tag):
+    """One candidate of a sweep: ``call()``'s output checked against ``base``, then ``timed()`` (us) recorded as
+    (us, *tag); inf where the output was wrong, nan (and the error's name) where it failed to build or run."""
+    try:
+        got = call()
+        if not torch.allclose(got.float(), base.float(), rtol=2e-2, atol=2e-2 * base.abs().max().item()):
+            rows.append((float('inf'), *tag))
+            return
+        rows.append((timed(), *tag))
+    except Exception as e:  # (out of shared memory or registers)
+        rows.append((float('nan'), *tag, type(e).__name__))
+
+
+def tally(rows: list) -> str:
+    return (f'({sum(1 for r in rows if r[0] == float("inf"))} wrong, {sum(1 for r in rows if r[0] != r[0])} '
+            f'failed of {len(rows)})')
+
+
+def weight_copies(qw, s, z, m):
+    """(packed bytes of one weight, copies of it for a replay at M rows: the first the weight itself)."""
+    w4_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
+    return w4_bytes, [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(copies_for(m, w4_bytes) - 1)]
+
+
 def bench_shape(ops, name, n, k, ms, desc_act, gen):
     impl, mine, ref_impl, ref = gptq_layers(ops, n, k, desc_act, gen)
     qw, s, z = mine.w4_qweight, mine.w4_scales, mine.w4_zeros
-    w4_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
     for m in ms:
         try:
             x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
             got, want = impl.apply(mine, x), ref_impl.apply(ref, x)
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             cfg = w4a16.choose(m, n, k, mine.w4_group, ops._num_sms) or 'dequantize + cuBLAS'
-            n_w4 = copies_for(m, w4_bytes)
-            packs = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(n_w4 - 1)]
+            w4_bytes, packs = weight_copies(qw, s, z, m)
             n_bf = copies_for(m, n * k * 2)
             dense = [torch.randn(n, k, device='cuda', dtype=torch.bfloat16) / k**0.5 for _ in range(n_bf)]
             t_bf = time_us([lambda w=w: F.linear(x, w) for w in dense])
@@ -154,8 +176,7 @@ def gemv_sweep(ops, name, n, k, ms, gen, table_only=False):
     against the table's output), and the split-K tensor-core kernel it replaced (``gemv=False``)."""
     impl, mine, ref_impl, ref = gptq_layers(ops, n, k, False, gen)
     qw, s, z = mine.w4_qweight, mine.w4_scales, mine.w4_zeros
-    w4_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
-    packs = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(copies_for(1, w4_bytes) - 1)]
+    w4_bytes, packs = weight_copies(qw, s, z, 1)
     for m in ms:
         x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
         want = ref_impl.apply(ref, x).float()
@@ -174,23 +195,16 @@ def gemv_sweep(ops, name, n, k, ms, gen, table_only=False):
                 for per_sm in (4, 8) if m == 1 else (2, 4):
                     split = max(1, min(triton.cdiv(per_sm * ops._num_sms, triton.cdiv(n, bn)), k // 8 // bp))
                     cfg = w4a16.GemvConfig(bp, bn, split, warps, 1)
-                    try:
-                        got = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms, gemv=cfg)
-                        if not torch.allclose(got.float(), base.float(), rtol=2e-2,
-                                              atol=2e-2 * base.abs().max().item()):
-                            rows.append((float('inf'), cfg))
-                            continue
-                        rows.append((run(gemv=cfg), cfg))
-                    except Exception as e:  # (out of shared memory or registers)
-                        rows.append((float('nan'), cfg, type(e).__name__))
+                    try_candidate(rows, base, lambda: w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None,
+                                                                         ops._num_sms, gemv=cfg),
+                                  lambda: run(gemv=cfg), cfg)
         best = sorted(r for r in rows if r[0] == r[0])[:5]
         t_table = run()
         print(f'{name:8s} M={m} err {err:.2e}  table {tuple(table)} {t_table:.1f} us '
               f'({w4_bytes / t_table / 1e3:.0f} GB/s)  tensor-core split-K {old:.1f} us', flush=True)
         for t, cfg in best:
             print(f'    {t:7.1f} us {w4_bytes / t / 1e3:6.0f} GB/s  {tuple(cfg)}', flush=True)
-        print(f'    ({sum(1 for r in rows if r[0] == float("inf"))} wrong, {sum(1 for r in rows if r[0] != r[0])} '
-              f'failed of {len(rows)})', flush=True)
+        print(f'    {tally(rows)}', flush=True)
 
 
 # (BLOCK_M, BLOCK_N, warps) of the --gemm-sweep grid; each with BLOCK_K 64 / 128, 3 / 4 stages and every MATHS
@@ -232,10 +246,9 @@ def gemm_sweep(ops, shapes, ms, gen):
 def gemm_sweep_one(ops, name, mine, n, k, m):
     t0 = time.time()
     qw, s, z = mine.w4_qweight, mine.w4_scales, mine.w4_zeros
-    w4_bytes = qw.numel() * 4 + s.numel() * 2 + z.numel() * 2
     x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
     base = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms)
-    packs = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(copies_for(m, w4_bytes) - 1)]
+    _, packs = weight_copies(qw, s, z, m)
 
     def run(**kw):
         return time_us([lambda p=p: w4a16.w4a16_linear(x, *p, mine.w4_group, None, None, ops._num_sms, **kw)
@@ -248,28 +261,18 @@ def gemm_sweep_one(ops, name, mine, n, k, m):
     rows = []
     for cfg in sweep_configs(m, n, k, ops._num_sms):
         for math, kw in MATHS.items():
-            try:
-                got = w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None, ops._num_sms, config=cfg, **kw)
-                if not torch.allclose(got.float(), base.float(), rtol=2e-2, atol=2e-2 * base.abs().max().item()):
-                    rows.append((float('inf'), cfg, math))
-                    continue
-                rows.append((run(config=cfg, **kw), cfg, math))
-            except Exception as e:  # (out of shared memory or registers)
-                rows.append((float('nan'), cfg, math, type(e).__name__))
+            try_candidate(rows, base, lambda: w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None,
+                                                                 ops._num_sms, config=cfg, **kw),
+                          lambda: run(config=cfg, **kw), cfg, math)
     tall = max(64, triton.next_power_of_2(m))
     for bm, bn, warps in PLANES_TILES:  # the planes kernel ('planes' in the math column)
         for stages in ((3, 4) if bm <= tall else ()):
             cfg = w4a16.Config(bm, bn, w4a16_planes.PLANE_K, w4a16.split_k(m, n, k, bm, bn, ops._num_sms), warps,
                                stages)
-            try:
-                got = w4a16_planes.w4a16_planes_linear(x, qw, s, z, mine.w4_group, None, cfg)
-                if not torch.allclose(got.float(), base.float(), rtol=2e-2, atol=2e-2 * base.abs().max().item()):
-                    rows.append((float('inf'), cfg, 'planes'))
-                    continue
-                rows.append((time_us([lambda p=p, cfg=cfg: w4a16_planes.w4a16_planes_linear(
-                    x, *p, mine.w4_group, None, cfg) for p in packs]), cfg, 'planes'))
-            except Exception as e:  # (out of shared memory or registers)
-                rows.append((float('nan'), cfg, 'planes', type(e).__name__))
+            try_candidate(rows, base, lambda: w4a16_planes.w4a16_planes_linear(x, qw, s, z, mine.w4_group, None, cfg),
+                          lambda: time_us([lambda p=p: w4a16_planes.w4a16_planes_linear(x, *p, mine.w4_group, None,
+                                                                                        cfg) for p in packs]),
+                          cfg, 'planes')
     best = sorted((r for r in rows if r[0] == r[0]), key=lambda r: r[0])[:5]
     route = tuple(w4a16.choose(m, n, k, GROUP, ops._num_sms) or ()) or 'dequantize + cuBLAS'
     print(f'{name:8s} M={m} table ({route}) {t_table:.1f} us  bf16 {t_bf:.1f} us  ({time.time() - t0:.0f} s)',
@@ -286,8 +289,7 @@ def gemm_sweep_one(ops, name, mine, n, k, m):
     planes = min((r for r in rows if r[0] == r[0] and r[2] == 'planes'), key=lambda r: r[0], default=None)
     if planes:
         print(f'    best planes: {planes[0]:.1f} us {tuple(planes[1])}', flush=True)
-    print(f'    ({sum(1 for r in rows if r[0] == float("inf"))} wrong, {sum(1 for r in rows if r[0] != r[0])} '
-          f'failed of {len(rows)})', flush=True)
+    print(f'    {tally(rows)}', flush=True)
     del packs
     torch.cuda.empty_cache()
 
