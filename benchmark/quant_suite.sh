@@ -23,15 +23,12 @@
 #   sq      lite smooth_quant int8 and fp8 of /tmp/l8b (8 x 512 calibration): 2000 requests, prefill-heavy
 #           (sq-int8, sq-fp8: one of them)
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-LOG_DIR=$(mkdir -p "${LOG_DIR:-quant-logs}" && cd "${LOG_DIR:-quant-logs}" && pwd)
-WORKLOAD=(--num-requests 2000 --input-len 150 --output-len 140 --input-sigma 0.9 --output-sigma 0.9
-  --max-input-len 2000 --max-output-len 1000)
+SUITE_LOGS=quant-logs
+# shellcheck source=benchmark/suite_common.sh
+source "$(dirname "$0")/suite_common.sh"
 PREFILL=(--num-requests 300 --input-len 3000 --output-len 64 --input-sigma 0 --output-sigma 0
   --max-input-len 3000 --max-output-len 64)
 
-note() { echo "$(date +%T) $*" | tee -a "$LOG_DIR/progress"; }
 lines() { grep -hE '^\[(lmdeploy|latency|vllm)' "$1" | tr '\n' ' '; }
 ours() {  # name model args...: this engine's run, logged
   local name=$1 model=$2; shift 2
@@ -41,8 +38,7 @@ ours() {  # name model args...: this engine's run, logged
 }
 vllm() {  # name model: vLLM's batch 1 and 2000 requests
   [ -f /tmp/vsite/.ok ] || { note "$1: no vLLM site (run the vsite step)"; return; }
-  (cd benchmark && PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-    HF_HUB_OFFLINE=1 timeout 600 python3 vllm_offline.py --model "$2") >"$LOG_DIR/$1.log" 2>&1
+  vllm_run "$LOG_DIR/$1.log" --model "$2"
   note "$1 rc=$? $(lines "$LOG_DIR/$1.log")"
 }
 bf16_model() {  # the first caller writes /tmp/l8b; the others wait for it
@@ -53,17 +49,6 @@ bf16_model() {  # the first caller writes /tmp/l8b; the others wait for it
   fi
   until [ -f /tmp/l8b.lock/done ]; do sleep 5; done
   [ -f /tmp/l8b/config.json ]
-}
-vllm_site() {  # the first caller unpacks; the others wait for it
-  local parts=${VPARTS:-/tmp/vparts}
-  if mkdir /tmp/vsite.lock 2>/dev/null; then
-    for _ in $(seq 180); do [ -f "$parts/vllm-site.tgz.part04" ] && break; sleep 5; done
-    sleep 5  # (the last part's copy finishing)
-    [ -f /tmp/vsite/.ok ] || { mkdir -p /tmp/vsite && cat "$parts"/vllm-site.tgz.part* | tar -xz -C /tmp/vsite &&
-      touch /tmp/vsite/.ok; }
-    touch /tmp/vsite.lock/done
-  fi
-  until [ -f /tmp/vsite.lock/done ]; do sleep 5; done
 }
 
 for step in "$@"; do
