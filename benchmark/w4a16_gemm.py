@@ -221,11 +221,15 @@ PLANES_TILES = ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 128, 4), (64, 128, 
 MATHS = {'f32-math': dict(dt_math=False), 'dt-math': dict(dt_math=True), 'magic': dict(dt_math=True, magic=True)}
 
 
-def sweep_configs(m, n, k, num_sms):
+KERNELS = ('plain', 'swapped', 'planes')  # --kernels: the sweep's kernels
+
+
+def sweep_configs(m, n, k, num_sms, kernels=KERNELS):
     """The grid's configs at M rows: tiles no taller than M needs (BLOCK_M up to max(64, M)), K split as the
     table splits it for that tile."""
     tall = max(64, triton.next_power_of_2(m))
-    for swap, tiles in ((False, GEMM_TILES), (True, SWAP_TILES)):
+    for swap, tiles in ((False, GEMM_TILES if 'plain' in kernels else ()),
+                        (True, SWAP_TILES if 'swapped' in kernels else ())):
         for bm, bn, warps in tiles:
             if bm > tall:
                 continue
@@ -234,16 +238,16 @@ def sweep_configs(m, n, k, num_sms):
                     yield w4a16.Config(bm, bn, bk, w4a16.split_k(m, n, k, bm, bn, num_sms), warps, stages, swap)
 
 
-def gemm_sweep(ops, shapes, ms, gen):
-    """The fused kernel's tiles at M rows against the table's route and bf16 cuBLAS (us per call), every
+def gemm_sweep(ops, shapes, ms, gen, kernels=KERNELS):
+    """The fused kernels' tiles at M rows against the table's route and bf16 cuBLAS (us per call), every
     shape at one M before the next M."""
     layers = {name: gptq_layers(ops, n, k, False, gen)[1] for name, n, k in shapes}
     for m in ms:
         for name, n, k in shapes:
-            gemm_sweep_one(ops, name, layers[name], n, k, m)
+            gemm_sweep_one(ops, name, layers[name], n, k, m, kernels)
 
 
-def gemm_sweep_one(ops, name, mine, n, k, m):
+def gemm_sweep_one(ops, name, mine, n, k, m, kernels=KERNELS):
     t0 = time.time()
     qw, s, z = mine.w4_qweight, mine.w4_scales, mine.w4_zeros
     x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
@@ -259,13 +263,13 @@ def gemm_sweep_one(ops, name, mine, n, k, m):
     del dense
     t_table = run()
     rows = []
-    for cfg in sweep_configs(m, n, k, ops._num_sms):
+    for cfg in sweep_configs(m, n, k, ops._num_sms, kernels):
         for math, kw in MATHS.items():
             try_candidate(rows, base, lambda: w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None,
                                                                  ops._num_sms, config=cfg, **kw),
                           lambda: run(config=cfg, **kw), cfg, math)
     tall = max(64, triton.next_power_of_2(m))
-    for bm, bn, warps in PLANES_TILES:  # the planes kernel ('planes' in the math column)
+    for bm, bn, warps in PLANES_TILES if 'planes' in kernels else ():  # ('planes' in the math column)
         for stages in ((3, 4) if bm <= tall else ()):
             cfg = w4a16.Config(bm, bn, w4a16_planes.PLANE_K, w4a16.split_k(m, n, k, bm, bn, ops._num_sms), warps,
                                stages)
@@ -301,12 +305,13 @@ def main():
     p.add_argument('--desc-act', action='store_true', help='GPTQ desc_act (x gathered by the permutation)')
     p.add_argument('--gemv-sweep', action='store_true', help="the GEMV kernel's tile grid at each --m (<= 4)")
     p.add_argument('--table-only', action='store_true', help="with --gemv-sweep: the table's tile alone")
-    p.add_argument('--gemm-sweep', action='store_true', help="the fused kernel's tile grid at each --m")
+    p.add_argument('--gemm-sweep', action='store_true', help="the fused kernels' tile grid at each --m")
+    p.add_argument('--kernels', nargs='+', choices=KERNELS, default=list(KERNELS), help='with --gemm-sweep')
     args = p.parse_args()
     ops = CudaOps()
     if args.gemm_sweep:
         gen = torch.Generator().manual_seed(0)
-        gemm_sweep(ops, [sh for sh in SHAPES if sh[0] in args.shapes], args.m, gen)
+        gemm_sweep(ops, [sh for sh in SHAPES if sh[0] in args.shapes], args.m, gen, args.kernels)
         return
     if args.gemv_sweep:
         gen = torch.Generator().manual_seed(0)
