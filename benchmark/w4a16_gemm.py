@@ -17,8 +17,7 @@ against the table's output, next to the split-K tensor-core kernel it replaced (
 
 ``--gemm-sweep``: at each --m (batched decode and prefill sizes, e.g. 16 64 128 256 512), the fused
 tensor-core kernel over a grid of tiles (up to BLOCK_M 256, so that a tile's rows share one dequantization of
-the weight), plain and with the operands swapped (the weight the left operand), the planes kernel
-(kernels/w4a16_planes.py: the weight wgmma's register operand), and three ways of dequantizing
+the weight), plain and with the operands swapped (the weight the left operand), and three ways of dequantizing
 (MATHS), each checked against the table's output, next to the table's route (the fused tile, or the weight
 dequantized, then cuBLAS) and bf16 cuBLAS; every shape at one M, then the next M.
 
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 import triton
 from torch import nn
 
-from lmdeploy.devices.cuda.kernels import w4a16, w4a16_planes
+from lmdeploy.devices.cuda.kernels import w4a16
 from lmdeploy.devices.cuda.ops import CudaOps
 from lmdeploy.devices.quant_formats import GptqLinear
 from lmdeploy.devices.reference import ReferenceOps
@@ -212,16 +211,12 @@ GEMM_TILES = ((64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 32,
 # the same for the swapped tile (out^T = W x^T: BLOCK_N the weight's side, which wgmma may read from registers)
 SWAP_TILES = ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8),
               (128, 256, 8))
-# (BLOCK_M, BLOCK_N, warps) of the planes kernel (kernels/w4a16_planes.py: the weight wgmma's register operand),
-# each with 3 / 4 stages
-PLANES_TILES = ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 128, 4), (64, 128, 8), (128, 128, 4), (128, 128, 8),
-                (256, 128, 8), (128, 256, 8))
 # how the fused kernel dequantizes: in float32, in bf16 after converting the nibbles, or in bf16 with the nibbles
 # or-ed into a constant's mantissa (no conversion)
 MATHS = {'f32-math': dict(dt_math=False), 'dt-math': dict(dt_math=True), 'magic': dict(dt_math=True, magic=True)}
 
 
-KERNELS = ('plain', 'swapped', 'planes')  # --kernels: the sweep's kernels
+KERNELS = ('plain', 'swapped')  # --kernels: the sweep's tiles
 
 
 def sweep_configs(m, n, k, num_sms, kernels=KERNELS):
@@ -268,15 +263,6 @@ def gemm_sweep_one(ops, name, mine, n, k, m, kernels=KERNELS):
             try_candidate(rows, base, lambda: w4a16.w4a16_linear(x, qw, s, z, mine.w4_group, None, None,
                                                                  ops._num_sms, config=cfg, **kw),
                           lambda: run(config=cfg, **kw), cfg, math)
-    tall = max(64, triton.next_power_of_2(m))
-    for bm, bn, warps in PLANES_TILES if 'planes' in kernels else ():  # ('planes' in the math column)
-        for stages in ((3, 4) if bm <= tall else ()):
-            cfg = w4a16.Config(bm, bn, w4a16_planes.PLANE_K, w4a16.split_k(m, n, k, bm, bn, ops._num_sms), warps,
-                               stages)
-            try_candidate(rows, base, lambda: w4a16_planes.w4a16_planes_linear(x, qw, s, z, mine.w4_group, None, cfg),
-                          lambda: time_us([lambda p=p: w4a16_planes.w4a16_planes_linear(x, *p, mine.w4_group, None,
-                                                                                        cfg) for p in packs]),
-                          cfg, 'planes')
     best = sorted((r for r in rows if r[0] == r[0]), key=lambda r: r[0])[:5]
     route = tuple(w4a16.choose(m, n, k, GROUP, ops._num_sms) or ()) or 'dequantize + cuBLAS'
     print(f'{name:8s} M={m} table ({route}) {t_table:.1f} us  bf16 {t_bf:.1f} us  ({time.time() - t0:.0f} s)',
@@ -290,9 +276,6 @@ def gemm_sweep_one(ops, name, mine, n, k, m, kernels=KERNELS):
             if mine_best:
                 print(f'    best {"swapped " if swap else ""}{math}: {mine_best[0]:.1f} us {tuple(mine_best[1])}',
                       flush=True)
-    planes = min((r for r in rows if r[0] == r[0] and r[2] == 'planes'), key=lambda r: r[0], default=None)
-    if planes:
-        print(f'    best planes: {planes[0]:.1f} us {tuple(planes[1])}', flush=True)
     print(f'    {tally(rows)}', flush=True)
     del packs
     torch.cuda.empty_cache()

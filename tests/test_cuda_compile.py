@@ -41,7 +41,7 @@ def kernel_specs(cap: int):
     as the wrappers launch them for a Llama-3-8B-shaped model: head_dim 128,
     32 query and 8 KV heads, hidden 4096, block size 64; and Gemma 2's decode attention."""
     from lmdeploy.devices.cuda.kernels import (activation, argmax, attention, kv_cache, linear, norm, rotary, sample,
-                                               w4a16, w4a16_planes, w8a8_gemm, w8a8_quant)
+                                               w4a16, w8a8_gemm, w8a8_quant)
     smem = shared_memory_of(cap)
     act = 'bf16' if cap >= 80 else 'fp16'  # Volta and Turing run float16 (no bfloat16)
     pdl = cap >= 90
@@ -141,10 +141,6 @@ def kernel_specs(cap: int):
          dict(num_warps=cfg.warps, num_stages=cfg.stages))
         for cfg in (w4a16.choose(1, 4096, 4096, 128, 132), w4a16.choose(64, 4096, 4096, 128, 132),
                     w4a16.choose(200, 28672, 4096, 128, 132))
-    ] + [  # the planes kernel (the weight wgmma's register operand; not in the table yet)
-        (w4a16_planes._w4a16_planes_kernel, {'qw_ptr': 'i32'}, {},
-         dict(GROUP=128, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, GROUP_M=8, MAGIC=0x4300 if act == 'bf16' else 0x6400,
-              MAGIC_BASE=128.0 if act == 'bf16' else 1024.0, PRECISION='tf32'), dict(num_warps=4, num_stages=3))
     ] + [  # the nibbles made 16-bit floats through a constant's mantissa (w4a16_linear's ``magic``)
         (w4a16._w4a16_kernel, {'qw_ptr': 'i32', 'g_ptr': 'i32'}, {},
          dict(GROUP=128, HAS_GIDX=False, HAS_BIAS=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, RESHAPE=True,

@@ -178,29 +178,6 @@ def test_swapped_operands():
         assert_close(got.cpu(), x.half().double() @ w16.half().double().t(), torch.float16)
 
 
-def test_planes_kernel():
-    """The planes kernel (kernels/w4a16_planes.py: each int32 read as two int16 halves, each nibble of a half a
-    plane multiplied by its inputs of x, permuted beforehand) against the float product: a K that ends inside
-    a step of 128 inputs, groups per step and per packed row, a split K with the bias added after it; in float16
-    the nibbles made floats by the mantissa trick, within float16's rounding of the same product."""
-    from lmdeploy.devices.cuda.kernels import w4a16_planes
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
-    x = torch.randn(3, 40, generator=gen)
-    want = x.reshape(3, 5, 8).transpose(1, 2)  # the permutation itself: plane j of block 0 is inputs j, j + 8, ...
-    assert torch.equal(w4a16_planes.permute_input(x)[:, :128].reshape(3, 8, 16)[:, :, :5], want)
-    for k, n, m, group, cfg in ((192, 48, 5, 64, None), (256, 80, 19, 128, w4a16.Config(16, 32, 128, 2, 4, 1)),
-                                (320, 40, 33, 32, w4a16.Config(32, 64, 128, 1, 4, 1))):
-        q, z, s, bias, w, args = random_codes(k, n, group, gen)
-        x = torch.randn(m, k, generator=gen)
-        got = w4a16_planes.w4a16_planes_linear(x.to(DEV), *args, group, bias.to(DEV), config=cfg)
-        assert_close(got, x.double() @ w.double().t() + bias.double(), torch.float32)
-        half, w16 = in_dtype(q, z, s, group, args, torch.float16)
-        got = w4a16_planes.w4a16_planes_linear(x.half().to(DEV), *half, group, None, config=cfg)
-        assert_close(got.cpu(), x.half().double() @ w16.half().double().t(), torch.float16)
-    with pytest.raises(ValueError, match='multiple of 8'):
-        w4a16_planes.w4a16_planes_linear(x.to(DEV), *args, 4)
-
-
 def test_magic_dequantization_gives_the_same_values():
     """``magic``: each nibble or-ed into the mantissa of 2^10 (float16; bfloat16's 2^7 on a GPU, where the
     interpreter's bfloat16 is not exact) gives the very outputs of the converting path, with groups per tile
