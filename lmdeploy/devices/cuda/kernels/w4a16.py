@@ -151,9 +151,10 @@ def _w4a16_swap_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N,
                        PRECISION: tl.constexpr, DT_MATH: tl.constexpr = False, MAGIC: tl.constexpr = 0,
                        MAGIC_BASE: tl.constexpr = 0.0):
     """:func:`_w4a16_kernel`'s tile with the product's operands swapped, out^T = W x^T: the dequantized weight
-    [BLOCK_N, BLOCK_K] is the left operand, which Hopper's wgmma may take from registers (the right one it
-    reads from shared memory), so the unpacked tile need not be stored to shared memory first; the rows of x
-    are the product's narrow side (BLOCK_M from 16), as in Marlin's and Machete's designs."""
+    [BLOCK_N, BLOCK_K] is the left operand, the one Hopper's wgmma can take from registers, and the rows of x
+    the product's narrow side (BLOCK_M from 16), as in Marlin's and Machete's designs. (Triton 3.6 still moves
+    the dequantized tile through shared memory to give it the operand's layout: its sm90 IR, session 49. The
+    tile was measured faster than the plain one up to 64 rows, slower from 128.)"""
     offs_m, offs_n, rows_m, m_mask, n_mask, k_start, k_end = _tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
     dt = x_ptr.dtype.element_ty
     shifts = tl.arange(0, 8) * 4
@@ -380,21 +381,23 @@ def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Optional[Config]
     """The fused kernel's tile by shape, or None where dequantize + cuBLAS is faster (sized on an H200, 132 SMs,
     benchmark/w4a16_gemm.py --gemm-sweep over Llama-3-8B's layers, session 49):
 
-    ===========  ==========================  =======  =======  =======  =====  ======
-    rows M       layer                       BLOCK_M  BLOCK_N  BLOCK_K  warps  stages
-    ===========  ==========================  =======  =======  =======  =====  ======
-    <= 16        any                         16 (swapped)      128      4      4
-    <= 64        N < WIDE_N                  32 (swapped)      128      4      4
-    <= 64        N >= WIDE_N                 64       128      128      4      3
-    < 256        N >= WIDE_N                 128      128      64       8      3
-    otherwise    dequantize + cuBLAS
-    ===========  ==========================  =======  =======  =======  =====  ======
+    ========  ===========  =======  =======  =======  =======  =====  ======
+    rows M    layer        tile     BLOCK_M  BLOCK_N  BLOCK_K  warps  stages
+    ========  ===========  =======  =======  =======  =======  =====  ======
+    <= 16     any          swapped  16       64       128      4      4
+    <= 64     N < WIDE_N   swapped  32       64       128      4      4
+    <= 64     N >= WIDE_N  plain    64       128      128      4      3
+    < 128     any          plain    128      128      64       8      3
+    < 256     N >= WIDE_N  plain    128      128      64       8      3
+    otherwise dequantize + cuBLAS
+    ========  ===========  =======  =======  =======  =======  =====  ======
 
     Swapped: out^T = W x^T (BLOCK_N 64 the weight's side), from 1.0x the plain tile at 16 rows to 1.5x at 64
     (o_proj: 32.4 us against 47.9). The plain tile dequantizes each weight element once per BLOCK_M rows and
     that arithmetic bounds it (0.3-0.5x bf16 cuBLAS from 64 rows on), while dequantize + cuBLAS pays a fixed
     pass over the weight: that pass wins from 128 rows on except on gate_up (N 28,672: 189 us against the
-    plain tile's 108 at 128 rows; 177 against 195 at 256).
+    plain tile's 108 at 128 rows; 177 against 195 at 256). Rows 65-127 were not swept: the plain tile there is
+    the one best at 128 rows.
 
     Split-K (:func:`split_k`) aims at 4 programs per SM, each split over 512 inputs at least, and the float32
     workspace's traffic (write and read, 8 S M N bytes) at a quarter of the packed weight's (K N / 2):
