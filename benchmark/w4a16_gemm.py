@@ -208,23 +208,23 @@ def gemv_sweep(ops, name, n, k, ms, gen, table_only=False):
 
 # (BLOCK_M, BLOCK_N, warps) of the --gemm-sweep grid; each with BLOCK_K 64 / 128, 3 / 4 stages and every MATHS
 GEMM_TILES = ((64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (256, 32, 8), (256, 64, 8))
-# the same for the swapped tile (out^T = W x^T: BLOCK_N the weight's side, which wgmma may read from registers)
+# the same for the swapped tile (out^T = W x^T: BLOCK_N the weight's side, wgmma's left operand)
 SWAP_TILES = ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8),
               (128, 256, 8))
+TILES = {'plain': (False, GEMM_TILES), 'swapped': (True, SWAP_TILES)}  # --kernels: (Config.swap, its grid)
 # how the fused kernel dequantizes: in float32, in bf16 after converting the nibbles, or in bf16 with the nibbles
 # or-ed into a constant's mantissa (no conversion)
 MATHS = {'f32-math': dict(dt_math=False), 'dt-math': dict(dt_math=True), 'magic': dict(dt_math=True, magic=True)}
 
 
-KERNELS = ('plain', 'swapped')  # --kernels: the sweep's tiles
+KERNELS = tuple(TILES)
 
 
 def sweep_configs(m, n, k, num_sms, kernels=KERNELS):
     """The grid's configs at M rows: tiles no taller than M needs (BLOCK_M up to max(64, M)), K split as the
     table splits it for that tile."""
     tall = max(64, triton.next_power_of_2(m))
-    for swap, tiles in ((False, GEMM_TILES if 'plain' in kernels else ()),
-                        (True, SWAP_TILES if 'swapped' in kernels else ())):
+    for swap, tiles in (TILES[kind] for kind in kernels):
         for bm, bn, warps in tiles:
             if bm > tall:
                 continue

@@ -65,9 +65,9 @@ class Hessian:
         self.window, self.first_weight = window, first_weight
 
     def add(self, x: torch.Tensor):
-        x = x.float()
-        if self.first_weight != 1 and self.window:
-            x = x.clone()
+        weigh = self.first_weight != 1 and bool(self.window)
+        x = x.to(torch.float32, copy=weigh)  # (one copy, scaled in place, where the first rows are weighted)
+        if weigh:
             x.view(-1, self.window, x.shape[-1])[:, 0].mul_(self.first_weight**0.5)
         self.sum.addmm_(x.t(), x)
         self.tokens += x.shape[0]

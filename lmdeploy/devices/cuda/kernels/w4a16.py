@@ -49,7 +49,8 @@ from .tiles import grouped_tile
 GEMV_ROWS = 2
 SMALL_M = 16  # rows up to which the decode (split-K) configuration is used
 DEQUANT_ROWS = 128  # rows from which the weight is dequantized and multiplied by cuBLAS (but see WIDE_N)
-WIDE_N = 16384  # outputs from which a layer (gate_up) keeps the fused tile up to 255 rows (:func:`choose`)
+WIDE_N = 16384  # outputs from which a layer (gate_up) keeps the fused tile up to WIDE_DEQUANT_ROWS (:func:`choose`)
+WIDE_DEQUANT_ROWS = 256  # rows from which such a layer is dequantized and multiplied by cuBLAS too
 # rows up to which the fused kernel dequantizes in the activation dtype (the same values): on an H100 (session
 # 43, benchmark/w4a16_gemm.py, Llama-3-8B's four layers) 3-9 % faster at 1-16 rows and 1-11 % at 32, slower at 64
 DT_MATH_ROWS = 32
@@ -407,9 +408,7 @@ def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Optional[Config]
         bm, bn, bk, warps, stages, swap = 16, 64, 128, 4, 4, True
     elif m <= 64:
         bm, bn, bk, warps, stages, swap = (32, 64, 128, 4, 4, True) if n < WIDE_N else (64, 128, 128, 4, 3, False)
-    elif m < DEQUANT_ROWS or n >= WIDE_N:
-        if m >= 256:
-            return None
+    elif m < (WIDE_DEQUANT_ROWS if n >= WIDE_N else DEQUANT_ROWS):
         bm, bn, bk, warps, stages, swap = 128, 128, 64, 8, 3, False
     else:
         return None
