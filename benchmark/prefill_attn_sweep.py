@@ -9,6 +9,7 @@ CUDA graph replays.
     python benchmark/prefill_attn_sweep.py [--tokens 4500]
     python benchmark/prefill_attn_sweep.py --workload prefill3000 prefill3000-tail single8k
     python benchmark/prefill_attn_sweep.py --policy 4 --pack both     # an int4 cache, heads apart and packed
+    python benchmark/prefill_attn_sweep.py --heads 16 8 256 --softcap 50 --tokens 2100 --pack both   # Gemma 2
 
 The other workloads are the steps of ``gpu_suite.sh prefill`` (3,000-token
 prompts in 8,192-token steps) and ``lat8k``; torch's fused attention on the
@@ -102,6 +103,9 @@ def main():
     p.add_argument('--no-sweep', action='store_true')
     p.add_argument('--policy', type=int, default=0, choices=(0, 8, 4),
                    help='KV cache quant_policy (8 / 4: the cuda device\'s int8 / int4 cache, random codes)')
+    p.add_argument('--heads', type=int, nargs=3, default=(32, 8, 128), metavar=('Q', 'KV', 'DIM'),
+                   help='query heads, KV heads, head_dim (default: the Llama-3-8B shape)')
+    p.add_argument('--softcap', type=float, default=None, help="attention scores' soft cap (Gemma 2: 50)")
     p.add_argument('--pack', default='no', choices=['no', 'yes', 'both'],
                    help="sweep tiles with each query head in its own programs ('no'), with a KV head's query "
                    "heads packed into one program's rows ('yes'), or both")
@@ -115,7 +119,8 @@ def sweep(name, shapes, args):
     from triton.testing import do_bench_cudagraph
     kv_lens = [n for n, _ in shapes]
     q_lens = [m for _, m in shapes]
-    b, h, hkv, d = len(shapes), 32, 8, 128
+    b = len(shapes)
+    h, hkv, d = args.heads
     scales = {}
     if args.policy:
         kc, vc, scales, tables, lens = quantized_cache(kv_lens, hkv, d, args.policy)
@@ -127,7 +132,7 @@ def sweep(name, shapes, args):
 
     def run(tiles=None, impl=attention):
         return impl.paged_prefill_attention(q, kc, vc, tables, starts, ql, lens, d**-0.5, max(q_lens),
-                                            max(kv_lens), tiles, **scales)
+                                            max(kv_lens), tiles, logit_softcap=args.softcap, **scales)
 
     want = run()
     flops = sum(4 * (m * (n - m) + m * (m + 1) / 2) * h * d for n, m in shapes)
@@ -142,17 +147,18 @@ def sweep(name, shapes, args):
         print(f'  {args.compare}: {us:7.1f} us, {flops / us / 1e6:.0f} TFLOP/s (in use: {us / base:.2f}x its speed; '
               f'rel err {err:.2g})', flush=True)
     for backend, us in dense_reference(q, kc, vc, tables, shapes, h, hkv, d,
-                                       [] if args.policy else args.dense).items():
+                                       [] if args.policy or args.softcap else args.dense).items():
         print(f'  torch SDPA {backend} (dense): ' +
               (f'{us:7.1f} us, {flops / us / 1e6:.0f} TFLOP/s' if isinstance(us, float) else us), flush=True)
     if args.no_sweep:
         return
     results = []
     configs = []
+    rows = (32, 64, 128) if d > 128 else (64, 128)  # wide heads: a 32-row tile is the one in use
     if args.pack in ('no', 'both'):
-        configs += itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (False, ))
+        configs += itertools.product(rows, (32, 64, 128), (4, 8), (2, 3, 4), (False, ))
     if args.pack in ('yes', 'both'):
-        configs += itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3), (True, ))
+        configs += itertools.product(rows, (32, 64, 128), (4, 8), (2, 3), (True, ))
     for tiles in configs:
         try:
             got = run(tiles)

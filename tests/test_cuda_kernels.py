@@ -456,6 +456,39 @@ def test_decode_merge_of_more_slices_than_it_reads_at_once(d):
     assert rel_err(out, ref) < tol(dtype) * 2
 
 
+@pytest.mark.parametrize('long', [False, True])
+def test_prefill_of_wide_heads_packs_a_kv_heads_query_heads(long):
+    """Gemma 2's 256-wide heads (2 query heads a KV head, a soft cap) through the packed tiles the cuda device
+    picks for them: those of short prompts and those of prompts from 1,024 tokens (128 rows, 64-token context
+    tiles), here on short prompts, fresh and after cached context, against the reference."""
+    shapes = [(37, 37), (150, 150), (150, 20), (70, 1)]
+    kv_lens, q_lens = [s[0] for s in shapes], [s[1] for s in shapes]
+    dtype, h, hkv, d = DTYPES[-1], 4, 2, 256
+    tiles = attention.prefill_tiles(d, 2048 if long else max(q_lens), h // hkv)
+    assert tiles == ((128, 64, 8, 2, True) if long else (64, 32, 4, 2, True))
+    k_cache, v_cache, tables, _ = make_paged(kv_lens, hkv, d, 16, dtype)
+    q = torch.randn(sum(q_lens), h, d, dtype=dtype, device=DEV)
+    q_start = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(DEV)
+    args = (tables, q_start, torch.tensor(q_lens, device=DEV), torch.tensor(kv_lens, device=DEV), d**-0.5,
+            max(q_lens), max(kv_lens))
+    out = attention.paged_prefill_attention(q, k_cache, v_cache, *args, tiles=tiles, logit_softcap=2.0)
+    cpu = [a.cpu() if torch.is_tensor(a) else a for a in args]
+    ref = REF.paged_prefill_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()), *cpu,
+                                      logit_softcap=2.0)
+    assert rel_err(out, ref) < tol(dtype) * 2
+
+
+def test_prefill_tiles_for_wide_heads():
+    """Packed tiles for 256-wide heads where a KV head's query heads pack (and the shared memory holds them);
+    each query head in its own 32-row programs otherwise, as before (H200 sweep in prefill_tiles)."""
+    hopper, ampere, turing = 227 * 1024, 163 * 1024, 64 * 1024
+    assert attention.prefill_tiles(256, 3000, 2, 0, hopper) == (128, 64, 8, 2, True)
+    assert attention.prefill_tiles(256, 3000, 2, 0, ampere) == (64, 32, 4, 2, True)
+    assert attention.prefill_tiles(256, 3000, 2, 0, turing) == (32, 32, 4, 2, False)
+    assert attention.prefill_tiles(256, 3000, 3, 0, hopper) == (32, 32, 4, 2, False)  # 3 heads do not pack
+    assert attention.prefill_tiles(256, 3000, 2, 8, hopper) == (32, 32, 4, 2, False)  # quantized: as measured
+
+
 def test_decode_tiles_for_wide_heads():
     """A 16-bit cache with 256-wide heads reads 64-token tiles at every batch (not the 128-token tiles that
     128-wide heads take from 128 sequences), with 8 warps below 128 sequences; 32-token ones where 64 KB of
