@@ -61,13 +61,13 @@ def build(shape: str, out: str) -> str:
     return out
 
 
-def run(path: str, tp: int, quant_policy: int, prompts):
+def run(path: str, tp: int, quant_policy: int, prompts, executor=None):
     """Per prompt: (greedy tokens, their step logits), all prompts in one batch."""
     from lmdeploy.engine.engine import Engine
     from lmdeploy.messages import PytorchEngineConfig
     cfg = PytorchEngineConfig(device_type='cuda', dtype='bfloat16', tp=tp, quant_policy=quant_policy,
                               session_len=max(map(len, prompts)) + NEW + 64, max_batch_size=16,
-                              cache_max_entry_count=0.3)
+                              cache_max_entry_count=0.3, distributed_executor_backend=executor)
     return greedy_with_logits(Engine(path, cfg), prompts, NEW)
 
 
@@ -108,6 +108,25 @@ def test_tp_equals_tp1_on_gpus(model_dir, tp, quant_policy):
           + ', '.join(f'({s}, {e:.2e}, {b:.2e})' for (s, e), b in zip(rows, bounds)))
     for (same, err), bound in zip(rows, bounds):  # equal tokens, or logits that agree up to where they part
         assert same == NEW or err < bound, (rows, bounds)
+
+
+def test_ray_executor_on_gpus_equals_tp1(model_dir):
+    """tp=2 with each rank a Ray actor on its GPU (a local Ray instance; every GPU of the node in view of each
+    rank, its own picked by index): the greedy tokens of tp=1, or logits within 1e-2 up to where they part."""
+    ray = pytest.importorskip('ray')
+    shape, path = model_dir
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, SHAPES[shape][1]['vocab_size']) for _ in range(n)] for n in PROMPT_LENGTHS]
+    if (shape, 0) not in _TP1:
+        _TP1[shape, 0] = run(path, 1, 0, prompts)
+    try:
+        rows = compare(_TP1[shape, 0], run(path, 2, 0, prompts, executor='ray'))
+    finally:
+        ray.shutdown()
+    print(f'\n[tp on GPUs, Ray] {shape}, tp=2: (tokens of {NEW} equal to tp=1, max logits rel err up to the first '
+          'difference) per prompt: ' + ', '.join(f'({s}, {e:.2e})' for s, e in rows))
+    for same, err in rows:
+        assert same == NEW or err < 1e-2, rows
 
 
 def quantized_bounds(exact, quantized):

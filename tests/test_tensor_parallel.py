@@ -264,6 +264,16 @@ def test_ray_executor_across_nodes_equals_tp1(two_node_ray, tiny_model_factory):
     assert _wait_cpus(ray, 2.0), 'the placement group and the actor were not released'
 
 
+def test_a_ray_rank_finds_its_device_among_its_nodes(monkeypatch):
+    """Ray names a device as its node lists it; a rank that keeps the node's devices in view (tests/test_cuda_tp.py
+    runs it on two GPUs) takes the index of that name in the list, or the name itself where nothing is listed."""
+    from lmdeploy.engine.parallel.launch import local_device_index
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '2, 3')
+    assert local_device_index('3', 'CUDA_VISIBLE_DEVICES') == 1 and local_device_index(2, 'CUDA_VISIBLE_DEVICES') == 0
+    monkeypatch.delenv('CUDA_VISIBLE_DEVICES')
+    assert local_device_index('1', 'CUDA_VISIBLE_DEVICES') == 1 and local_device_index('0', None) == 0
+
+
 def _wait_cpus(ray, n, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -75,6 +75,10 @@ class DeviceRuntime:
     # process group (the default group, one member per rank) of this backend: 'gloo' on the cpu, 'nccl' on cuda
     collective_backend: str = 'gloo'
     ray_resource: Optional[str] = None  # the Ray resource one rank reserves (e.g. 'GPU'); None: only a CPU
+    # the variable that lists a process's visible devices, which Ray narrows to an actor's own device unless
+    # told not to: a rank then keeps its node's every device in view and uses its own by index (peer-to-peer
+    # transfers between the ranks' devices need the peer device visible in each process)
+    visible_devices_env: Optional[str] = None
 
     def __init__(self, ops=None):
         """``ops``: the device's DeviceOps object (its name; a one-class device's own services)."""

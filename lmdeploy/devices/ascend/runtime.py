@@ -75,7 +75,8 @@ class AscendRuntime(DeviceRuntime):
     torch_device_type = DEVICE_TYPE  # read per instance: the emulation sets DEVICE_TYPE to 'cpu'
     auto_priority = 20  # after cuda, before cpu
     collective_backend = 'hccl'
-    ray_resource = 'NPU'  # Ray's name for Ascend NPUs (it sets ASCEND_RT_VISIBLE_DEVICES for an actor)
+    ray_resource = 'NPU'  # Ray's name for Ascend NPUs
+    visible_devices_env = 'ASCEND_RT_VISIBLE_DEVICES'
     # decode steps recorded; steps with prompt rows stay eager: the fused attention reads sequence lengths as
     # host lists, which a recorded step would have to update per prompt; decode steps update theirs
     # (capture_graph)

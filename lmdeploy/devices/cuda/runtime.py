@@ -17,6 +17,7 @@ class CudaRuntime(DeviceRuntime):
     auto_priority = 30
     collective_backend = 'nccl'
     ray_resource = 'GPU'
+    visible_devices_env = 'CUDA_VISIBLE_DEVICES'
     # whole steps recorded (decode and mixed); capture_pieces is there too (benchmark/mixed_step.py)
     PLAN = ExecutionPlan(graphs=GRAPHS_STEPS, records_mixed_steps=True, profile_memory=True)
 

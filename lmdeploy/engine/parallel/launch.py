@@ -83,7 +83,10 @@ def _wait(proc: subprocess.Popen, timeout: float) -> bool:
 
 class RayLauncher:
     """One Ray actor per rank, in a placement group whose first bundle (rank 0's device) is on this
-    machine; the actors' devices are the ones Ray assigns them."""
+    machine; the actors' devices are the ones Ray assigns them. Ray would make an actor's device the only one
+    its process sees; where the device names the variable that does so, every rank keeps its node's devices in
+    view instead and picks its own by index, as rank 0 does (on 2 GPUs, one-shot all-reduce through peer
+    buffers and NCCL's peer-to-peer transport need the other rank's GPU visible)."""
 
     def __init__(self, device):
         try:
@@ -98,6 +101,7 @@ class RayLauncher:
             ray.init(address=os.environ.get('RAY_ADDRESS'), ignore_reinit_error=True)
         self.host = ray.util.get_node_ip_address()
         self.resource = device.runtime.ray_resource
+        self.visible_env = device.runtime.visible_devices_env if self.resource else None
         self.actors, self.refs = [], []
         self.pg = None
         self._placeholder = None
@@ -117,6 +121,8 @@ class RayLauncher:
             opts['num_gpus'] = 1
         elif self.resource:
             opts['resources'] = {self.resource: 1}
+        if self.visible_env:
+            opts['runtime_env'] = {'env_vars': {f'RAY_EXPERIMENTAL_NOSET_{self.visible_env}': '1'}}
         return opts
 
     def rank0_device_index(self) -> Optional[int]:
@@ -125,13 +131,13 @@ class RayLauncher:
             return None
         self._placeholder = _actor_class(self._ray).options(**self._options(0)).remote()
         ids = self._ray.get(self._placeholder.device_ids.remote(self.resource))
-        return int(ids[0])
+        return local_device_index(ids[0], self.visible_env)
 
     def start(self, spec: WorkerSpec):
-        spec.device_index = 0 if self.resource else None  # Ray makes the assigned device the only visible one
+        spec.device_index = None  # the actor finds its own where Ray assigns it one (RankActor.run)
         actor = _actor_class(self._ray).options(**self._options(spec.rank)).remote()
         self.actors.append(actor)
-        self.refs.append(actor.run.remote(spec))
+        self.refs.append(actor.run.remote(spec, self.resource, self.visible_env))
 
     def gone(self) -> Optional[str]:
         ready, _ = self._ray.wait(self.refs, timeout=0)
@@ -173,11 +179,14 @@ def _actor_class(ray):
 
         class RankActor:
 
-            def run(self, spec: WorkerSpec):
+            def run(self, spec: WorkerSpec, resource: Optional[str], visible_env: Optional[str]):
                 from lmdeploy.log import configure
 
                 from .worker import serve
                 configure(spec.log_level, f' (rank {spec.rank})')
+                if resource:  # the device Ray assigned: the only one in view, or its place among the node's
+                    ids = self.device_ids(resource)
+                    spec.device_index = local_device_index(ids[0], visible_env) if visible_env else 0
                 serve(spec)
 
             def device_ids(self, resource: str):
@@ -185,6 +194,14 @@ def _actor_class(ray):
 
         _ACTOR = ray.remote(RankActor)
     return _ACTOR
+
+
+def local_device_index(device_id, visible_env: Optional[str]) -> int:
+    """The torch index of the device Ray calls ``device_id`` in a process that sees its node's devices: Ray names
+    devices as the node lists them in ``visible_env`` where that is set (a raylet started with
+    CUDA_VISIBLE_DEVICES=2,3 calls its devices '2' and '3'), by their index otherwise."""
+    listed = [d.strip() for d in os.environ.get(visible_env or '', '').split(',') if d.strip()]
+    return listed.index(str(device_id)) if str(device_id) in listed else int(device_id)
 
 
 LAUNCHERS = {'mp': ProcessLauncher, 'ray': RayLauncher}
