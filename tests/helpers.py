@@ -572,6 +572,20 @@ def random_prompts(seed, lengths=(3, 17, 41)) -> list[list[int]]:
     return [[rng.randrange(20, TINY_VOCAB) for _ in range(n)] for n in lengths]
 
 
+def lively_model(build, prompts_of=random_prompts, new_tokens: int = 16, attempts: int = 5):
+    """(checkpoint, seed) of a tiny random model ``build(seed)`` writes, drawn with fresh seeds until
+    transformers' greedy decoding of ``prompts_of(seed)`` is not a degenerate repeat (more than 8 distinct
+    tokens over the prompts). Now and then a draw of random weights repeats a handful of tokens (a tiny
+    Falcon gave 8 over 3 prompts of 16 in one CI run); comparisons on such a draw would check little, so
+    that draw is replaced, not failed."""
+    for _ in range(attempts):
+        seed = int.from_bytes(os.urandom(2), 'little')
+        path = build(seed)
+        if len({t for seq in hf_greedy(path, prompts_of(seed), new_tokens) for t in seq}) > 8:
+            return path, seed
+    raise AssertionError(f'{attempts} random draws in a row decoded a degenerate repeat')
+
+
 def save_tiny(model, out: str, tokenizer_dir: str) -> str:
     """Save a tiny transformers model with generation ids 1 / 2 / 2 (bos / eos / pad) and the tests' tokenizer
     and chat template."""

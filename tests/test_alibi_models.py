@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 from engine_utils import engine_tokens
-from helpers import build_tiny_falcon, hf_greedy, random_prompts
+from helpers import build_tiny_falcon, hf_greedy, lively_model, random_prompts
 
 from lmdeploy.engine.model_config import load_model_config
 from lmdeploy.engine.nn.attention import alibi_slopes
@@ -34,9 +34,14 @@ FALCON_RW = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_atte
 
 @pytest.fixture(scope='module')
 def falcon_rw(smollm2_path, tmp_path_factory):
-    seed = int.from_bytes(os.urandom(2), 'little')
-    path = build_tiny_falcon(str(tmp_path_factory.mktemp('falcon_rw')), smollm2_path, FALCON_RW, seed)
-    prompts = random_prompts(seed, lengths=(3, 17, 60))
+    root = tmp_path_factory.mktemp('falcon_rw')
+
+    def prompts_of(seed):
+        return random_prompts(seed, lengths=(3, 17, 60))
+
+    path, seed = lively_model(lambda seed: build_tiny_falcon(str(root / f'm-{seed}'), smollm2_path, FALCON_RW, seed),
+                              prompts_of, NEW_TOKENS)
+    prompts = prompts_of(seed)
     return path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
 
 

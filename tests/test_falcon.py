@@ -16,11 +16,10 @@ embedding). ALiBi (falcon-rw): tests/test_alibi_models.py.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from engine_utils import engine_tokens
-from helpers import build_tiny_falcon, hf_greedy, random_prompts
+from helpers import build_tiny_falcon, hf_greedy, lively_model, random_prompts
 
 from lmdeploy.engine.model_config import load_model_config
 from lmdeploy.engine.models import get_model_class
@@ -44,12 +43,12 @@ SPECS = {  # name -> (config, KV heads it makes)
 @pytest.fixture(scope='module')
 def models(smollm2_path, tmp_path_factory):
     root = tmp_path_factory.mktemp('falcon')
-    seed = int.from_bytes(os.urandom(2), 'little')
     made = {}
 
     def get(name):
         if name not in made:
-            made[name] = build_tiny_falcon(str(root / name), smollm2_path, SPECS[name][0], seed), seed
+            made[name] = lively_model(lambda seed: build_tiny_falcon(str(root / f'{name}-{seed}'), smollm2_path,
+                                                                     SPECS[name][0], seed), new_tokens=NEW_TOKENS)
         return made[name]
 
     return get

@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_utils import EngineCache, engine_tokens, greedy, submit
 from helpers import GEMMA2_WINDOW as WINDOW
-from helpers import build_tiny_gemma2, edited_copy, hf_greedy, hf_logits, random_prompts
+from helpers import build_tiny_gemma2, edited_copy, hf_greedy, hf_logits, lively_model, random_prompts
 
 from lmdeploy.engine.model_config import load_model_config
 from lmdeploy.engine.models import get_model_class
@@ -27,8 +27,9 @@ CONFIG = dict(device_type='cpu', dtype='float32', session_len=256, block_size=4,
 
 @pytest.fixture(scope='module')
 def gemma2(smollm2_path, tmp_path_factory):
-    seed = int.from_bytes(os.urandom(2), 'little')
-    return build_tiny_gemma2(str(tmp_path_factory.mktemp('gemma2') / 'm'), smollm2_path, seed), seed
+    root = tmp_path_factory.mktemp('gemma2')
+    return lively_model(lambda seed: build_tiny_gemma2(str(root / f'm-{seed}'), smollm2_path, seed),
+                        new_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope='module')

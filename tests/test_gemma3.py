@@ -9,12 +9,11 @@ tokens, whole and prefilled in chunks, decoding past the window.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 from engine_utils import EngineCache, engine_tokens
 from helpers import GEMMA3_LAYER_TYPES as TYPES
-from helpers import build_tiny_gemma3, edited_copy, hf_greedy, random_prompts
+from helpers import build_tiny_gemma3, edited_copy, hf_greedy, lively_model, random_prompts
 
 from lmdeploy.engine.model_config import load_model_config
 from lmdeploy.engine.models import get_model_class
@@ -26,8 +25,9 @@ CONFIG = dict(device_type='cpu', dtype='float32', session_len=256, block_size=4,
 
 @pytest.fixture(scope='module')
 def gemma3(smollm2_path, tmp_path_factory):
-    seed = int.from_bytes(os.urandom(2), 'little')
-    return build_tiny_gemma3(str(tmp_path_factory.mktemp('gemma3') / 'm'), smollm2_path, seed), seed
+    root = tmp_path_factory.mktemp('gemma3')
+    return lively_model(lambda seed: build_tiny_gemma3(str(root / f'm-{seed}'), smollm2_path, seed),
+                        new_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope='module')

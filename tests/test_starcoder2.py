@@ -12,11 +12,10 @@ The same weights decode otherwise in transformers without the window, so the win
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 from engine_utils import engine_tokens, generate_all, greedy
-from helpers import build_tiny_starcoder2, edited_copy, hf_greedy, random_prompts
+from helpers import build_tiny_starcoder2, edited_copy, hf_greedy, lively_model, random_prompts
 
 from lmdeploy.engine.engine import Engine
 from lmdeploy.engine.model_config import load_model_config
@@ -40,12 +39,12 @@ SPECS = {
 @pytest.fixture(scope='module')
 def models(smollm2_path, tmp_path_factory):
     root = tmp_path_factory.mktemp('starcoder2')
-    seed = int.from_bytes(os.urandom(2), 'little')
     made = {}
 
     def get(name):
         if name not in made:
-            made[name] = build_tiny_starcoder2(str(root / name), smollm2_path, SPECS[name], seed), seed
+            made[name] = lively_model(lambda seed: build_tiny_starcoder2(str(root / f'{name}-{seed}'), smollm2_path,
+                                                                         SPECS[name], seed), new_tokens=NEW_TOKENS)
         return made[name]
 
     return get
