@@ -456,11 +456,13 @@ def test_decode_merge_of_more_slices_than_it_reads_at_once(d):
     assert rel_err(out, ref) < tol(dtype) * 2
 
 
+@pytest.mark.parametrize('window', [None, 40])
 @pytest.mark.parametrize('long', [False, True])
-def test_prefill_of_wide_heads_packs_a_kv_heads_query_heads(long):
-    """Gemma 2's 256-wide heads (2 query heads a KV head, a soft cap) through the packed tiles the cuda device
-    picks for them: those of short prompts and those of prompts from 1,024 tokens (128 rows, 64-token context
-    tiles), here on short prompts, fresh and after cached context, against the reference."""
+def test_prefill_of_wide_heads_packs_a_kv_heads_query_heads(long, window):
+    """Gemma 2's 256-wide heads (2 query heads a KV head, a soft cap; a sliding window shorter than the prompts,
+    as its local layers have) through the packed tiles the cuda device picks for them: those of short prompts
+    and those of prompts from 1,024 tokens (128 rows, 64-token context tiles), here on short prompts, fresh and
+    after cached context, against the reference."""
     shapes = [(37, 37), (150, 150), (150, 20), (70, 1)]
     kv_lens, q_lens = [s[0] for s in shapes], [s[1] for s in shapes]
     dtype, h, hkv, d = DTYPES[-1], 4, 2, 256
@@ -471,10 +473,11 @@ def test_prefill_of_wide_heads_packs_a_kv_heads_query_heads(long):
     q_start = torch.tensor([0] + q_lens[:-1]).cumsum(0).to(DEV)
     args = (tables, q_start, torch.tensor(q_lens, device=DEV), torch.tensor(kv_lens, device=DEV), d**-0.5,
             max(q_lens), max(kv_lens))
-    out = attention.paged_prefill_attention(q, k_cache, v_cache, *args, tiles=tiles, logit_softcap=2.0)
+    out = attention.paged_prefill_attention(q, k_cache, v_cache, *args, tiles=tiles, logit_softcap=2.0,
+                                            sliding_window=window)
     cpu = [a.cpu() if torch.is_tensor(a) else a for a in args]
     ref = REF.paged_prefill_attention(q.cpu().float(), KVCache(k_cache.cpu().float(), v_cache.cpu().float()), *cpu,
-                                      logit_softcap=2.0)
+                                      logit_softcap=2.0, sliding_window=window)
     assert rel_err(out, ref) < tol(dtype) * 2
 
 
