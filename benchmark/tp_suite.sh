@@ -14,15 +14,12 @@
 #           then vLLM's; on 4 GPUs the two engines run side by side (GPUs 0,1 and 2,3)
 #   ours70 / vllm70   the 70B shape at tp=4: batch 1 and the 2000 requests from one load each
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-LOG_DIR=$(mkdir -p "${LOG_DIR:-tp-logs}" && cd "${LOG_DIR:-tp-logs}" && pwd)
+SUITE_LOGS=tp-logs
+# shellcheck source=benchmark/suite_common.sh
+source "$(dirname "$0")/suite_common.sh"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPUS=$(nvidia-smi -L | wc -l)
-WORKLOAD=(--num-requests 2000 --input-len 150 --output-len 140 --input-sigma 0.9 --output-sigma 0.9
-  --max-input-len 2000 --max-output-len 1000)
 LONG=(--num-requests 200 --input-len 128 --output-len 1500 --max-input-len 2000 --max-output-len 2000)
-
-note() { echo "$(date +%T) $*" | tee -a "$LOG_DIR/progress"; }
 
 ours() {  # LOG TIMEOUT ARGS...: throughput.py on the GPUs CUDA_VISIBLE_DEVICES names
   local log=$1 limit=$2; shift 2
@@ -32,8 +29,7 @@ ours() {  # LOG TIMEOUT ARGS...: throughput.py on the GPUs CUDA_VISIBLE_DEVICES 
 
 vllm() {  # LOG TIMEOUT ARGS...: vllm_offline.py (batch 1, then the workload ARGS give)
   local log=$1 limit=$2; shift 2
-  (cd benchmark && PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
-    HF_HUB_OFFLINE=1 timeout "$limit" python3 vllm_offline.py "$@") >"$LOG_DIR/$log" 2>&1
+  (cd benchmark && vllm_env timeout "$limit" python3 vllm_offline.py "$@") >"$LOG_DIR/$log" 2>&1
   note "$log rc=$? $(grep -h '^\[vllm' "$LOG_DIR/$log" | tr '\n' ' ')"
 }
 
