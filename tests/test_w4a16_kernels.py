@@ -178,6 +178,18 @@ def test_swapped_operands():
         assert_close(got.cpu(), x.half().double() @ w16.half().double().t(), torch.float16)
 
 
+def test_groups_that_split_a_packed_int32_take_the_fused_tile_at_any_rows():
+    """A group of 4 inputs (half an int32's 8) has no dequantize + cuBLAS path: from DEQUANT_ROWS rows on the
+    fused tile still runs, the table's widest, against the float product."""
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
+    k, n, m, group = 64, 40, w4a16.DEQUANT_ROWS + 2, 4
+    assert w4a16.choose(m, n, k, group, 132) is None
+    q, z, s, bias, w, args = random_codes(k, n, group, gen)
+    x = torch.randn(m, k, generator=gen)
+    got = w4a16.w4a16_linear(x.to(DEV), *args, group, None, bias.to(DEV))
+    assert_close(got, x.double() @ w.double().t() + bias.double(), torch.float32)
+
+
 def test_magic_dequantization_gives_the_same_values():
     """``magic``: each nibble or-ed into the mantissa of 2^10 (float16; bfloat16's 2^7 on a GPU, where the
     interpreter's bfloat16 is not exact) gives the very outputs of the converting path, with groups per tile

@@ -503,7 +503,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if cfg is None and (g_idx is not None or group % 8 == 0):
         w_t = dequantize(qweight, scales, zeros, group, g_idx, x.dtype)
         return torch.mm(x, w_t) if bias is None else torch.addmm(bias.to(x.dtype), x, w_t)
-    cfg = cfg or Config(128, 128, 64, 1, 8, 3)  # (a group that splits an int32's 8 inputs: only the fused tile)
+    if cfg is None:  # a group that splits an int32's 8 inputs: only the fused tile, the table's widest
+        cfg = choose(DEQUANT_ROWS - 1, n, k, group, num_sms)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
