@@ -9,7 +9,6 @@ tokens, whole and prefilled in chunks, decoding past the window.
 """
 from __future__ import annotations
 
-
 import pytest
 from engine_utils import EngineCache, engine_tokens
 from helpers import GEMMA3_LAYER_TYPES as TYPES
