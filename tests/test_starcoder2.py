@@ -12,7 +12,6 @@ The same weights decode otherwise in transformers without the window, so the win
 """
 from __future__ import annotations
 
-
 import pytest
 from engine_utils import engine_tokens, generate_all, greedy
 from helpers import build_tiny_starcoder2, edited_copy, hf_greedy, lively_model, random_prompts
