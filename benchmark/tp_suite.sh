@@ -7,7 +7,7 @@
 #
 # Steps:
 #   vsite   unpack vLLM's site from $VPARTS (default /tmp/vparts: ../shared/peers/build_vllm_site.sh's parts,
-#           carried over one part a call) into /tmp/vsite, once
+#           carried over one part a call) into /tmp/vsite, once (suite_common.sh's vllm_site)
 #   gen8    the Llama-3-8B shape in /tmp/l8b;  gen70: the Llama-3-70B shape in /tmp/l70b (132 GB, ~3.5 min)
 #   tests   tests/test_cuda_tp.py for every tp the GPUs allow (4 layers at full width; ~5 min for tp=4)
 #   pair    the 8B shape at tp=2: this engine's 2000 requests (with batch 1 first, one load) and 200 x 128 / 1,500,
@@ -36,8 +36,7 @@ vllm() {  # LOG TIMEOUT ARGS...: vllm_offline.py (batch 1, then the workload ARG
 for step in "$@"; do
   note "=== $step"
   case $step in
-    vsite) [ -f /tmp/vsite/.ok ] || { mkdir -p /tmp/vsite && cat "${VPARTS:-/tmp/vparts}"/vllm-site.tgz.part* |
-             tar -xz -C /tmp/vsite && touch /tmp/vsite/.ok; } ;;
+    vsite) vllm_site; note "vsite ok=$([ -f /tmp/vsite/.ok ] && echo 1 || echo 0)" ;;
     gen8) [ -f /tmp/l8b/config.json ] || python3 benchmark/random_model.py --shape llama3-8b --out /tmp/l8b \
             >"$LOG_DIR/gen8.log" 2>&1 ;;
     gen70) [ -f /tmp/l70b/model.safetensors.index.json ] || python3 benchmark/random_model.py --shape llama3-70b \
