@@ -7,6 +7,12 @@ CUDA graph, as a decode step reads its weights (none of them from L2), replayed 
 
     PYTHONPATH=. python3 benchmark/w8a8_gemm.py
     PYTHONPATH=. python3 benchmark/w8a8_gemm.py --m 1 256 --shapes qkv down
+    PYTHONPATH=. python3 benchmark/w8a8_gemm.py --with-producer   # the op before the layer included
+
+``--with-producer``: each layer with the op that makes its input in a decoder layer (q|k|v and gate|up: RMSNorm
+with the residual add; down: silu(gate) * up), timed as bf16 (the float op, then F.linear), as the 8-bit layer
+quantizing its own input (the float op, then apply) and with the quantization fused into that op (CudaOps'
+rms_norm_quant / silu_and_mul_quant, then apply on the codes: what the engine runs, nn/feeds.py).
 """
 from __future__ import annotations
 
@@ -71,6 +77,52 @@ def max_rel(got, want) -> float:
     return float((got.double() - want.double()).abs().max() / want.double().abs().max())
 
 
+def producer_table(ops, impls_of, shapes, ms):
+    """Each layer with the op before it: bf16, 8-bit unfused, 8-bit fused (see the module's docstring)."""
+    head = (f"{'shape':>8} {'M':>5} | {'bf16':>8} | {'int8':>8} {'fused':>8} {'x bf16':>6} | "
+            f"{'fp8':>8} {'fused':>8} {'x bf16':>6}")
+    print('\nwith the op before the layer (us per call):')
+    print(head)
+    print('-' * len(head))
+    dev = 'cuda'
+    for name, n, k in shapes:
+        if name not in ('qkv', 'gate_up', 'down'):
+            continue
+        w, bf16_ws, impls = impls_of(name, n, k)
+        g = torch.Generator(device=dev).manual_seed(1)
+        for m in ms:
+            if name == 'down':  # silu(gate) * up of the gate|up projection's output
+                gu = torch.randn(m, 2 * k, device=dev, generator=g, dtype=torch.bfloat16)
+                def float_op():
+                    return ops.silu_and_mul(gu)
+                def fused_op(fp8):
+                    return ops.silu_and_mul_quant(gu, fp8)
+            else:  # RMSNorm with the residual add
+                x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+                res = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+                nw = torch.rand(k, device=dev, generator=g).to(torch.bfloat16) + 0.5
+                def float_op():
+                    return ops.rms_norm(x, nw, 1e-5, res)[0]
+                def fused_op(fp8):
+                    return ops.rms_norm_quant(x, nw, 1e-5, res, fp8)[0]
+            row = f'{name:>8} {m:>5} |'
+            t_bf16 = time_us(lambda wt: F.linear(float_op(), wt), bf16_ws)
+            row += f' {t_bf16:8.1f} |'
+            for fmt in ('int8', 'fp8'):
+                impl, _, layers = impls.get(fmt, (None, None, None))
+                if impl is None or not layers[0].w8a8_fast:
+                    row += f" {'-':>8} {'-':>8} {'-':>6} |"
+                    continue
+                fp8 = fmt == 'fp8'
+                same = torch.equal(impl.apply(layers[0], float_op()), impl.apply(layers[0], fused_op(fp8)))
+                t_plain = time_us(lambda layer: impl.apply(layer, float_op()), layers)
+                t_fused = time_us(lambda layer: impl.apply(layer, fused_op(fp8)), layers)
+                row += f' {t_plain:8.1f} {t_fused:8.1f} {t_bf16 / t_fused:6.2f}{"" if same else " DIFFERS"} |'
+            print(row.rstrip(' |'), flush=True)
+        del w, bf16_ws, impls
+        torch.cuda.empty_cache()
+
+
 def main():
     from lmdeploy.devices.cuda.ops import CudaOps
     from lmdeploy.devices.cuda.w8a8 import CudaW8A8Fp8Linear, CudaW8A8Int8Linear
@@ -78,18 +130,17 @@ def main():
     parser.add_argument('--m', type=int, nargs='+', default=[1, 16, 64, 256, 1024, 4096])
     parser.add_argument('--shapes', nargs='+', default=['qkv', 'o', 'gate_up', 'down'])
     parser.add_argument('--weight-mb', type=int, default=1024, help='bytes of weight copies walked per replay')
+    parser.add_argument('--with-producer', action='store_true',
+                        help='only the table of each layer with the op before it, unfused and fused')
     args = parser.parse_args()
     ops = CudaOps()
     cap = torch.cuda.get_device_capability()
     print(f'{torch.cuda.get_device_name()} (sm{cap[0]}{cap[1]}), torch {torch.__version__}')
-    print('us per call (CUDA graph replays over weight copies); err: max |impl - reference| / max |reference|')
-    head = (f"{'shape':>8} {'N':>6} {'K':>6} {'M':>5} | {'bf16':>8} | {'int8':>8} {'x bf16':>6} {'err':>8} | "
-            f"{'fp8':>8} {'x bf16':>6} {'err':>8}")
-    print(head)
-    print('-' * len(head))
     t_start = time.time()
     dev = 'cuda'
-    for name, n, k in [s for s in SHAPES if s[0] in args.shapes]:
+
+    def impls_of(name, n, k):
+        """(bf16 weight, its copies, {fmt: (impl, reference impl, layers over the weight's copies)})."""
         g = torch.Generator(device=dev).manual_seed(0)
         w = torch.randn(n, k, device=dev, generator=g, dtype=torch.bfloat16) / k**0.5
         copies = max(1, (args.weight_mb << 20) // (n * k))
@@ -104,6 +155,21 @@ def main():
                 impls[fmt] = (impl, ref, layers)
             except Exception as e:  # noqa: BLE001
                 print(f'{name}: {fmt} weights failed: {type(e).__name__}: {e}')
+        return w, bf16_ws, impls
+
+    shapes = [s for s in SHAPES if s[0] in args.shapes]
+    if args.with_producer:
+        producer_table(ops, impls_of, shapes, args.m)
+        print(f'done in {time.time() - t_start:.0f} s')
+        return
+    print('us per call (CUDA graph replays over weight copies); err: max |impl - reference| / max |reference|')
+    head = (f"{'shape':>8} {'N':>6} {'K':>6} {'M':>5} | {'bf16':>8} | {'int8':>8} {'x bf16':>6} {'err':>8} | "
+            f"{'fp8':>8} {'x bf16':>6} {'err':>8}")
+    print(head)
+    print('-' * len(head))
+    for name, n, k in shapes:
+        w, bf16_ws, impls = impls_of(name, n, k)
+        g = torch.Generator(device=dev).manual_seed(2)
         for m in args.m:
             x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
             row = f'{name:>8} {n:>6} {k:>6} {m:>5} |'

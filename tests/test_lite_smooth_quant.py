@@ -175,3 +175,43 @@ def test_cli_and_refusals(tmp_path, tiny_model_factory, capsys):
     from lmdeploy.lite import smooth_quant
     with pytest.raises(ValueError, match='--smooth-alpha 1.5'):
         smooth_quant(src, str(tmp_path / 'o'), smooth_alpha=1.5)
+
+
+@pytest.mark.parametrize('quant_dtype', ['int8', 'fp8'])
+def test_norms_and_the_activation_quantize_for_the_w8a8_layers(tmp_path, tiny_model_factory, monkeypatch,
+                                                               quant_dtype):
+    """nn/feeds.py: each decoder layer's two norms and its gated activation hand the W8A8 projections after them
+    their input already quantized (q|k|v, gate|up, down; o quantizes its own), and the model computes exactly
+    what it does when every layer quantizes its own input."""
+    from lmdeploy import PytorchEngineConfig, pipeline
+    from lmdeploy.devices.act_quant import QuantizedInput
+    from lmdeploy.devices.w8a8 import W8A8Linear
+    from lmdeploy.engine import weights
+    from lmdeploy.lite import smooth_quant
+    out = str(tmp_path / quant_dtype)
+    smooth_quant(tiny_model_factory('llama'), out, quant_dtype=quant_dtype, calib_samples=2, calib_seqlen=32,
+                 device='cpu', progress=False)
+    with open(os.path.join(out, 'config.json')) as f:
+        layers = json.load(f)['num_hidden_layers']
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), 'little'))
+    windows = [torch.randint(10, 1000, (n, ), generator=g).tolist() for n in (9, 23, 40)]
+    linked, inputs = [], {True: 0, False: 0}
+    link, apply = weights.link_quantized_inputs, W8A8Linear.apply
+
+    def counted(self, layer, x, with_bias=True):
+        inputs[isinstance(x, QuantizedInput)] += 1
+        return apply(self, layer, x, with_bias)
+
+    monkeypatch.setattr(W8A8Linear, 'apply', counted)
+    cfg = PytorchEngineConfig(device_type='cpu', dtype='float32', session_len=128)
+    losses = []
+    for linking in (lambda m: linked.append(link(m)), lambda m: linked.append(0)):
+        monkeypatch.setattr(weights, 'link_quantized_inputs', linking)
+        with pipeline(out, backend_config=cfg) as pipe:
+            losses.append(pipe.get_ppl(windows))
+        if not losses[1:]:
+            assert inputs[True] == 3 * inputs[False] > 0, inputs
+            inputs = {True: 0, False: 0}
+    assert linked == [3 * layers, 0]
+    assert inputs[True] == 0 < inputs[False]
+    assert losses[0] == losses[1], losses

@@ -337,6 +337,38 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
                 want[b, t] -= row.count(t) * float(frequency[b]) + float(presence[b])
         return _compare('apply_frequency_presence_penalty', got.double(), want, torch.float32)
 
+    def quantized_activation(op, fp8):
+        """``op``'s QuantizedInput against the reference's codes of the float values it stands for (the device's
+        own float op: act_quant.py's rule applied to them): the same scales, codes at most one step apart
+        (an int8 code; an e4m3 spacing at the value), zeros past the rows."""
+        from .act_quant import quantize_input
+        x, res, w = q64(randn(5, 64, scale=2)), q64(randn(5, 64)), q64(randn(64) + 1)
+        x2 = q64(randn(6, 2 * 40))
+        if op == 'quantize_per_token':
+            x[0, 7] = 40.0  # an outlier: the other codes of its row near zero
+            qi, fl = ops.quantize_per_token(on_dev(x), fp8), on_dev(x)
+        elif op == 'rms_norm_quant':
+            qi, h = ops.rms_norm_quant(on_dev(x), on_dev(w), 1e-6, on_dev(res), fp8)
+            fl, h_want = ops.rms_norm(on_dev(x), on_dev(w), 1e-6, on_dev(res))
+            ok, detail = _compare('rms_norm_quant residual', h, h_want.to(torch.float64).cpu(), dtype)
+            if not ok:
+                return ok, detail
+        else:
+            qi, fl = ops.silu_and_mul_quant(on_dev(x2), fp8), ops.silu_and_mul(on_dev(x2))
+        want = quantize_input(fl.cpu(), fp8)
+        if (qi.rows, tuple(qi.shape), qi.dtype, qi.fp8) != (want.rows, tuple(want.shape), want.dtype, fp8):
+            return False, (f'{qi.rows} rows of shape {tuple(qi.shape)}, {qi.dtype}, fp8 {qi.fp8}; expected '
+                           f'{want.rows} of {tuple(want.shape)}, {want.dtype}, fp8 {fp8}')
+        got_q, got_s = qi.q.cpu(), qi.scale.cpu().double()
+        if got_q[qi.rows:].double().abs().sum() != 0:
+            return False, 'rows past the input are not zeros'
+        scale_err = float(((got_s[:qi.rows] - want.scale.double()).abs() / want.scale.double()).max())
+        a, b = got_q[:qi.rows].double(), want.q.double()
+        step = (2.0 ** (torch.floor(torch.log2(b.abs().clamp(min=2.0 ** -6))) - 3)) if fp8 else torch.ones_like(b)
+        steps = float(((a - b).abs() / step).max())
+        detail = f'codes at most {steps:.2f} steps apart, scales {scale_err:.1e} apart (relative)'
+        return steps <= 1.0 and scale_err <= 1e-6, detail
+
     def sample():
         from lmdeploy.devices import rng
         logits = randn(3, 50, scale=3).float()
@@ -356,6 +388,8 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
              ('paged_prefill_attention', paged_prefill_attention), ('apply_token_bitmask', apply_token_bitmask),
              ('apply_repetition_penalty', apply_repetition_penalty),
              ('apply_frequency_presence_penalty', apply_frequency_presence_penalty), ('sample', sample)]
+    found += [(f'{op}[{"fp8" if fp8 else "int8"}]', lambda o=op, f=fp8: quantized_activation(o, f))
+              for op in ('quantize_per_token', 'rms_norm_quant', 'silu_and_mul_quant') for fp8 in (False, True)]
     attention = [('paged_decode_attention', paged_decode_attention),
                  ('paged_prefill_attention', paged_prefill_attention)]
     for policy in (8, 4):  # the quantized caches this device implements (devices/cache.py)
@@ -512,6 +546,11 @@ def _check_layer_impl(ops, kind: str, weight_format: str, dtype, config) -> Tupl
         got2 = impl.apply_silu_and_mul(mine, x_in)
         want2 = torch.nn.functional.silu(want[:, :half]) * want[:, half:]
         ok, detail = _compare(f'{kind}[{weight_format}] + silu_and_mul', got2, want2, dtype)
+    quant = impl.input_quantization(mine) if kind == 'linear' else None
+    if ok and quant is not None:  # its input quantized by the op before it: the same output as from floats
+        got3 = impl.apply(mine, ops.quantize_per_token(x_in, quant == 'fp8'))
+        same = torch.equal(got3, run(impl, mine, x_in))
+        ok, detail = same, (detail if same else f'{kind}[{weight_format}] from a quantized input differs')
     return ok, detail
 
 

@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .act_quant import QuantizedInput
 from .cache import KVCache, KVCacheSpec, standard_spec
 from .runtime import DeviceRuntime
 
@@ -190,6 +191,25 @@ class DeviceOps:
         (torch's ``F.layer_norm``, transformers' ``nn.LayerNorm``: StarCoder2, Falcon). Statistics and the
         affine in float32, the result rounded once to x's dtype. No fused residual (a model adds it first)."""
         raise NotImplementedError
+
+    # ------------------------------------------------ quantized activations
+    def quantize_per_token(self, x: torch.Tensor, fp8: bool) -> QuantizedInput:
+        """x [..., K] quantized per token, as an 8-bit layer takes its input (devices/act_quant.py gives the
+        rule; ``fp8``: e4m3 codes, else int8). A device may hand zero rows past x's (act_quant says how)."""
+        raise NotImplementedError
+
+    def rms_norm_quant(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
+                       fp8: bool) -> Tuple[QuantizedInput, Optional[torch.Tensor]]:
+        """rms_norm whose output goes to an 8-bit layer: (quantize_per_token(out), the residual sum as rms_norm
+        returns it). The codes are those of rms_norm's rounded output; a device may fuse the two and never
+        write that output."""
+        out, res = self.rms_norm(x, weight, eps, residual)
+        return self.quantize_per_token(out, fp8), res
+
+    def silu_and_mul_quant(self, x: torch.Tensor, fp8: bool) -> QuantizedInput:
+        """quantize_per_token(silu_and_mul(x)): the gated MLP's activation for an 8-bit down projection (a
+        device may fuse the two)."""
+        return self.quantize_per_token(self.silu_and_mul(x), fp8)
 
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:

@@ -103,6 +103,12 @@ class LinearImpl:
         """silu(gate) * up of a stacked gate|up projection's output (a device may fuse the two)."""
         return self.ops.silu_and_mul(self.apply(layer, x))
 
+    def input_quantization(self, layer: nn.Module) -> Optional[str]:
+        """'int8' or 'fp8' where ``apply`` also takes its input already quantized per token (a
+        devices/act_quant.QuantizedInput, from the producer's fused op: the norm before the layer); None where
+        it takes only a float tensor. Asked once per layer, after ``process_weights``."""
+        return None
+
 
 class DenseLinear(LinearImpl):
     """The checkpoint's weight as it is: [out, in] in the model dtype."""
@@ -172,6 +178,10 @@ class NormImpl:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
         return self.ops.rms_norm(x, layer.weight, eps, residual)
+
+    def apply_quant(self, layer: nn.Module, x: torch.Tensor, eps: float, residual: Optional[torch.Tensor], fp8: bool):
+        """``apply`` whose output goes to an 8-bit layer: (its QuantizedInput, the residual sum)."""
+        return self.ops.rms_norm_quant(x, layer.weight, eps, residual, fp8)
 
 
 class ExpertsImpl:

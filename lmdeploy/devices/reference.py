@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rng
+from .act_quant import quantize_input
 from .cache import KVCache, dequantize, hadamard, pack_int4, quantize, rotates_k, unpack_int4
 from .interface import DeviceOps
 
@@ -59,6 +60,10 @@ class ReferenceOps(DeviceOps):
 
     def layer_norm(self, x, weight, bias, eps):
         return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+
+    # ------------------------------------------------ quantized activations
+    def quantize_per_token(self, x, fp8):
+        return quantize_input(x, fp8)
 
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache: KVCache, slot_mapping):

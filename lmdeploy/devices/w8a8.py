@@ -22,21 +22,22 @@ norms' weights and the weights' columns by ``lite``: nothing of them is left to 
 Under tensor parallelism a rank quantizes the part of a token's input it holds with its own scale (a row-
 parallel layer's input columns): finer than one rank's, and what a fused kernel on that rank would do.
 
+The input may come already quantized (devices/act_quant.py: the norm or the gated activation before the layer
+wrote the codes and scales in one op): the same codes as quantizing the producer's float output here.
+
 These are the formats' definition that a fast kernel is held to: the cuda device's (devices/cuda/w8a8.py:
 a Triton per-token quantize, ``torch._int_mm`` / ``torch._scaled_mm``) quantizes the input to the same values;
 other devices run this reference.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
+from .act_quant import FP8_DTYPE, FP8_MAX, INT8_MAX, QuantizedInput, quantize_per_token  # noqa: F401 (re-exported)
 from .layers import LinearImpl, add_param
 
-FP8_DTYPE = torch.float8_e4m3fn
-INT8_MAX = 127.0
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 QUANT_DTYPES = {'int8': 'int8', 'fp8': 'fp8', 'float8_e4m3fn': 'fp8', 'fp8_e4m3': 'fp8', 'float8': 'fp8'}
 
 
@@ -47,22 +48,6 @@ def _quant_dtype(config) -> str:
         raise ValueError(f'config.json: quantization_config.quant_dtype = {value!r} is not supported for '
                          f"quant_method 'smooth_quant'; 'int8' or 'fp8' (e4m3)")
     return key
-
-
-def quantize_per_token(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(x_q, a_scale [tokens, 1]) of a 2-D input: dynamic symmetric per-row quantization, computed in float32
-    (float64 for a float64 input). x_q is int8 or float8_e4m3fn."""
-    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(ct)
-    qmax = FP8_MAX if fp8 else INT8_MAX
-    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-    # divided by a tensor, not the number: torch on a GPU turns division by a number into multiplication by
-    # its reciprocal, which rounds differently (the scale must not depend on the device)
-    scale = amax / torch.full_like(amax, qmax)
-    y = xf / scale
-    if fp8:
-        return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
-    return y.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def quantize_per_channel(w: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -121,20 +106,34 @@ class W8A8Linear(LinearImpl):
         """W [out, in] = weight * weight_scale (what the float check multiplies the fake-quantized input by)."""
         return (layer.weight.double() * layer.weight_scale.double()[:, None]).to(dtype)
 
-    def fake_quantized_input(self, x: torch.Tensor) -> torch.Tensor:
+    def input_quantization(self, layer) -> Optional[str]:
+        return 'fp8' if self.fp8 else 'int8'
+
+    def fake_quantized_input(self, x: Union[torch.Tensor, QuantizedInput]) -> torch.Tensor:
         """The input as the layer sees it: quantized per token and dequantized again (in x's dtype)."""
+        if isinstance(x, QuantizedInput):
+            return x.dequantized()
         q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]), self.fp8)
         return (q.to(scale.dtype) * scale).to(x.dtype).reshape(x.shape)
 
+    def quantized(self, x: Union[torch.Tensor, QuantizedInput]) -> QuantizedInput:
+        """x as this layer's 8-bit input: quantized here, or already by its producer (the same codes)."""
+        if isinstance(x, QuantizedInput):
+            if x.fp8 != self.fp8:
+                raise TypeError(f'a {"fp8" if x.fp8 else "int8"} input for a {self.format} layer')
+            return x
+        q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]), self.fp8)
+        return QuantizedInput(q, scale, q.shape[0], x.dtype, tuple(x.shape[:-1]))
+
     def apply(self, layer, x, with_bias=True):
-        shape = x.shape
-        q, a_scale = quantize_per_token(x.reshape(-1, shape[-1]), self.fp8)
+        qi = self.quantized(x)
+        q, a_scale = qi.q[:qi.rows], qi.scale[:qi.rows]
         # exact: see the module's docstring
         acc = q.double() @ layer.weight.double().t() if self.fp8 else int8_gemm(q, layer.weight)
-        out = (acc * a_scale.double() * layer.weight_scale.double()).to(x.dtype)
+        out = (acc * a_scale.double() * layer.weight_scale.double()).to(qi.dtype)
         if with_bias and layer.bias is not None:
-            out = out + layer.bias.to(x.dtype)
-        return out.reshape(*shape[:-1], out.shape[-1])
+            out = out + layer.bias.to(qi.dtype)
+        return out.reshape(*qi.lead, out.shape[-1])
 
 
 class W8A8Int8Linear(W8A8Linear):

@@ -14,6 +14,7 @@ from lmdeploy.devices.layers import param_layout, weight_format
 from .model_config import ModelConfig
 from .models import get_model_class
 from .nn.build import building
+from .nn.feeds import link_quantized_inputs
 from .nn.loading import CheckpointTensor
 from .nn.parallel import check_splits, tensor_parallel
 
@@ -67,4 +68,5 @@ def load_model(model_path: str, cfg: ModelConfig, dtype: torch.dtype, ops: Devic
     for module in model.modules():
         if hasattr(module, 'process_weights'):
             module.process_weights()
+    link_quantized_inputs(model)  # 8-bit layers' inputs quantized by the op before them (nn/feeds.py)
     return model.eval()

@@ -113,6 +113,11 @@ class AscendOps(ReferenceSampling, DeviceOps):
         # torch's layer_norm (torch_npu's aten kernel; npu_layer_norm_eval's page says it is to be dropped for it)
         return _REFERENCE.layer_norm(x, weight, bias, eps)
 
+    def quantize_per_token(self, x, fp8):
+        # the reference's torch ops on the NPU tensors: no 8-bit layer runs here yet (W8A8 is not on Ascend's
+        # list), so torch_npu's npu_dynamic_quant stays untried
+        return _REFERENCE.quantize_per_token(x, fp8)
+
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache, slot_mapping):
         """npu_scatter_nd_update_ into the cache viewed as one row per slot. Padding rows (slot < 0) are

@@ -10,11 +10,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..act_quant import QuantizedInput, quantize_input
 from ..interface import DeviceOps
 from ..reference import ReferenceSampling
 from .runtime import CudaRuntime
 from .w4a16 import W4A16_IMPLS
-from .w8a8 import W8A8_IMPLS
+from .w8a8 import INT_MM_MIN_ROWS, W8A8_IMPLS
 
 
 class CudaOps(ReferenceSampling, DeviceOps):
@@ -28,8 +29,9 @@ class CudaOps(ReferenceSampling, DeviceOps):
     def __init__(self, num_sms: Optional[int] = None):
         """``num_sms``: the GPU's multiprocessor count (default: asked of the current GPU; tests that run the
         kernels in Triton's interpreter pass one)."""
-        from .kernels import activation, argmax, attention, kv_cache, linear, norm, rotary, sample
+        from .kernels import activation, argmax, attention, kv_cache, linear, norm, rotary, sample, w8a8_quant
         self._k_attention, self._k_kv, self._k_norm, self._k_linear = attention, kv_cache, norm, linear
+        self._k_quant = w8a8_quant
         self._k_rotary, self._k_act, self._k_argmax, self._k_sample = rotary, activation, argmax, sample
         self._num_sms = num_sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         # per op, the compiled kernel (csrc/cuda) or the Triton one (compiled.py says how it is chosen)
@@ -94,6 +96,40 @@ class CudaOps(ReferenceSampling, DeviceOps):
 
     def layer_norm(self, x, weight, bias, eps):
         return self._k_norm.layer_norm(x, weight, bias, eps)
+
+    # ------------------------------------------------ quantized activations
+    # Triton kernels (kernels/w8a8_quant.py) for 16- and 32-bit inputs, e4m3 codes from sm89 on (where the GEMM
+    # takes them); int8 codes come with at least INT_MM_MIN_ROWS rows (zeros past the input's: w8a8.py)
+    def _quantizes(self, x, fp8) -> bool:
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False
+        return not (fp8 and x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9))
+
+    @staticmethod
+    def _quantized(q, scale, x) -> QuantizedInput:
+        """The codes of the rows of x [..., K] (x: the float input, or a gated activation's [..., 2I])."""
+        return QuantizedInput(q, scale, x.numel() // x.shape[-1], x.dtype, tuple(x.shape[:-1]))
+
+    def quantize_per_token(self, x, fp8):
+        if not self._quantizes(x, fp8):
+            return quantize_input(x, fp8)
+        q, scale = self._k_quant.quantize_per_token(x.reshape(-1, x.shape[-1]), fp8,
+                                                    min_rows=0 if fp8 else INT_MM_MIN_ROWS)
+        return self._quantized(q, scale, x)
+
+    def rms_norm_quant(self, x, weight, eps, residual, fp8):
+        if not self._quantizes(x, fp8):
+            return super().rms_norm_quant(x, weight, eps, residual, fp8)
+        q, scale, res = self._k_quant.rms_norm_quant(x, weight, eps, residual, fp8,
+                                                     min_rows=0 if fp8 else INT_MM_MIN_ROWS)
+        return self._quantized(q, scale, x), res
+
+    def silu_and_mul_quant(self, x, fp8):
+        if not self._quantizes(x, fp8):
+            return super().silu_and_mul_quant(x, fp8)
+        q, scale = self._k_quant.silu_and_mul_quant(x.reshape(-1, x.shape[-1]), fp8,
+                                                    min_rows=0 if fp8 else INT_MM_MIN_ROWS)
+        return self._quantized(q, scale, x)
 
     # ------------------------------------------------------------- attention
     def fill_kv_cache(self, k, v, cache, slot_mapping):

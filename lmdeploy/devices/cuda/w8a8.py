@@ -1,9 +1,11 @@
-"""SmoothQuant W8A8 on NVIDIA GPUs: the activation quantized per token by one Triton kernel
-(kernels/w8a8_quant.py), the 8-bit GEMM by torch (cuBLASLt / CUTLASS) or Triton, with the scales.
+"""SmoothQuant W8A8 on NVIDIA GPUs: the activation quantized per token by a Triton kernel (kernels/w8a8_quant.py:
+in the norm's or the gated activation's own kernel where one of them comes before the layer, CudaOps'
+rms_norm_quant / silu_and_mul_quant; else a kernel of its own), the 8-bit GEMM by torch (cuBLASLt / CUTLASS) or
+Triton, with the scales.
 
 * int8, up to 64 rows: ``torch._int_mm`` (int32 out), then a Triton epilogue (a_scale * weight_scale, cast,
   bias): one pass over the int32 result. cuda's _int_mm wants more than 16 rows, so a decode step's x_q is
-  padded to 17 rows by the quantize kernel itself (zero rows, no extra launch): the GEMM streams the weight
+  padded to 17 rows by the kernel that quantizes it (zero rows, no extra launch): the GEMM streams the weight
   either way, so 17 rows cost what 1 does.
 * int8, more rows (sm80 on): one Triton GEMM with the scales, cast and bias fused (kernels/w8a8_gemm.py;
   cuBLASLt's int8 GEMM plus the separate epilogue was slower than bf16 there).
@@ -25,10 +27,12 @@ from __future__ import annotations
 import torch
 
 from ..layers import LinearImpl  # noqa: F401  (devices.layers first: it imports devices.w8a8 itself)
+from ..act_quant import QuantizedInput
 from ..w8a8 import W8A8Fp8Linear, W8A8Int8Linear
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FUSED_ROWS = 64  # int8: above this many rows, one Triton GEMM with the scales fused (kernels/w8a8_gemm.py)
+INT_MM_MIN_ROWS = 17  # cuda's torch._int_mm wants more than 16 rows: int8 codes come padded to this (CudaOps)
 
 
 def _kernels():
@@ -37,7 +41,9 @@ def _kernels():
 
 
 class _CudaW8A8:
-    """The shared part: process_weights decides once per layer whether the fast path applies."""
+    """The shared part: process_weights decides once per layer whether the fast path applies; the input comes
+    quantized by the op before the layer (the norm, the gated activation: CudaOps' rms_norm_quant and
+    silu_and_mul_quant) or by the device's quantize_per_token here."""
     align = 8
 
     def _fast_ok(self, layer) -> bool:
@@ -55,34 +61,34 @@ class _CudaW8A8:
         # int8's fused GEMM: Triton's int8 tl.dot compiles from sm80 on (below, _int_mm for every size)
         layer.w8a8_fused = not w.is_cuda or torch.cuda.get_device_capability(w.device) >= (8, 0)
 
-    def _use_fast(self, layer, x) -> bool:
-        return getattr(layer, 'w8a8_fast', False) and x.dtype in _DTYPES
+    def input_quantization(self, layer):
+        """Quantized inputs only where the fast path runs (elsewhere the reference quantizes its own)."""
+        return super().input_quantization(layer) if getattr(layer, 'w8a8_fast', False) else None
 
     def apply(self, layer, x, with_bias=True):
-        if not self._use_fast(layer, x):
+        if not (getattr(layer, 'w8a8_fast', False) and x.dtype in _DTYPES):
             return super().apply(layer, x, with_bias)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] == 0:
-            return x.new_empty(*shape[:-1], layer.weight.shape[0])
-        out = self._gemm(layer, x2, layer.bias if with_bias else None)
-        return out.reshape(*shape[:-1], out.shape[-1])
+        qi = self.quantized(x) if isinstance(x, QuantizedInput) else self.ops.quantize_per_token(x, self.fp8)
+        if qi.rows == 0:
+            return qi.q.new_empty(*qi.lead, layer.weight.shape[0], dtype=qi.dtype)
+        out = self._gemm(layer, qi, layer.bias if with_bias else None)
+        return out.reshape(*qi.lead, out.shape[-1])
 
 
 class CudaW8A8Int8Linear(_CudaW8A8, W8A8Int8Linear):
     """int8 x int8 -> int32 (torch._int_mm, then the scales; or, past FUSED_ROWS rows, one Triton GEMM with
     the scales fused): see the module's docstring."""
 
-    def _gemm(self, layer, x2, bias):
-        k = _kernels()
-        rows = x2.shape[0]
+    def _gemm(self, layer, qi, bias):
+        rows = qi.rows
         if rows > FUSED_ROWS and layer.w8a8_fused:
             from .kernels.w8a8_gemm import int8_gemm_scaled
-            q, a_scale = k.quantize_per_token(x2, fp8=False)
-            return int8_gemm_scaled(q, layer.weight, a_scale, layer.weight_scale, bias, x2.dtype)
-        q, a_scale = k.quantize_per_token(x2, fp8=False, min_rows=17)
+            return int8_gemm_scaled(qi.q, layer.weight, qi.scale, layer.weight_scale, bias, qi.dtype, rows=rows)
+        q = qi.q
+        if q.shape[0] < INT_MM_MIN_ROWS:  # codes from elsewhere than CudaOps (which pads them)
+            q = torch.cat((q, q.new_zeros(INT_MM_MIN_ROWS - q.shape[0], q.shape[1])))
         acc = torch._int_mm(q, layer.weight.t())
-        return k.scale_epilogue(acc, a_scale, layer.weight_scale, bias, x2.dtype, rows=rows)
+        return _kernels().scale_epilogue(acc, qi.scale, layer.weight_scale, bias, qi.dtype, rows=rows)
 
 
 class CudaW8A8Fp8Linear(_CudaW8A8, W8A8Fp8Linear):
@@ -100,23 +106,22 @@ class CudaW8A8Fp8Linear(_CudaW8A8, W8A8Fp8Linear):
             return False
         return super()._fast_ok(layer)
 
-    def _gemm(self, layer, x2, bias):
-        k = _kernels()
-        q, a_scale = k.quantize_per_token(x2, fp8=True)
+    def _gemm(self, layer, qi, bias):
+        q, a_scale, dtype = qi.q[:qi.rows], qi.scale[:qi.rows], qi.dtype
         w_t = layer.weight.t()
-        key = (x2.device, x2.dtype)
+        key = (q.device, dtype)
         out = None
-        if self.rowwise and x2.dtype == torch.bfloat16 and self._rowwise.get(key, True):
+        if self.rowwise and dtype == torch.bfloat16 and self._rowwise.get(key, True):
             try:
                 out = torch._scaled_mm(q, w_t, scale_a=a_scale, scale_b=layer.weight_scale.view(1, -1),
-                                       bias=None if bias is None else bias.to(x2.dtype), out_dtype=x2.dtype)
+                                       bias=None if bias is None else bias.to(dtype), out_dtype=dtype)
                 self._rowwise[key] = True
             except (RuntimeError, ValueError, NotImplementedError):  # refused before any launch
                 self._rowwise[key] = False
         if out is None:
-            one = self._one(x2.device)
+            one = self._one(q.device)
             acc = torch._scaled_mm(q, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
-            out = k.scale_epilogue(acc, a_scale, layer.weight_scale, bias, x2.dtype)
+            out = _kernels().scale_epilogue(acc, a_scale, layer.weight_scale, bias, dtype)
         return out
 
     def _one(self, device):

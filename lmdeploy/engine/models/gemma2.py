@@ -37,6 +37,7 @@ class Gemma2Attention(LlamaAttention):
 class Gemma2DecoderLayer(GemmaDecoderLayer):
     """The running (x, residual) pair as Llama's: the hidden state is their sum, the adds fused into the
     norms that take a residual; the post-norms take none (they norm a sublayer's output alone)."""
+    feeds = (('input_layernorm', 'self_attn.qkv_proj'), ('pre_feedforward_layernorm', 'mlp.gate_up_proj'))
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, attention_cls=Gemma2Attention):
         super().__init__(cfg, layer_idx, attention_cls)

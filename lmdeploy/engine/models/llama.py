@@ -53,6 +53,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     act_cls = SiluAndMul  # the gate's activation (Gemma: GeLU-tanh)
+    feeds = (('act', 'down_proj'), )  # (producer, consumer) of forward: nn/feeds.py
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -68,6 +69,8 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     norm_cls, mlp_cls = RMSNorm, LlamaMLP
+    # (producer, consumer) of forward: the norm's output is the projection's whole input (nn/feeds.py)
+    feeds = (('input_layernorm', 'self_attn.qkv_proj'), ('post_attention_layernorm', 'mlp.gate_up_proj'))
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, attention_cls=LlamaAttention):
         super().__init__()

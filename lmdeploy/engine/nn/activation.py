@@ -9,14 +9,20 @@ class SiluAndMul(nn.Module):
     def __init__(self):
         super().__init__()
         self.ops = device_ops()
+        # 'int8' / 'fp8': the output goes to an 8-bit layer, quantized here (nn/feeds.py); None: float
+        self.quantize_output = None
 
     def forward(self, x):
-        return self.ops.silu_and_mul(x)
+        if self.quantize_output is None:
+            return self.ops.silu_and_mul(x)
+        return self.ops.silu_and_mul_quant(x, self.quantize_output == 'fp8')
 
     def of_projection(self, proj, x):
         """self(proj(x)) for a stacked gate|up projection, as one op (a device
         may then skip writing and re-reading the projection's output)."""
-        return proj.impl.apply_silu_and_mul(proj, x)
+        if self.quantize_output is None:
+            return proj.impl.apply_silu_and_mul(proj, x)
+        return self(proj(x))
 
 
 class GeluTanhAndMul(nn.Module):

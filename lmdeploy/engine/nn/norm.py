@@ -14,9 +14,14 @@ class RMSNorm(nn.Module):
         self.ops = device_ops()
         self.impl = layer_impl('norm', dense=True)
         self.impl.create_weights(self, dim)
+        # 'int8' / 'fp8': the output goes to an 8-bit layer, quantized here (nn/feeds.py); None: float
+        self.quantize_output = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor = None):
-        out, residual_out = self.impl.apply(self, x, self.eps, residual)
+        if self.quantize_output is None:
+            out, residual_out = self.impl.apply(self, x, self.eps, residual)
+        else:
+            out, residual_out = self.impl.apply_quant(self, x, self.eps, residual, self.quantize_output == 'fp8')
         return out if residual is None else (out, residual_out)
 
     def process_weights(self):

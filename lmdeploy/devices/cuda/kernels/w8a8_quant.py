@@ -1,4 +1,4 @@
-"""SmoothQuant W8A8's two memory-bound steps around the 8-bit GEMM (devices/cuda/w8a8.py):
+"""SmoothQuant W8A8's memory-bound steps around the 8-bit GEMM (devices/cuda/w8a8.py):
 
 * ``quantize_per_token``: an activation's dynamic per-token quantization in one launch (one program per row:
   the row's amax, then the row scaled and rounded), the same values as the reference's (devices/w8a8.py): the
@@ -6,6 +6,10 @@
   int8 rounds half to even (as torch.round; built from floor, which the interpreter also runs), e4m3 rounds
   the value clamped to +-448 to nearest even on e4m3's grid in float32 before the cast (the interpreter's own
   fp32 -> e4m3 cast drops the carry when rounding up crosses a power of two: 1.99 -> 1.0).
+* ``rms_norm_quant`` / ``silu_and_mul_quant``: the op before an 8-bit layer (kernels/norm.py's rms_norm,
+  kernels/activation.py's silu_and_mul) with that quantization in the same program: the 16-bit output is
+  computed and rounded as those kernels round it, then coded, never written (one program per row: the row's
+  amax first; the gated activation computed twice, its input read again from cache).
 * ``scale_epilogue``: an int32 (or float32) GEMM result times a_scale[row] * weight_scale[col], cast to the
   activation dtype, plus the bias (rounded to that dtype first, as the reference adds it).
 """
@@ -31,6 +35,31 @@ def _round_half_even(y):
 
 
 @triton.jit
+def _codes(x, scale, QMAX: tl.constexpr, FP8: tl.constexpr):
+    """x / scale (float32 values, a float32 scale) as int8 or e4m3 codes, rounded as the reference rounds."""
+    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    if FP8:
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        # e4m3's spacing at y: 2^(exponent - 3), 2^-9 among the subnormals (exponent < -6); y rounded to
+        # it exactly (powers of two), so the cast below has nothing left to round
+        bits = y.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3
+        ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inv_ulp = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        v = _round_half_even(tl.abs(y) * inv_ulp) * ulp
+        # the sign put back as a bit: a negative value rounded to 0 stays -0 as the reference's cast keeps
+        # it (negating a float here lost the sign of zero on a GPU)
+        signed = (v.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+        return signed.to(tl.float8e4nv)
+    return tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX).to(tl.int8)
+
+
+@triton.jit
+def _scale_of(amax, QMAX: tl.constexpr):
+    return tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), QMAX)
+
+
+@triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride_q, QMAX: tl.constexpr, FP8: tl.constexpr,
                   BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_then_release(PDL)
@@ -43,28 +72,11 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride_q, QMAX:
         cols = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < n_live, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), QMAX)
+    scale = _scale_of(amax, QMAX)
     for k0 in range(0, n_cols, BLOCK):  # the row again (from cache)
         cols = k0 + tl.arange(0, BLOCK)
-        mask = cols < n_cols
         x = tl.load(x_row + cols, mask=cols < n_live, other=0.0).to(tl.float32)
-        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
-        if FP8:
-            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-            # e4m3's spacing at y: 2^(exponent - 3), 2^-9 among the subnormals (exponent < -6); y rounded to
-            # it exactly (powers of two), so the cast below has nothing left to round
-            bits = y.to(tl.int32, bitcast=True)
-            e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3
-            ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
-            inv_ulp = ((127 - e) << 23).to(tl.float32, bitcast=True)
-            v = _round_half_even(tl.abs(y) * inv_ulp) * ulp
-            # the sign put back as a bit: a negative value rounded to 0 stays -0 as the reference's cast keeps
-            # it (negating a float here lost the sign of zero on a GPU)
-            signed = (v.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-            q = signed.to(tl.float8e4nv)
-        else:
-            q = tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX).to(tl.int8)
-        tl.store(q_row + cols, q, mask=mask)
+        tl.store(q_row + cols, _codes(x, scale, QMAX, FP8), mask=cols < n_cols)
     tl.store(s_ptr + row, scale)
 
 
@@ -74,14 +86,110 @@ def quantize_per_token(x: torch.Tensor, fp8: bool, min_rows: int = 0, block: int
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    rows = max(m, min_rows)
-    q = torch.empty((rows, k), dtype=FP8_DTYPE if fp8 else torch.int8, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    q, scale = _codes_buffers(x, k, fp8, min_rows)
+    rows = q.shape[0]
     if rows == 0:
         return q, scale
     block = min(block, triton.next_power_of_2(max(k, 16)))
     _quant_kernel[(rows, )](x, q, scale, m, k, x.stride(0), q.stride(0), QMAX=FP8_MAX if fp8 else INT8_MAX, FP8=fp8,
                             BLOCK=block, num_warps=4 if block <= 1024 else 8, PDL=pdl.ON, **pdl.LAUNCH)
+    return q, scale
+
+
+def _codes_buffers(x2: torch.Tensor, n: int, fp8: bool, min_rows: int):
+    rows = max(x2.shape[0], min_rows)
+    q = torch.empty((rows, n), dtype=FP8_DTYPE if fp8 else torch.int8, device=x2.device)
+    return q, torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_rows, n_cols, stride_x, stride_r,
+                           stride_q, stride_ro, eps, HAS_RES: tl.constexpr, QMAX: tl.constexpr, FP8: tl.constexpr,
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_then_release(PDL)
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    live = cols < tl.where(row < n_rows, n_cols, 0)  # rows past the input (the GEMM's padding): zeros
+    x = tl.load(x_ptr + r64 * stride_x + cols, mask=live, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + r64 * stride_r + cols, mask=live, other=0.0)
+        tl.store(res_out_ptr + r64 * stride_ro + cols, x, mask=live)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=live, other=0.0)
+    # the norm's output exactly as kernels/norm.py rounds it, then its codes
+    y = ((xf * inv_rms).to(x.dtype) * w).to(tl.float32)
+    scale = _scale_of(tl.abs(y), QMAX)
+    tl.store(q_ptr + r64 * stride_q + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
+    tl.store(s_ptr + row, scale)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual, fp8: bool, min_rows: int = 0):
+    """(x_q [max(M, min_rows), K], a_scale [max(M, min_rows), 1], the residual sum or None): kernels/norm.py's
+    rms_norm whose output is quantized per token in the same program (never written in 16 bits)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    n = x2.shape[-1]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    res2 = x2
+    if residual is not None:
+        res2 = residual.reshape(-1, n)
+        res2 = res2 if res2.stride(-1) == 1 else res2.contiguous()
+    res_out = torch.empty_like(x2) if residual is not None else x2
+    q, scale = _codes_buffers(x2, n, fp8, min_rows)
+    if q.shape[0]:
+        block = triton.next_power_of_2(n)
+        _rms_norm_quant_kernel[(q.shape[0], )](x2, res2, weight, q, scale, res_out, x2.shape[0], n, x2.stride(0),
+                                               res2.stride(0), q.stride(0), res_out.stride(0), eps,
+                                               HAS_RES=residual is not None, QMAX=FP8_MAX if fp8 else INT8_MAX,
+                                               FP8=fp8, BLOCK=block, num_warps=4 if block <= 4096 else 8,
+                                               PDL=pdl.ON, **pdl.LAUNCH)
+    return q, scale, (res_out.view(x.shape) if residual is not None else None)
+
+
+@triton.jit
+def _silu_mul(x_row, cols, live, n_cols, dt: tl.constexpr):
+    """silu(gate) * up at ``cols`` of a row, rounded as kernels/activation.py rounds it (float32 values)."""
+    gate = tl.load(x_row + cols, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(x_row + n_cols + cols, mask=live, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    return (act * up).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride_q, QMAX: tl.constexpr,
+                           FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_then_release(PDL)
+    row = tl.program_id(0)
+    n_live = tl.where(row < n_rows, n_cols, 0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    q_row = q_ptr + row.to(tl.int64) * stride_q
+    dt = x_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, n_cols, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, cols, cols < n_live, n_cols, dt)))
+    scale = _scale_of(amax, QMAX)
+    for k0 in range(0, n_cols, BLOCK):  # computed again from the row (in cache): nothing written in 16 bits
+        cols = k0 + tl.arange(0, BLOCK)
+        y = _silu_mul(x_row, cols, cols < n_live, n_cols, dt)
+        tl.store(q_row + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
+    tl.store(s_ptr + row, scale)
+
+
+def silu_and_mul_quant(x: torch.Tensor, fp8: bool, min_rows: int = 0, block: int = 2048):
+    """(x_q [max(T, min_rows), I], a_scale [max(T, min_rows), 1]) of silu(gate) * up, x = cat(gate, up) [T, 2I]:
+    kernels/activation.py's values quantized per token, one program per row."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n = x.shape[1] // 2
+    q, scale = _codes_buffers(x, n, fp8, min_rows)
+    if q.shape[0]:
+        block = min(block, triton.next_power_of_2(max(n, 16)))
+        _silu_mul_quant_kernel[(q.shape[0], )](x, q, scale, x.shape[0], n, x.stride(0), q.stride(0),
+                                               QMAX=FP8_MAX if fp8 else INT8_MAX, FP8=fp8, BLOCK=block,
+                                               num_warps=4 if block <= 1024 else 8, PDL=pdl.ON, **pdl.LAUNCH)
     return q, scale
 
 
