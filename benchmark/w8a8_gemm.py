@@ -114,11 +114,54 @@ def producer_table(ops, impls_of, shapes, ms):
                     row += f" {'-':>8} {'-':>8} {'-':>6} |"
                     continue
                 fp8 = fmt == 'fp8'
-                same = torch.equal(impl.apply(layers[0], float_op()), impl.apply(layers[0], fused_op(fp8)))
+                # rows whose output differs: the fused norm sums a row's squares in its own order (a rare row's
+                # codes a step apart: kernels/w8a8_quant.py)
+                apart = int((impl.apply(layers[0], float_op()) != impl.apply(layers[0], fused_op(fp8))).any(-1).sum())
                 t_plain = time_us(lambda layer: impl.apply(layer, float_op()), layers)
                 t_fused = time_us(lambda layer: impl.apply(layer, fused_op(fp8)), layers)
-                row += f' {t_plain:8.1f} {t_fused:8.1f} {t_bf16 / t_fused:6.2f}{"" if same else " DIFFERS"} |'
+                row += f' {t_plain:8.1f} {t_fused:8.1f} {t_bf16 / t_fused:6.2f}{f" ({apart} rows apart)" if apart else ""} |'
             print(row.rstrip(' |'), flush=True)
+        del w, bf16_ws, impls
+        torch.cuda.empty_cache()
+
+
+def int8_sweep(impls_of, shapes, ms, top: int):
+    """The fused int8 GEMM's tiles (kernels/w8a8_gemm.py), codes already made: the fastest per layer and M
+    against choose()'s and bf16's."""
+    import itertools
+
+    from lmdeploy.devices.cuda.kernels import w8a8_gemm
+    configs = [c for c in itertools.product((64, 128), (64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5))
+               if (c[0] + c[1]) * c[2] * c[4] <= 200 * 1024 and not (c[0] == 128 and c[1] == 256 and c[3] == 4)]
+    print(f'\nint8 GEMM tiles, {len(configs)} configs (BM, BN, BK, warps, stages); us per call:')
+    for name, n, k in shapes:
+        w, bf16_ws, impls = impls_of(name, n, k)
+        layers = impls['int8'][2]
+        g = torch.Generator(device='cuda').manual_seed(3)
+        for m in ms:
+            q = torch.randint(-127, 128, (m, k), device='cuda', dtype=torch.int8, generator=g)
+            sa = torch.rand(m, 1, device='cuda', generator=g)
+            x = torch.randn(m, k, device='cuda', generator=g, dtype=torch.bfloat16)
+            t_bf16 = time_us(lambda wt: F.linear(x, wt), bf16_ws)
+
+            def gemm(layer, cfg):
+                return w8a8_gemm.int8_gemm_scaled(q, layer.weight, sa, layer.weight_scale, None, torch.bfloat16,
+                                                  config=cfg)
+            want = gemm(layers[0], None)
+            t_now = time_us(lambda layer: gemm(layer, None), layers)
+            results = []
+            for cfg in configs:
+                try:
+                    if not torch.equal(gemm(layers[0], cfg), want):
+                        results.append((float('inf'), cfg, 'DIFFERS'))
+                        continue
+                    results.append((time_us(lambda layer: gemm(layer, cfg), layers, budget_s=0.02), cfg, ''))
+                except Exception as e:  # noqa: BLE001
+                    results.append((float('inf'), cfg, type(e).__name__))
+            results.sort(key=lambda r: r[0])
+            best = ', '.join(f'{c} {t:.1f}{" " + why if why else ""}' for t, c, why in results[:top])
+            print(f'{name:>8} M={m:>5}: bf16 {t_bf16:.1f}, choose() {w8a8_gemm.choose(m)} {t_now:.1f}; best: {best}',
+                  flush=True)
         del w, bf16_ws, impls
         torch.cuda.empty_cache()
 
@@ -132,6 +175,8 @@ def main():
     parser.add_argument('--weight-mb', type=int, default=1024, help='bytes of weight copies walked per replay')
     parser.add_argument('--with-producer', action='store_true',
                         help='only the table of each layer with the op before it, unfused and fused')
+    parser.add_argument('--int8-sweep', type=int, default=0, metavar='TOP',
+                        help="only the int8 GEMM's tile sweep, the TOP fastest per layer and M")
     args = parser.parse_args()
     ops = CudaOps()
     cap = torch.cuda.get_device_capability()
@@ -158,6 +203,10 @@ def main():
         return w, bf16_ws, impls
 
     shapes = [s for s in SHAPES if s[0] in args.shapes]
+    if args.int8_sweep:
+        int8_sweep(impls_of, shapes, args.m, args.int8_sweep)
+        print(f'done in {time.time() - t_start:.0f} s')
+        return
     if args.with_producer:
         producer_table(ops, impls_of, shapes, args.m)
         print(f'done in {time.time() - t_start:.0f} s')

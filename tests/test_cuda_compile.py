@@ -167,7 +167,10 @@ def kernel_specs(cap: int):
     ] + [  # int8 W8A8 past FUSED_ROWS rows on sm80 on: one GEMM with the scales fused
         (w8a8_gemm._int8_gemm_kernel, {'a_ptr': 'i8', 'w_ptr': 'i8', 'as_ptr': 'fp32', 'ws_ptr': 'fp32'}, {},
          dict(HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP_M=8, PDL=pdl), dict(num_warps=warps, num_stages=stages))
-        for bm, bn, bk, warps, stages in ((w8a8_gemm.choose(100), w8a8_gemm.choose(4096)) if cap >= 80 else ())
+        for bm, bn, bk, warps, stages in ((w8a8_gemm.choose(4096, 28672, 4096, 132, smem),
+                                           w8a8_gemm.choose(512, 4096, 4096, 132, smem),
+                                           w8a8_gemm.choose(256, 4096, 14336, 132, smem),
+                                           w8a8_gemm.choose(128, 4096, 14336, 132, smem)) if cap >= 80 else ())
     ], act
 
 

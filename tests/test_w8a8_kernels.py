@@ -61,26 +61,41 @@ def test_quantize_matches_the_reference_bit_for_bit(dtype, fp8):
 FUSED_DTYPES = DTYPES if HAS_CUDA else [torch.float32, torch.float16]
 
 
+def _codes_close(got, want, fp8, max_rows):
+    """Codes one step apart at most (an int8 code, an e4m3 spacing at the value), in at most ``max_rows`` rows."""
+    got, want = got.cpu().double(), want.cpu().double()
+    step = 2.0**(torch.floor(torch.log2(want.abs().clamp(min=2.0**-6))) - 3) if fp8 else torch.ones_like(want)
+    assert float(((got - want).abs() / step).max()) <= 1.0
+    rows = int((got != want).any(dim=1).sum())
+    assert rows <= max_rows, f'{rows} rows differ'
+
+
 @pytest.mark.parametrize('fp8', [False, True], ids=['int8', 'fp8'])
 @pytest.mark.parametrize('dtype', FUSED_DTYPES, ids=str)
 @pytest.mark.parametrize('with_residual', [False, True], ids=['alone', 'residual'])
 def test_norm_with_quantize_equals_norm_then_quantize(dtype, fp8, with_residual):
-    """rms_norm_quant writes the codes quantize_per_token makes of rms_norm's output, bit for bit, and the same
-    residual sum; the padding rows (int8's 17) are zeros."""
+    """rms_norm_quant writes the codes quantize_per_token makes of rms_norm's output and the same residual sum;
+    the padding rows (int8's 17) are zeros. Bit for bit in the interpreter. A GPU may sum a row's squares in
+    another order in each kernel (how Triton lays the row over the threads): in a layer-sized input (on a GPU
+    only) a row or two then comes out a step apart (kernels/w8a8_quant.py)."""
     from lmdeploy.devices.cuda.kernels import norm
-    for m, k in ((5, 48), (3, 200)):
+    for m, k in ((5, 48), (3, 200)) + (((1024, 4096), ) if HAS_CUDA else ()):
         x = _inputs(m, k, dtype)
         res = (torch.randn(m, k) * 2).to(dtype).to(DEV) if with_residual else None
         w = (torch.randn(k) * 0.5 + 1).to(dtype).to(DEV)
         q, scale, h = w8a8_quant.rms_norm_quant(x, w, 1e-5, res, fp8, min_rows=17)
         out, h_want = norm.rms_norm(x, w, 1e-5, res)
         want_q, want_scale = w8a8_quant.quantize_per_token(out, fp8, min_rows=17)
-        _same_bits(q, want_q)
-        _same_bits(scale, want_scale)
         assert (h is None) == (res is None) and (h is None or torch.equal(h, h_want))
         assert not q[m:].float().any(), 'padding rows must be zeros'
-        ref_q, _ = quantize_per_token(out.cpu(), fp8)  # and the reference's codes of that output
-        _same_bits(q[:m], ref_q)
+        if HAS_CUDA:
+            _codes_close(q, want_q, fp8, max_rows=m // 100)
+            assert torch.allclose(scale, want_scale, rtol=2**-7, atol=0)
+        else:
+            _same_bits(q, want_q)
+            _same_bits(scale, want_scale)
+            ref_q, _ = quantize_per_token(out.cpu(), fp8)  # and the reference's codes of that output
+            _same_bits(q[:m], ref_q)
 
 
 @pytest.mark.parametrize('fp8', [False, True], ids=['int8', 'fp8'])

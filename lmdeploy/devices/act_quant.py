@@ -3,7 +3,8 @@
 A layer whose producer knows it (the norm before q|k|v, the gated activation before the down projection) gets
 its input already quantized: the producer's op writes the 8-bit codes and the per-token scales instead of a
 16-bit tensor the layer would read again to quantize (DeviceOps.rms_norm_quant, silu_and_mul_quant). The codes
-are the ones the layer would have made of the producer's 16-bit output: fusing changes no value.
+are the ones the layer would have made of the producer's 16-bit output, up to the order a fused norm sums a
+row's squares in (on a GPU, a row in a few hundred may then come out a code apart: as close to the reference).
 
 Quantization (dynamic, symmetric, one scale per row), computed in float32 (float64 for a float64 input):
 a_scale[t] = max_i |x[t, i]| / QMAX (QMAX 127 for int8, 448 for e4m3), x_q = round(x / a_scale) clamped to +-127

@@ -202,7 +202,7 @@ class DeviceOps:
                        fp8: bool) -> Tuple[QuantizedInput, Optional[torch.Tensor]]:
         """rms_norm whose output goes to an 8-bit layer: (quantize_per_token(out), the residual sum as rms_norm
         returns it). The codes are those of rms_norm's rounded output; a device may fuse the two and never
-        write that output."""
+        write that output (its sum of squares then in its own order: a code one step off in a rare row)."""
         out, res = self.rms_norm(x, weight, eps, residual)
         return self.quantize_per_token(out, fp8), res
 

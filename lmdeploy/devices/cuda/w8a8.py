@@ -83,7 +83,8 @@ class CudaW8A8Int8Linear(_CudaW8A8, W8A8Int8Linear):
         rows = qi.rows
         if rows > FUSED_ROWS and layer.w8a8_fused:
             from .kernels.w8a8_gemm import int8_gemm_scaled
-            return int8_gemm_scaled(qi.q, layer.weight, qi.scale, layer.weight_scale, bias, qi.dtype, rows=rows)
+            return int8_gemm_scaled(qi.q, layer.weight, qi.scale, layer.weight_scale, bias, qi.dtype, rows=rows,
+                                    num_sms=getattr(self.ops, '_num_sms', 132))
         q = qi.q
         if q.shape[0] < INT_MM_MIN_ROWS:  # codes from elsewhere than CudaOps (which pads them)
             q = torch.cat((q, q.new_zeros(INT_MM_MIN_ROWS - q.shape[0], q.shape[1])))

@@ -8,8 +8,11 @@
   fp32 -> e4m3 cast drops the carry when rounding up crosses a power of two: 1.99 -> 1.0).
 * ``rms_norm_quant`` / ``silu_and_mul_quant``: the op before an 8-bit layer (kernels/norm.py's rms_norm,
   kernels/activation.py's silu_and_mul) with that quantization in the same program: the 16-bit output is
-  computed and rounded as those kernels round it, then coded, never written (one program per row: the row's
-  amax first; the gated activation computed twice, its input read again from cache).
+  computed and rounded as those kernels round it, then coded, never written. One program per row; a row up to
+  ONE_PASS_COLS long is held in registers, a longer one is read twice (its amax first). The norm's loads and
+  stores are rms_norm's, but Triton may still lay the row over the threads otherwise (the 8-bit stores weigh in),
+  and the sum of squares then rounds otherwise: on an H200, one row in 1,024 of a 4,096-wide layer input came
+  out with codes a step apart (both as close to the reference).
 * ``scale_epilogue``: an int32 (or float32) GEMM result times a_scale[row] * weight_scale[col], cast to the
   activation dtype, plus the bias (rounded to that dtype first, as the reference adds it).
 """
@@ -50,13 +53,30 @@ def _codes(x, scale, QMAX: tl.constexpr, FP8: tl.constexpr):
         # the sign put back as a bit: a negative value rounded to 0 stays -0 as the reference's cast keeps
         # it (negating a float here lost the sign of zero on a GPU)
         signed = (v.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-        return signed.to(tl.float8e4nv)
-    return tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX).to(tl.int8)
+        q = signed.to(tl.float8e4nv)
+    else:
+        q = tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX).to(tl.int8)
+    return q
 
 
 @triton.jit
 def _scale_of(amax, QMAX: tl.constexpr):
     return tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), QMAX)
+
+
+ONE_PASS_COLS = 16384  # a row up to this long is held in registers (one read); longer ones are read twice
+
+
+def _block_and_warps(cols: int, block=None):
+    """(BLOCK, warps) of a one-program-per-row kernel: the whole row in one block where it fits (one read, and a
+    few rows' programs still keep enough loads in flight), else ``block`` (default 2048) columns a step."""
+    whole = triton.next_power_of_2(max(cols, 16))
+    if block is None:
+        block = whole if whole <= ONE_PASS_COLS else 2048
+    block = min(block, whole)
+    # a warp per 256 columns up to 16 (an H200's sweep: 4,096 columns 3.6 us at 256 rows with 16 warps, 5.7 in
+    # 2,048-column steps with 4; 14,336 columns 12.5 us with 16 warps, 19.7 with 4)
+    return block, max(4, min(16, block // 256))
 
 
 @triton.jit
@@ -67,20 +87,26 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride_q, QMAX:
     n_live = tl.where(row < n_rows, n_cols, 0)  # rows past the input (padding for the GEMM) come out as zeros
     x_row = x_ptr + row.to(tl.int64) * stride_x
     q_row = q_ptr + row.to(tl.int64) * stride_q
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, n_cols, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
+    if BLOCK >= n_cols:  # the row in registers: read once
+        cols = tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < n_live, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = _scale_of(amax, QMAX)
-    for k0 in range(0, n_cols, BLOCK):  # the row again (from cache)
-        cols = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < n_live, other=0.0).to(tl.float32)
+        scale = _scale_of(tl.abs(x), QMAX)
         tl.store(q_row + cols, _codes(x, scale, QMAX, FP8), mask=cols < n_cols)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, n_cols, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < n_live, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = _scale_of(amax, QMAX)
+        for k0 in range(0, n_cols, BLOCK):  # the row again (from cache)
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < n_live, other=0.0).to(tl.float32)
+            tl.store(q_row + cols, _codes(x, scale, QMAX, FP8), mask=cols < n_cols)
     tl.store(s_ptr + row, scale)
 
 
-def quantize_per_token(x: torch.Tensor, fp8: bool, min_rows: int = 0, block: int = 2048):
+def quantize_per_token(x: torch.Tensor, fp8: bool, min_rows: int = 0, block: int = None):
     """(x_q [max(M, min_rows), K] int8 / e4m3, a_scale float32 [max(M, min_rows), 1]) of x [M, K] (bf16 / fp16 /
     float32); rows past M (``min_rows``: cuda's torch._int_mm wants more than 16) are zeros."""
     if x.stride(-1) != 1:
@@ -90,9 +116,9 @@ def quantize_per_token(x: torch.Tensor, fp8: bool, min_rows: int = 0, block: int
     rows = q.shape[0]
     if rows == 0:
         return q, scale
-    block = min(block, triton.next_power_of_2(max(k, 16)))
+    block, warps = _block_and_warps(k, block)
     _quant_kernel[(rows, )](x, q, scale, m, k, x.stride(0), q.stride(0), QMAX=FP8_MAX if fp8 else INT8_MAX, FP8=fp8,
-                            BLOCK=block, num_warps=4 if block <= 1024 else 8, PDL=pdl.ON, **pdl.LAUNCH)
+                            BLOCK=block, num_warps=warps, PDL=pdl.ON, **pdl.LAUNCH)
     return q, scale
 
 
@@ -108,20 +134,22 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_r
                            BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_then_release(PDL)
     row = tl.program_id(0)
-    r64 = row.to(tl.int64)
+    # a padding row (past the input: the GEMM's minimum) reads the last row and writes its residual sum again
+    # (the same values), so every load and store is kernels/norm.py's: the same sum order, the same output
+    src = tl.minimum(row, n_rows - 1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    live = cols < tl.where(row < n_rows, n_cols, 0)  # rows past the input (the GEMM's padding): zeros
-    x = tl.load(x_ptr + r64 * stride_x + cols, mask=live, other=0.0)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
-        x = x + tl.load(res_ptr + r64 * stride_r + cols, mask=live, other=0.0)
-        tl.store(res_out_ptr + r64 * stride_ro + cols, x, mask=live)
+        x = x + tl.load(res_ptr + src * stride_r + cols, mask=mask, other=0.0)
+        tl.store(res_out_ptr + src * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=live, other=0.0)
-    # the norm's output exactly as kernels/norm.py rounds it, then its codes
-    y = ((xf * inv_rms).to(x.dtype) * w).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # the norm's output as kernels/norm.py rounds it, then its codes (zeros for a padding row)
+    y = tl.where(row < n_rows, ((xf * inv_rms).to(x.dtype) * w).to(tl.float32), 0.0)
     scale = _scale_of(tl.abs(y), QMAX)
-    tl.store(q_ptr + r64 * stride_q + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
+    tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, _codes(y, scale, QMAX, FP8), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
@@ -137,13 +165,13 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual, 
         res2 = residual.reshape(-1, n)
         res2 = res2 if res2.stride(-1) == 1 else res2.contiguous()
     res_out = torch.empty_like(x2) if residual is not None else x2
-    q, scale = _codes_buffers(x2, n, fp8, min_rows)
+    q, scale = _codes_buffers(x2, n, fp8, min_rows if x2.shape[0] else 0)
     if q.shape[0]:
         block = triton.next_power_of_2(n)
         _rms_norm_quant_kernel[(q.shape[0], )](x2, res2, weight, q, scale, res_out, x2.shape[0], n, x2.stride(0),
                                                res2.stride(0), q.stride(0), res_out.stride(0), eps,
                                                HAS_RES=residual is not None, QMAX=FP8_MAX if fp8 else INT8_MAX,
-                                               FP8=fp8, BLOCK=block, num_warps=4 if block <= 4096 else 8,
+                                               FP8=fp8, BLOCK=block, num_warps=8 if block >= 4096 else 4,
                                                PDL=pdl.ON, **pdl.LAUNCH)
     return q, scale, (res_out.view(x.shape) if residual is not None else None)
 
@@ -166,19 +194,25 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride
     x_row = x_ptr + row.to(tl.int64) * stride_x
     q_row = q_ptr + row.to(tl.int64) * stride_q
     dt = x_ptr.dtype.element_ty
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, n_cols, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, cols, cols < n_live, n_cols, dt)))
-    scale = _scale_of(amax, QMAX)
-    for k0 in range(0, n_cols, BLOCK):  # computed again from the row (in cache): nothing written in 16 bits
-        cols = k0 + tl.arange(0, BLOCK)
+    if BLOCK >= n_cols:  # the row in registers: read once
+        cols = tl.arange(0, BLOCK)
         y = _silu_mul(x_row, cols, cols < n_live, n_cols, dt)
+        scale = _scale_of(tl.abs(y), QMAX)
         tl.store(q_row + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, n_cols, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, cols, cols < n_live, n_cols, dt)))
+        scale = _scale_of(amax, QMAX)
+        for k0 in range(0, n_cols, BLOCK):  # computed again from the row (in cache): nothing written in 16 bits
+            cols = k0 + tl.arange(0, BLOCK)
+            y = _silu_mul(x_row, cols, cols < n_live, n_cols, dt)
+            tl.store(q_row + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
     tl.store(s_ptr + row, scale)
 
 
-def silu_and_mul_quant(x: torch.Tensor, fp8: bool, min_rows: int = 0, block: int = 2048):
+def silu_and_mul_quant(x: torch.Tensor, fp8: bool, min_rows: int = 0, block: int = None):
     """(x_q [max(T, min_rows), I], a_scale [max(T, min_rows), 1]) of silu(gate) * up, x = cat(gate, up) [T, 2I]:
     kernels/activation.py's values quantized per token, one program per row."""
     if x.stride(-1) != 1:
@@ -186,10 +220,10 @@ def silu_and_mul_quant(x: torch.Tensor, fp8: bool, min_rows: int = 0, block: int
     n = x.shape[1] // 2
     q, scale = _codes_buffers(x, n, fp8, min_rows)
     if q.shape[0]:
-        block = min(block, triton.next_power_of_2(max(n, 16)))
+        block, warps = _block_and_warps(n, block)
         _silu_mul_quant_kernel[(q.shape[0], )](x, q, scale, x.shape[0], n, x.stride(0), q.stride(0),
                                                QMAX=FP8_MAX if fp8 else INT8_MAX, FP8=fp8, BLOCK=block,
-                                               num_warps=4 if block <= 1024 else 8, PDL=pdl.ON, **pdl.LAUNCH)
+                                               num_warps=warps, PDL=pdl.ON, **pdl.LAUNCH)
     return q, scale
 
 
