@@ -162,8 +162,18 @@ def kernel_specs(cap: int):
          dict(HAS_BIAS=True, BM=32, BN=128, PDL=pdl), dict(num_warps=4)),
     ] + [
         (w8a8_quant._quant_kernel, {'q_ptr': 'fp8e4nv' if fp8 else 'i8', 's_ptr': 'fp32'}, {},
-         dict(QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=2048, PDL=pdl), dict(num_warps=8))
+         dict(QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=block, PDL=pdl), dict(num_warps=warps))
         for fp8 in ((False, True) if cap >= 89 else (False, ))
+        for block, warps in (w8a8_quant._block_and_warps(4096), )  # (both paths: a row in one block, or read twice)
+    ] + [  # the op before an 8-bit layer with its quantization: RMSNorm (+ residual), silu(gate) * up
+        (w8a8_quant._rms_norm_quant_kernel, {'q_ptr': 'fp8e4nv' if fp8 else 'i8', 's_ptr': 'fp32'}, {'eps': 'fp32'},
+         dict(HAS_RES=True, QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=8192, PDL=pdl), dict(num_warps=8))
+        for fp8 in ((False, True) if cap >= 89 else (False, ))
+    ] + [
+        (w8a8_quant._silu_mul_quant_kernel, {'q_ptr': 'fp8e4nv' if fp8 else 'i8', 's_ptr': 'fp32'}, {},
+         dict(QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=block, PDL=pdl), dict(num_warps=warps))
+        for fp8 in ((False, True) if cap >= 89 else (False, ))
+        for block, warps in (w8a8_quant._block_and_warps(14336), )
     ] + [  # int8 W8A8 past FUSED_ROWS rows on sm80 on: one GEMM with the scales fused
         (w8a8_gemm._int8_gemm_kernel, {'a_ptr': 'i8', 'w_ptr': 'i8', 'as_ptr': 'fp32', 'ws_ptr': 'fp32'}, {},
          dict(HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP_M=8, PDL=pdl), dict(num_warps=warps, num_stages=stages))

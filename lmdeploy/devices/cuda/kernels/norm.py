@@ -7,10 +7,10 @@ from . import pdl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n_cols,
-                     eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait_then_release(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, n_cols, eps,
+               HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """(w * h / rms(h) in x's dtype, the column mask) of one row, h = x (+ residual, stored): the rounding every
+    kernel that norms a row shares (this module's; kernels/w8a8_quant.py's, which quantizes it)."""
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -21,8 +21,17 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     # normalise in float32, cast back, then scale (as the reference does)
-    y = (xf * inv_rms).to(x.dtype) * w
-    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    return (xf * inv_rms).to(x.dtype) * w, mask
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, stride_ro, n_cols,
+                     eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_then_release(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    y, mask = normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, n_cols, eps,
+                         HAS_RES, BLOCK)
+    tl.store(out_ptr + row * stride_o + tl.arange(0, BLOCK), y, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor = None):

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .norm import normed_row
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0
@@ -135,21 +136,13 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_r
     pdl.wait_then_release(PDL)
     row = tl.program_id(0)
     # a padding row (past the input: the GEMM's minimum) reads the last row and writes its residual sum again
-    # (the same values), so every load and store is kernels/norm.py's: the same sum order, the same output
+    # (the same values); its codes are zeros
     src = tl.minimum(row, n_rows - 1).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + src * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RES:
-        x = x + tl.load(res_ptr + src * stride_r + cols, mask=mask, other=0.0)
-        tl.store(res_out_ptr + src * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    # the norm's output as kernels/norm.py rounds it, then its codes (zeros for a padding row)
-    y = tl.where(row < n_rows, ((xf * inv_rms).to(x.dtype) * w).to(tl.float32), 0.0)
+    y, mask = normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, src, stride_x, stride_r, stride_ro, n_cols, eps,
+                         HAS_RES, BLOCK)
+    y = tl.where(row < n_rows, y.to(tl.float32), 0.0)
     scale = _scale_of(tl.abs(y), QMAX)
-    tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, _codes(y, scale, QMAX, FP8), mask=mask)
+    tl.store(q_ptr + row.to(tl.int64) * stride_q + tl.arange(0, BLOCK), _codes(y, scale, QMAX, FP8), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
