@@ -24,6 +24,7 @@ from .llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMod
 class GeluMLP(nn.Module):
     """c_proj(gelu(c_fc x)): c_fc's rows and c_proj's columns split over the ranks (c_fc a stack of one
     unnamed checkpoint tensor)."""
+    feeds = (('act', 'c_proj'), )  # (producer, consumer) of forward: nn/feeds.py
 
     def __init__(self, cfg: ModelConfig, act_name: str):
         super().__init__()
@@ -48,6 +49,7 @@ class Starcoder2Attention(LlamaAttention):
 
 class Starcoder2DecoderLayer(LlamaDecoderLayer):
     norm_cls, mlp_cls = LayerNorm, Starcoder2MLP
+    feeds = (('input_layernorm', 'self_attn.qkv_proj'), ('post_attention_layernorm', 'mlp.c_fc'))
 
 
 class Starcoder2Model(LlamaModel):

@@ -19,6 +19,7 @@ def link_quantized_inputs(model: nn.Module) -> int:
     linked = 0
     for block in model.modules():
         for producer_name, consumer_name in getattr(type(block), 'feeds', ()):
+            # both must exist (a block whose forward changed names must say its own pairs)
             producer, consumer = block.get_submodule(producer_name), block.get_submodule(consumer_name)
             if not hasattr(producer, 'quantize_output'):
                 continue
