@@ -5,8 +5,10 @@ whole input and nothing else reads it (Llama's layer: the input norm and q|k|v, 
 gate|up; its MLP: the gated activation and the down projection). Once the weights are processed, each consumer's
 implementation says whether it takes a per-token quantized input (devices/layers.LinearImpl.input_quantization:
 SmoothQuant W8A8 does); its producer then writes the 8-bit codes and scales in the same op (the device's
-rms_norm_quant / silu_and_mul_quant) instead of a 16-bit tensor the layer would read again to quantize. The
-codes are the same either way. A producer without a quantizing op (LayerNorm, GeLU) keeps its float output.
+rms_norm_quant / silu_and_mul_quant) instead of a 16-bit tensor the layer would read again to quantize: the
+same codes (up to the order a fused norm sums in: devices/act_quant.py). A producer without a quantizing op
+(LayerNorm, GeLU) keeps its float output. A block whose forward wires its layers otherwise than the class it
+derives from names its own pairs (both names must exist).
 """
 from __future__ import annotations
 
