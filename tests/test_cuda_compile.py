@@ -161,19 +161,17 @@ def kernel_specs(cap: int):
         (w8a8_quant._epilogue_kernel, {'acc_ptr': 'i32', 'as_ptr': 'fp32', 'ws_ptr': 'fp32'}, {},
          dict(HAS_BIAS=True, BM=32, BN=128, PDL=pdl), dict(num_warps=4)),
     ] + [
-        (w8a8_quant._quant_kernel, {'q_ptr': 'fp8e4nv' if fp8 else 'i8', 's_ptr': 'fp32'}, {},
-         dict(QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=block, PDL=pdl), dict(num_warps=warps))
+        # a row's values (GATED: silu(gate) * up, the op before down) quantized; both paths (a row in one block,
+        # or read twice) in each variant
+        (w8a8_quant._quant_rows_kernel, {'q_ptr': 'fp8e4nv' if fp8 else 'i8', 's_ptr': 'fp32'}, {},
+         dict(QMAX=448.0 if fp8 else 127.0, FP8=fp8, GATED=gated, BLOCK=block, PDL=pdl), dict(num_warps=warps))
         for fp8 in ((False, True) if cap >= 89 else (False, ))
-        for block, warps in (w8a8_quant._block_and_warps(4096), )  # (both paths: a row in one block, or read twice)
-    ] + [  # the op before an 8-bit layer with its quantization: RMSNorm (+ residual), silu(gate) * up
+        for gated, (block, warps) in ((False, w8a8_quant._block_and_warps(4096)),
+                                      (True, w8a8_quant._block_and_warps(14336)))
+    ] + [  # the norm before an 8-bit layer with its quantization: RMSNorm (+ residual)
         (w8a8_quant._rms_norm_quant_kernel, {'q_ptr': 'fp8e4nv' if fp8 else 'i8', 's_ptr': 'fp32'}, {'eps': 'fp32'},
          dict(HAS_RES=True, QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=8192, PDL=pdl), dict(num_warps=8))
         for fp8 in ((False, True) if cap >= 89 else (False, ))
-    ] + [
-        (w8a8_quant._silu_mul_quant_kernel, {'q_ptr': 'fp8e4nv' if fp8 else 'i8', 's_ptr': 'fp32'}, {},
-         dict(QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=block, PDL=pdl), dict(num_warps=warps))
-        for fp8 in ((False, True) if cap >= 89 else (False, ))
-        for block, warps in (w8a8_quant._block_and_warps(14336), )
     ] + [  # int8 W8A8 past FUSED_ROWS rows on sm80 on: one GEMM with the scales fused
         (w8a8_gemm._int8_gemm_kernel, {'a_ptr': 'i8', 'w_ptr': 'i8', 'as_ptr': 'fp32', 'ws_ptr': 'fp32'}, {},
          dict(HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP_M=8, PDL=pdl), dict(num_warps=warps, num_stages=stages))
@@ -189,7 +187,7 @@ def label(fn, constexprs: dict) -> str:
     (the head size where it is not Llama's 128)."""
     return fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items()
                                  if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'BM', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP',
-                                          'TANH', 'FP8', 'MAGIC') or k == 'HEAD_DIM' and v != 128)
+                                          'TANH', 'FP8', 'GATED', 'MAGIC') or k == 'HEAD_DIM' and v != 128)
 
 
 def compile_all(cap: int, specs=None, act=None) -> dict:

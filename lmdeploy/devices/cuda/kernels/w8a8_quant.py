@@ -81,8 +81,24 @@ def _block_and_warps(cols: int, block=None):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride_q, QMAX: tl.constexpr, FP8: tl.constexpr,
-                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _row_values(x_row, cols, live, n_cols, GATED: tl.constexpr):
+    """The float32 values at ``cols`` of a row: the row's own, or (GATED) silu(gate) * up of a row [gate | up]
+    of n_cols each, rounded to its dtype as kernels/activation.py rounds it."""
+    if GATED:
+        dt = x_row.dtype.element_ty
+        gate = tl.load(x_row + cols, mask=live, other=0.0).to(tl.float32)
+        up = tl.load(x_row + n_cols + cols, mask=live, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        y = (act * up).to(dt).to(tl.float32)
+    else:
+        y = tl.load(x_row + cols, mask=live, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride_q, QMAX: tl.constexpr,
+                       FP8: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Each row's values (_row_values) quantized with the row's scale: one program per row."""
     pdl.wait_then_release(PDL)
     row = tl.program_id(0)
     n_live = tl.where(row < n_rows, n_cols, 0)  # rows past the input (padding for the GEMM) come out as zeros
@@ -90,37 +106,39 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride_q, QMAX:
     q_row = q_ptr + row.to(tl.int64) * stride_q
     if BLOCK >= n_cols:  # the row in registers: read once
         cols = tl.arange(0, BLOCK)
-        x = tl.load(x_row + cols, mask=cols < n_live, other=0.0).to(tl.float32)
-        scale = _scale_of(tl.abs(x), QMAX)
-        tl.store(q_row + cols, _codes(x, scale, QMAX, FP8), mask=cols < n_cols)
+        y = _row_values(x_row, cols, cols < n_live, n_cols, GATED)
+        scale = _scale_of(tl.abs(y), QMAX)
+        tl.store(q_row + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for k0 in range(0, n_cols, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
-            x = tl.load(x_row + cols, mask=cols < n_live, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
+            amax = tl.maximum(amax, tl.abs(_row_values(x_row, cols, cols < n_live, n_cols, GATED)))
         scale = _scale_of(amax, QMAX)
-        for k0 in range(0, n_cols, BLOCK):  # the row again (from cache)
+        for k0 in range(0, n_cols, BLOCK):  # the row again (from cache; a gated row's values computed again)
             cols = k0 + tl.arange(0, BLOCK)
-            x = tl.load(x_row + cols, mask=cols < n_live, other=0.0).to(tl.float32)
-            tl.store(q_row + cols, _codes(x, scale, QMAX, FP8), mask=cols < n_cols)
+            y = _row_values(x_row, cols, cols < n_live, n_cols, GATED)
+            tl.store(q_row + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
     tl.store(s_ptr + row, scale)
+
+
+def _quantize_rows(x: torch.Tensor, n: int, fp8: bool, gated: bool, min_rows: int, block):
+    """_quant_rows_kernel over x's rows (n values each): (codes [max(M, min_rows), n], scales)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q, scale = _codes_buffers(x, n, fp8, min_rows)
+    if q.shape[0]:
+        block, warps = _block_and_warps(n, block)
+        _quant_rows_kernel[(q.shape[0], )](x, q, scale, x.shape[0], n, x.stride(0), q.stride(0),
+                                           QMAX=FP8_MAX if fp8 else INT8_MAX, FP8=fp8, GATED=gated, BLOCK=block,
+                                           num_warps=warps, PDL=pdl.ON, **pdl.LAUNCH)
+    return q, scale
 
 
 def quantize_per_token(x: torch.Tensor, fp8: bool, min_rows: int = 0, block: int = None):
     """(x_q [max(M, min_rows), K] int8 / e4m3, a_scale float32 [max(M, min_rows), 1]) of x [M, K] (bf16 / fp16 /
     float32); rows past M (``min_rows``: cuda's torch._int_mm wants more than 16) are zeros."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    q, scale = _codes_buffers(x, k, fp8, min_rows)
-    rows = q.shape[0]
-    if rows == 0:
-        return q, scale
-    block, warps = _block_and_warps(k, block)
-    _quant_kernel[(rows, )](x, q, scale, m, k, x.stride(0), q.stride(0), QMAX=FP8_MAX if fp8 else INT8_MAX, FP8=fp8,
-                            BLOCK=block, num_warps=warps, PDL=pdl.ON, **pdl.LAUNCH)
-    return q, scale
+    return _quantize_rows(x, x.shape[1], fp8, False, min_rows, block)
 
 
 def _codes_buffers(x2: torch.Tensor, n: int, fp8: bool, min_rows: int):
@@ -169,55 +187,10 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual, 
     return q, scale, (res_out.view(x.shape) if residual is not None else None)
 
 
-@triton.jit
-def _silu_mul(x_row, cols, live, n_cols, dt: tl.constexpr):
-    """silu(gate) * up at ``cols`` of a row, rounded as kernels/activation.py rounds it (float32 values)."""
-    gate = tl.load(x_row + cols, mask=live, other=0.0).to(tl.float32)
-    up = tl.load(x_row + n_cols + cols, mask=live, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-    return (act * up).to(dt).to(tl.float32)
-
-
-@triton.jit
-def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride_q, QMAX: tl.constexpr,
-                           FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait_then_release(PDL)
-    row = tl.program_id(0)
-    n_live = tl.where(row < n_rows, n_cols, 0)
-    x_row = x_ptr + row.to(tl.int64) * stride_x
-    q_row = q_ptr + row.to(tl.int64) * stride_q
-    dt = x_ptr.dtype.element_ty
-    if BLOCK >= n_cols:  # the row in registers: read once
-        cols = tl.arange(0, BLOCK)
-        y = _silu_mul(x_row, cols, cols < n_live, n_cols, dt)
-        scale = _scale_of(tl.abs(y), QMAX)
-        tl.store(q_row + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, n_cols, BLOCK):
-            cols = k0 + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, cols, cols < n_live, n_cols, dt)))
-        scale = _scale_of(amax, QMAX)
-        for k0 in range(0, n_cols, BLOCK):  # computed again from the row (in cache): nothing written in 16 bits
-            cols = k0 + tl.arange(0, BLOCK)
-            y = _silu_mul(x_row, cols, cols < n_live, n_cols, dt)
-            tl.store(q_row + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
-    tl.store(s_ptr + row, scale)
-
-
 def silu_and_mul_quant(x: torch.Tensor, fp8: bool, min_rows: int = 0, block: int = None):
     """(x_q [max(T, min_rows), I], a_scale [max(T, min_rows), 1]) of silu(gate) * up, x = cat(gate, up) [T, 2I]:
     kernels/activation.py's values quantized per token, one program per row."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    n = x.shape[1] // 2
-    q, scale = _codes_buffers(x, n, fp8, min_rows)
-    if q.shape[0]:
-        block, warps = _block_and_warps(n, block)
-        _silu_mul_quant_kernel[(q.shape[0], )](x, q, scale, x.shape[0], n, x.stride(0), q.stride(0),
-                                               QMAX=FP8_MAX if fp8 else INT8_MAX, FP8=fp8, BLOCK=block,
-                                               num_warps=warps, PDL=pdl.ON, **pdl.LAUNCH)
-    return q, scale
+    return _quantize_rows(x, x.shape[1] // 2, fp8, True, min_rows, block)
 
 
 @triton.jit
