@@ -131,6 +131,9 @@ def int8_sweep(impls_of, shapes, ms, top: int):
     import itertools
 
     from lmdeploy.devices.cuda.kernels import w8a8_gemm
+    from lmdeploy.devices.cuda.kernels.limits import shared_memory
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    smem = shared_memory(torch.device('cuda', torch.cuda.current_device()))
     configs = [c for c in itertools.product((64, 128), (64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5))
                if (c[0] + c[1]) * c[2] * c[4] <= 200 * 1024 and not (c[0] == 128 and c[1] == 256 and c[3] == 4)]
     print(f'\nint8 GEMM tiles, {len(configs)} configs (BM, BN, BK, warps, stages); us per call:')
@@ -146,7 +149,7 @@ def int8_sweep(impls_of, shapes, ms, top: int):
 
             def gemm(layer, cfg):
                 return w8a8_gemm.int8_gemm_scaled(q, layer.weight, sa, layer.weight_scale, None, torch.bfloat16,
-                                                  config=cfg)
+                                                  config=cfg, num_sms=sms)
             want = gemm(layers[0], None)
             t_now = time_us(lambda layer: gemm(layer, None), layers)
             results = []
@@ -160,7 +163,7 @@ def int8_sweep(impls_of, shapes, ms, top: int):
                     results.append((float('inf'), cfg, type(e).__name__))
             results.sort(key=lambda r: r[0])
             best = ', '.join(f'{c} {t:.1f}{" " + why if why else ""}' for t, c, why in results[:top])
-            print(f'{name:>8} M={m:>5}: bf16 {t_bf16:.1f}, choose() {w8a8_gemm.choose(m)} {t_now:.1f}; best: {best}',
+            print(f'{name:>8} M={m:>5}: bf16 {t_bf16:.1f}, choose() {w8a8_gemm.choose(m, n, k, sms, smem)} {t_now:.1f}; best: {best}',
                   flush=True)
         del w, bf16_ws, impls
         torch.cuda.empty_cache()

@@ -14,6 +14,7 @@ import triton  # noqa: E402,F401  (a test dependency: these tests must not skip 
 
 from helpers import here_cuda_ops  # noqa: E402
 import lmdeploy.devices.layers  # noqa: E402,F401  (before devices.w8a8, which it imports)
+from lmdeploy.devices.act_quant import steps_apart  # noqa: E402
 from lmdeploy.devices.conformance import run_self_tests  # noqa: E402
 from lmdeploy.devices.cuda.kernels import w8a8_gemm, w8a8_quant  # noqa: E402
 from lmdeploy.devices.reference import ReferenceOps  # noqa: E402
@@ -63,10 +64,8 @@ FUSED_DTYPES = DTYPES if HAS_CUDA else [torch.float32, torch.float16]
 
 def _codes_close(got, want, fp8, max_rows):
     """Codes one step apart at most (an int8 code, an e4m3 spacing at the value), in at most ``max_rows`` rows."""
-    got, want = got.cpu().double(), want.cpu().double()
-    step = 2.0**(torch.floor(torch.log2(want.abs().clamp(min=2.0**-6))) - 3) if fp8 else torch.ones_like(want)
-    assert float(((got - want).abs() / step).max()) <= 1.0
-    rows = int((got != want).any(dim=1).sum())
+    assert float(steps_apart(got, want, fp8).max()) <= 1.0
+    rows = int((got.cpu().double() != want.cpu().double()).any(dim=1).sum())
     assert rows <= max_rows, f'{rows} rows differ'
 
 

@@ -20,7 +20,6 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 INT8_MAX = 127.0
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-KINDS = ('int8', 'fp8')
 
 
 @dataclass
@@ -64,6 +63,14 @@ def quantize_per_token(x: torch.Tensor, fp8: bool) -> Tuple[torch.Tensor, torch.
     if fp8:
         return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     return y.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def steps_apart(got: torch.Tensor, want: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """|got - want| of two code tensors in steps of the codes' grid at ``want`` (float64, elementwise): an int8
+    code, or e4m3's spacing at the value (2^(exponent - 3), 2^-9 among the subnormals)."""
+    a, b = got.cpu().double(), want.cpu().double()
+    step = 2.0**(torch.floor(torch.log2(b.abs().clamp(min=2.0**-6))) - 3) if fp8 else torch.ones_like(b)
+    return (a - b).abs() / step
 
 
 def quantize_input(x: torch.Tensor, fp8: bool) -> QuantizedInput:

@@ -341,7 +341,7 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         """``op``'s QuantizedInput against the reference's codes of the float values it stands for (the device's
         own float op: act_quant.py's rule applied to them): the same scales, codes at most one step apart
         (an int8 code; an e4m3 spacing at the value), zeros past the rows."""
-        from .act_quant import quantize_input
+        from .act_quant import quantize_input, steps_apart
         x, res, w = q64(randn(5, 64, scale=2)), q64(randn(5, 64)), q64(randn(64) + 1)
         x2 = q64(randn(6, 2 * 40))
         if op == 'quantize_per_token':
@@ -363,9 +363,7 @@ def checks(ops, dev, dtype) -> List[Tuple[str, Callable[[], Tuple[bool, str]]]]:
         if got_q[qi.rows:].double().abs().sum() != 0:
             return False, 'rows past the input are not zeros'
         scale_err = float(((got_s[:qi.rows] - want.scale.double()).abs() / want.scale.double()).max())
-        a, b = got_q[:qi.rows].double(), want.q.double()
-        step = (2.0 ** (torch.floor(torch.log2(b.abs().clamp(min=2.0 ** -6))) - 3)) if fp8 else torch.ones_like(b)
-        steps = float(((a - b).abs() / step).max())
+        steps = float(steps_apart(got_q[:qi.rows], want.q, fp8).max())
         detail = f'codes at most {steps:.2f} steps apart, scales {scale_err:.1e} apart (relative)'
         return steps <= 1.0 and scale_err <= 1e-6, detail
 

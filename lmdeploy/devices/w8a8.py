@@ -35,7 +35,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .act_quant import FP8_DTYPE, FP8_MAX, INT8_MAX, QuantizedInput, quantize_per_token  # noqa: F401 (re-exported)
+from .act_quant import (FP8_DTYPE, FP8_MAX, INT8_MAX, QuantizedInput, quantize_input,  # noqa: F401 (re-exported)
+                        quantize_per_token)
 from .layers import LinearImpl, add_param
 
 QUANT_DTYPES = {'int8': 'int8', 'fp8': 'fp8', 'float8_e4m3fn': 'fp8', 'fp8_e4m3': 'fp8', 'float8': 'fp8'}
@@ -111,10 +112,7 @@ class W8A8Linear(LinearImpl):
 
     def fake_quantized_input(self, x: Union[torch.Tensor, QuantizedInput]) -> torch.Tensor:
         """The input as the layer sees it: quantized per token and dequantized again (in x's dtype)."""
-        if isinstance(x, QuantizedInput):
-            return x.dequantized()
-        q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]), self.fp8)
-        return (q.to(scale.dtype) * scale).to(x.dtype).reshape(x.shape)
+        return self.quantized(x).dequantized()
 
     def quantized(self, x: Union[torch.Tensor, QuantizedInput]) -> QuantizedInput:
         """x as this layer's 8-bit input: quantized here, or already by its producer (the same codes)."""
@@ -122,8 +120,7 @@ class W8A8Linear(LinearImpl):
             if x.fp8 != self.fp8:
                 raise TypeError(f'a {"fp8" if x.fp8 else "int8"} input for a {self.format} layer')
             return x
-        q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]), self.fp8)
-        return QuantizedInput(q, scale, q.shape[0], x.dtype, tuple(x.shape[:-1]))
+        return quantize_input(x, self.fp8)
 
     def apply(self, layer, x, with_bias=True):
         qi = self.quantized(x)
