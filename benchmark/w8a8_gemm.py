@@ -8,6 +8,7 @@ CUDA graph, as a decode step reads its weights (none of them from L2), replayed 
     PYTHONPATH=. python3 benchmark/w8a8_gemm.py
     PYTHONPATH=. python3 benchmark/w8a8_gemm.py --m 1 256 --shapes qkv down
     PYTHONPATH=. python3 benchmark/w8a8_gemm.py --with-producer   # the op before the layer included
+    PYTHONPATH=. python3 benchmark/w8a8_gemm.py --gated --m 128 256 512   # int8 gate|up with the activation
 
 ``--with-producer``: each layer with the op that makes its input in a decoder layer (q|k|v and gate|up: RMSNorm
 with the residual add; down: silu(gate) * up), timed as bf16 (the float op, then F.linear), as the 8-bit layer
@@ -169,6 +170,56 @@ def int8_sweep(impls_of, shapes, ms, top: int):
         torch.cuda.empty_cache()
 
 
+# tiles of the whole [M, 2I] GEMM the gated table also tries (BM, BN, BK, warps, stages)
+GATED_TILES = ((128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 128, 4, 4),
+               (64, 128, 128, 4, 4), (64, 256, 64, 4, 4), (128, 256, 128, 8, 2))
+
+
+def gated_table(ops, impls_of, ms):
+    """int8 gate|up with silu(gate) * up and the quantization for down, codes of the norm already made: bf16 (its
+    GEMM and activation), the int8 GEMM then silu_and_mul_quant, and the gated GEMM (what the engine runs on sm80
+    on) with choose()'s tile and the best of GATED_TILES (its codes checked equal)."""
+    from lmdeploy.devices.cuda.kernels import w8a8_gemm, w8a8_quant
+    from lmdeploy.devices.layers import LinearImpl
+    name, n, k = next(s for s in SHAPES if s[0] == 'gate_up')
+    w, bf16_ws, impls = impls_of(name, n, k)
+    impl, _, layers = impls['int8']
+    head = f"{'M':>5} | {'bf16':>8} | {'int8':>8} {'gated':>8} {'x bf16':>6} | best tile"
+    print('\nint8 gate|up, silu(gate) * up and its quantization (us per call):')
+    print(head)
+    print('-' * len(head))
+    g = torch.Generator(device='cuda').manual_seed(4)
+    for m in ms:
+        x = torch.randn(m, k, device='cuda', generator=g, dtype=torch.bfloat16)
+        t_bf16 = time_us(lambda wt: ops.linear_silu_and_mul(x, wt, None), bf16_ws)
+        qi = ops.quantize_per_token(x, False)
+
+        def unfused(layer):
+            return LinearImpl.apply_silu_and_mul_quant(impl, layer, qi, False)
+
+        def gated(layer, cfg=None):
+            act, amax = w8a8_gemm.gated_gemm_scaled(qi.q, layer.weight, qi.scale, layer.weight_scale, None,
+                                                    torch.bfloat16, rows=m, config=cfg)
+            return w8a8_quant.quantize_with_amax(act, amax, False)[0]
+        want = unfused(layers[0]).q[:m]
+        assert torch.equal(impl.apply_silu_and_mul_quant(layers[0], qi, False).q[:m], want), 'codes differ'
+        t_plain, t_gated = time_us(unfused, layers), time_us(lambda layer: impl.apply_silu_and_mul_quant(
+            layer, qi, False), layers)
+        tries = []
+        for cfg in GATED_TILES:
+            try:
+                ok = torch.equal(gated(layers[0], cfg)[:m], want)
+                tries.append((time_us(lambda layer: gated(layer, cfg), layers, budget_s=0.02) if ok else float('inf'),
+                              cfg))
+            except Exception:  # noqa: BLE001
+                tries.append((float('inf'), cfg))
+        t_best, cfg_best = min(tries)
+        print(f'{m:>5} | {t_bf16:8.1f} | {t_plain:8.1f} {t_gated:8.1f} {t_bf16 / t_gated:6.2f} | {cfg_best} {t_best:.1f}',
+              flush=True)
+    del w, bf16_ws, impls
+    torch.cuda.empty_cache()
+
+
 def main():
     from lmdeploy.devices.cuda.ops import CudaOps
     from lmdeploy.devices.cuda.w8a8 import CudaW8A8Fp8Linear, CudaW8A8Int8Linear
@@ -180,6 +231,8 @@ def main():
                         help='only the table of each layer with the op before it, unfused and fused')
     parser.add_argument('--int8-sweep', type=int, default=0, metavar='TOP',
                         help="only the int8 GEMM's tile sweep, the TOP fastest per layer and M")
+    parser.add_argument('--gated', action='store_true',
+                        help='only the table of int8 gate|up with silu(gate) * up and its quantization')
     args = parser.parse_args()
     ops = CudaOps()
     cap = torch.cuda.get_device_capability()
@@ -208,6 +261,10 @@ def main():
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     if args.int8_sweep:
         int8_sweep(impls_of, shapes, args.m, args.int8_sweep)
+        print(f'done in {time.time() - t_start:.0f} s')
+        return
+    if args.gated:
+        gated_table(ops, impls_of, args.m)
         print(f'done in {time.time() - t_start:.0f} s')
         return
     if args.with_producer:

@@ -179,6 +179,17 @@ def kernel_specs(cap: int):
                                            w8a8_gemm.choose(512, 4096, 4096, 132, smem),
                                            w8a8_gemm.choose(256, 4096, 14336, 132, smem),
                                            w8a8_gemm.choose(128, 4096, 14336, 132, smem)) if cap >= 80 else ())
+    ] + [  # int8 gate|up: silu(gate) * up and each row's amax in the GEMM (a decode step's tile too), then the codes
+        (w8a8_gemm._gated_gemm_kernel, {'a_ptr': 'i8', 'w_ptr': 'i8', 'as_ptr': 'fp32', 'ws_ptr': 'fp32',
+                                        'amax_ptr': 'i32'}, {},
+         dict(HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP_M=8, PDL=pdl), dict(num_warps=warps, num_stages=stages))
+        for bm, bn, bk, warps, stages in ((w8a8_gemm.choose(256, 28672, 4096, 132, smem),
+                                           w8a8_gemm.choose(8, 28672, 4096, 132, smem)) if cap >= 80 else ())
+    ] + [
+        (w8a8_quant._quant_known_amax_kernel, {'amax_ptr': 'i32', 'q_ptr': 'fp8e4nv' if fp8 else 'i8',
+                                               's_ptr': 'fp32'}, {},
+         dict(QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=1024, PDL=pdl), dict(num_warps=4))
+        for fp8 in ((False, True) if cap >= 89 else (False, ))
     ], act
 
 

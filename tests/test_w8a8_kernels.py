@@ -1,7 +1,8 @@
 """The cuda device's SmoothQuant W8A8 path (devices/cuda/w8a8.py, kernels/w8a8_quant.py, w8a8_gemm.py) against the
 reference (devices/w8a8.py), through Triton's interpreter without a GPU (on a GPU where there is one): the
 per-token quantize kernel bit for bit, the scale epilogue against torch, int8's fused GEMM against the two-step
-path, the layers' apply and the conformance checks."""
+path, the gated gate|up GEMM against the GEMM, activation and quantize, the layers' apply and the conformance
+checks."""
 import os
 
 import pytest
@@ -178,6 +179,34 @@ def test_fused_int8_gemm_equals_int_mm_and_the_epilogue(dtype):
         want = w8a8_quant.scale_epilogue(acc, *args[2:])
         _same_bits(got, want)
 
+
+@pytest.mark.parametrize('fp8', [False, True], ids=['int8-codes', 'fp8-codes'])
+@pytest.mark.parametrize('dtype', FUSED_DTYPES, ids=str)
+def test_gated_gemm_then_codes_equal_gemm_activation_and_quantize(dtype, fp8):
+    """gated_gemm_scaled + quantize_with_amax (int8 gate|up on sm80 on): silu(gate) * up of the plain GEMM's
+    output, each row's max |value|, and the codes quantize_per_token makes of it (int8, or e4m3 for an fp8
+    down projection); tiles over I's and K's ends, a bias, and int8's padding rows."""
+    from lmdeploy.devices.cuda.kernels import activation
+    m, half, k = 70, 40, 200
+    q = torch.randint(-127, 128, (m, k), dtype=torch.int8).to(DEV)
+    w = torch.randint(-127, 128, (2 * half, k), dtype=torch.int8).to(DEV)
+    a_scale = (torch.rand(m, 1) / 1000 + 1e-5).to(DEV)
+    w_scale = (torch.rand(2 * half) / 1000 + 1e-5).to(DEV)
+    for b in (None, torch.randn(2 * half).to(dtype).to(DEV)):
+        out = w8a8_gemm.int8_gemm_scaled(q, w, a_scale, w_scale, b, dtype)
+        # 32 rows and 32 columns (16 gate, 16 up) a tile, and choose()'s
+        for tile in ((32, 32, 64, 4, 2), None):
+            act, amax = w8a8_gemm.gated_gemm_scaled(q, w, a_scale, w_scale, b, dtype, config=tile)
+            want = activation.silu_and_mul(out)
+            _same_bits(act, want)
+            _same_bits(amax.view(torch.float32), want.float().abs().amax(-1))
+        got_q, got_s = w8a8_quant.quantize_with_amax(act, amax, fp8, min_rows=0 if fp8 else 72, block=16)
+        want_q, want_s = w8a8_quant.quantize_per_token(want, fp8, min_rows=0 if fp8 else 72)
+        _same_bits(got_q, want_q)
+        _same_bits(got_s[:m], want_s[:m])
+        assert got_q.shape[0] == (m if fp8 else 72) and not got_q[m:].float().any()
+
+
 def _layer(impl_cls, in_f, out_f, dtype, g):
     """A layer of random float weights quantized as ``lite smooth_quant`` writes them, and a bias."""
     from torch import nn
@@ -240,6 +269,24 @@ def test_linear_apply_matches_the_reference(fmt, dtype):
             w_abs = ref_layer.weight.double().abs() * ref_layer.weight_scale.double().view(-1, 1)
             bound = bound + 2.0**-9 * (x.double().abs() @ w_abs.t())
         assert bool((err <= bound).all()), f'max err {float(err.max()):.3g}'
+
+
+def test_gate_up_with_its_activation_equals_apply_then_silu_and_mul_quant():
+    """int8's apply_silu_and_mul_quant (the gated GEMM) against the composed default, apply then
+    silu_and_mul_quant, on a gate|up layer with a bias: the same codes and scales, at a decode step's one row,
+    at _int_mm's sizes and past FUSED_ROWS."""
+    from lmdeploy.devices.cuda.w8a8 import FUSED_ROWS, CudaW8A8Int8Linear
+    from lmdeploy.devices.layers import LinearImpl
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16
+    g = torch.Generator().manual_seed(11)
+    mine, layer = _layer(CudaW8A8Int8Linear, 64, 96, dtype, g)
+    for m in (1, 20, FUSED_ROWS + 6):
+        x = _inputs(max(m, 2), 64, dtype)[:m].reshape(m, 1, 64)
+        got = mine.apply_silu_and_mul_quant(layer, x, False)
+        want = LinearImpl.apply_silu_and_mul_quant(mine, layer, x, False)
+        assert (got.rows, got.lead, got.dtype, got.q.shape[1]) == (m, (m, 1), dtype, 48)
+        _same_bits(got.q, want.q)
+        _same_bits(got.scale, want.scale)
 
 
 def test_float64_inputs_run_the_reference():

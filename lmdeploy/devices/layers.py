@@ -103,6 +103,11 @@ class LinearImpl:
         """silu(gate) * up of a stacked gate|up projection's output (a device may fuse the two)."""
         return self.ops.silu_and_mul(self.apply(layer, x))
 
+    def apply_silu_and_mul_quant(self, layer: nn.Module, x, fp8: bool):
+        """silu(gate) * up of a stacked gate|up projection's output, quantized per token for an 8-bit layer after
+        it (a devices/act_quant.QuantizedInput; a device may fuse all three)."""
+        return self.ops.silu_and_mul_quant(self.apply(layer, x), fp8)
+
     def input_quantization(self, layer: nn.Module) -> Optional[str]:
         """'int8' or 'fp8' where ``apply`` also takes its input already quantized per token (a
         devices/act_quant.QuantizedInput, from the producer's fused op: the norm before the layer); None where

@@ -19,10 +19,11 @@ class SiluAndMul(nn.Module):
 
     def of_projection(self, proj, x):
         """self(proj(x)) for a stacked gate|up projection, as one op (a device
-        may then skip writing and re-reading the projection's output)."""
+        may then skip writing and re-reading the projection's output), quantized
+        in it too where self.quantize_output says so."""
         if self.quantize_output is None:
             return proj.impl.apply_silu_and_mul(proj, x)
-        return self(proj(x))
+        return proj.impl.apply_silu_and_mul_quant(proj, x, self.quantize_output == 'fp8')
 
 
 class GeluTanhAndMul(nn.Module):

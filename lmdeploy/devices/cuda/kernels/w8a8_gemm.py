@@ -1,5 +1,6 @@
-"""SmoothQuant int8's GEMM for more than a few rows: int8 x int8 on tensor cores, int32 accumulators, and the
-scales (a_scale[row] * weight_scale[col]), the cast and the bias applied in the same kernel.
+"""SmoothQuant int8's GEMM for more than a few rows: int8 x int8 on tensor cores, int32 accumulators, with the
+scales (a_scale[row] * weight_scale[col]), the cast and the bias applied in the same kernel; and the gated MLP's
+gate|up GEMM with silu(gate) * up in that epilogue as well (``gated_gemm_scaled``).
 
 Measured on an H100 (Llama-3-8B's layers, the input already quantized):
 - From 256 rows, ``torch._int_mm`` (cuBLASLt) plus the separate epilogue ran at 0.67-0.99x bf16's speed. The
@@ -12,6 +13,15 @@ quantization fused into that op, session 51, H200, choose()'s tiles): at 256 row
 1.00x, 0.71x and 0.95x bf16's time; from 1,024 rows 0.58-0.77x.
 
 The epilogue rounds as kernels/w8a8_quant.py's ``scale_epilogue`` does, so either path gives the same values.
+(An e4m3 variant of this kernel, on an H200 in session 52 at 256 rows, took 1.03-1.66x torch._scaled_mm's time
+with choose()'s tiles and 0.85-1.29x with the best of 81 per layer: fp8 keeps cuBLAS.)
+
+The gated GEMM: the down projection after it needs its input's per-token scale, the largest |silu(gate) * up|
+of the whole row, which no tile of the GEMM sees alone. Each program therefore writes its tile of the 16-bit
+activation (half the bytes of gate|up's output) and an atomic max of its rows' |values| (float32 bits as int32:
+ordered as the floats are, all of them >= 0); kernels/w8a8_quant.quantize_with_amax then codes the activation
+elementwise, with no row-long reduction left (a one-program-a-row quantize of a 14,336-wide row holds the row
+in registers and runs at a few rows per SM).
 """
 import torch
 import triton
@@ -20,6 +30,16 @@ import triton.language as tl
 from . import pdl
 from .limits import shared_memory
 from .tiles import grouped_tile
+
+
+@triton.jit
+def _scaled(acc, sa, sw, b_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr, dt: tl.constexpr):
+    """acc * a_scale[row] * w_scale[col] cast to dt, plus the bias rounded to dt (the reference's order)."""
+    y = (acc.to(tl.float32) * sa[:, None] * sw[None, :]).to(dt)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(dt).to(tl.float32)
+        y = (y.to(tl.float32) + b[None, :]).to(dt)
+    return y
 
 
 @triton.jit
@@ -43,12 +63,47 @@ def _int8_gemm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, str
         acc += tl.dot(a, w)
     sa = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
     sw = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
-    dt = out_ptr.dtype.element_ty
-    y = (acc.to(tl.float32) * sa[:, None] * sw[None, :]).to(dt)
-    if HAS_BIAS:
-        b = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(dt).to(tl.float32)
-        y = (y.to(tl.float32) + b[None, :]).to(dt)
+    y = _scaled(acc, sa, sw, b_ptr, offs_n, n_mask, HAS_BIAS, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows_m[:, None] * stride_om + offs_n[None, :], y, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gated_gemm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, b_ptr, act_ptr, amax_ptr, M, I, K, stride_am, stride_wn,
+                       stride_om, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       GROUP_M: tl.constexpr, PDL: tl.constexpr):
+    """A tile of silu(gate) * up for a weight [gate; up] ([2I, K]): its BN columns of the GEMM are BN / 2 gate
+    columns and the same up columns taken in turns (gate j, up j, ...: one dot as wide as the plain GEMM's, its
+    result split in registers), each scaled and rounded as the plain GEMM's output, then the activation rounded
+    as kernels/activation.py's."""
+    HALF: tl.constexpr = BN // 2
+    pdl.wait_then_release(PDL)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, I, BM, HALF, GROUP_M)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    m_mask = offs_m < M
+    rows_m = offs_m.to(tl.int64)
+    j = tl.arange(0, BN)
+    w_rows = pid_n * HALF + j // 2 + (j % 2) * I  # the weight rows of the tile's columns, gate and up in turns
+    w_mask = pid_n * HALF + j // 2 < I
+    acc = tl.zeros((BM, BN), dtype=tl.int32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        k_mask = offs_k < K
+        a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0)
+        w = tl.load(w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+                    mask=w_mask[None, :] & k_mask[:, None], other=0)
+        acc += tl.dot(a, w)
+    dt = act_ptr.dtype.element_ty
+    sa = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
+    both = _scaled(acc, sa, tl.load(ws_ptr + w_rows, mask=w_mask, other=0.0), b_ptr, w_rows, w_mask, HAS_BIAS, dt)
+    gate, up = tl.split(tl.reshape(both.to(tl.float32), (BM, HALF, 2)))
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    y = (act * up).to(dt)
+    offs_n = pid_n * HALF + tl.arange(0, HALF)
+    mask = m_mask[:, None] & (offs_n < I)[None, :]
+    tl.store(act_ptr + rows_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
+    tile_max = tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=1)
+    tl.atomic_max(amax_ptr + offs_m, tile_max.to(tl.int32, bitcast=True), mask=m_mask)
 
 
 # (BM, BN) from the largest: (BK, warps, stages); a session-51 sweep on an H200 (benchmark/w8a8_gemm.py
@@ -65,8 +120,12 @@ def choose(m: int, n: int, k: int, num_sms: int = 132, smem: int = 227 * 1024):
     The sweep's gains over the one tile per row count used before (64 x 128 to 256 rows, 128 x 128 above), us
     per call: at 256 rows o 18.4 -> 12.4, gate_up 79.0 -> 58.1, down 50.4 -> 37.3; at 128 rows down 50.7 ->
     24.4; at 512 rows down 79.9 -> 56.1. Narrow layers (N 4,096-6,144) at a few hundred rows want more, smaller
-    tiles to fill the GPU; gate_up (N 28,672) keeps 128 x 128 from 128 rows on."""
+    tiles to fill the GPU; gate_up (N 28,672) keeps 128 x 128 from 128 rows on. Up to 64 rows (the gated
+    GEMM runs there; the plain one leaves them to torch._int_mm) a 128-row tile is half padding: gate|up at 17-64
+    rows took 36-38 us with 64 x 128 against 42-46 with 128 x 128 (H200, session 52)."""
     for (bm, bn), (bk, warps, stages) in TILES:
+        if bm > 64 >= m:  # a few rows (the gated GEMM's decode steps): 64-row tiles waste half as much
+            continue
         if -(-m // bm) * -(-n // bn) >= WAVES * num_sms:
             break
     else:
@@ -75,6 +134,11 @@ def choose(m: int, n: int, k: int, num_sms: int = 132, smem: int = 227 * 1024):
             bk = 256
     stages = max(2, min(stages, smem // ((bm + bn) * bk)))
     return bm, bn, bk, warps, stages
+
+
+def _config(q, m, n, k, config, num_sms):
+    smem = shared_memory(q.device) if q.is_cuda else 227 * 1024
+    return config or choose(m, n, k, num_sms, smem)
 
 
 def int8_gemm_scaled(q: torch.Tensor, weight: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias,
@@ -87,10 +151,31 @@ def int8_gemm_scaled(q: torch.Tensor, weight: torch.Tensor, a_scale: torch.Tenso
     out = torch.empty((rows, n), dtype=dtype, device=q.device)
     if rows == 0 or n == 0:
         return out
-    smem = shared_memory(q.device) if q.is_cuda else 227 * 1024
-    bm, bn, bk, warps, stages = config or choose(rows, n, k, num_sms, smem)
+    bm, bn, bk, warps, stages = _config(q, rows, n, k, config, num_sms)
     grid = (triton.cdiv(rows, bm) * triton.cdiv(n, bn), )
     _int8_gemm_kernel[grid](q, weight, a_scale, w_scale, bias if bias is not None else w_scale, out, rows, n, k,
                             q.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn,
                             BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages, PDL=pdl.ON, **pdl.LAUNCH)
     return out
+
+
+def gated_gemm_scaled(q: torch.Tensor, weight: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias,
+                      dtype: torch.dtype, rows: int = None, config=None, num_sms: int = 132):
+    """(act [rows, I] dtype, amax int32 [rows]) of a gate|up weight [2I, K]: act = silu(gate) * up of
+    :func:`int8_gemm_scaled`'s output (gate its first I columns), rounded as kernels/activation.py's
+    silu_and_mul rounds it; amax[row] the float32 bits of max |act[row]| (kernels/w8a8_quant.quantize_with_amax
+    reads it). ``config`` is a tile of the whole [rows, 2I] GEMM (:func:`choose`'s): each program computes BN / 2
+    gate and the same BN / 2 up columns, in one BM x BN dot."""
+    rows = q.shape[0] if rows is None else rows
+    n, k = weight.shape
+    half = n // 2
+    act = torch.empty((rows, half), dtype=dtype, device=q.device)
+    amax = torch.zeros((rows, ), dtype=torch.int32, device=q.device)
+    if rows == 0 or half == 0:
+        return act, amax
+    bm, bn, bk, warps, stages = _config(q, rows, n, k, config, num_sms)
+    grid = (triton.cdiv(rows, bm) * triton.cdiv(half, bn // 2), )
+    _gated_gemm_kernel[grid](q, weight, a_scale, w_scale, bias if bias is not None else w_scale, act, amax, rows,
+                             half, k, q.stride(0), weight.stride(0), act.stride(0), HAS_BIAS=bias is not None, BM=bm,
+                             BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages, PDL=pdl.ON, **pdl.LAUNCH)
+    return act, amax

@@ -13,6 +13,8 @@
   stores are rms_norm's, but Triton may still lay the row over the threads otherwise (the 8-bit stores weigh in),
   and the sum of squares then rounds otherwise: on an H200, one row in 1,024 of a 4,096-wide layer input came
   out with codes a step apart (both as close to the reference).
+* ``quantize_with_amax``: the same codes of a row whose max |value| is already known (the gated GEMM's, which
+  writes silu(gate) * up and that max: kernels/w8a8_gemm.py), many programs a row.
 * ``scale_epilogue``: an int32 (or float32) GEMM result times a_scale[row] * weight_scale[col], cast to the
   activation dtype, plus the bias (rounded to that dtype first, as the reference adds it).
 """
@@ -145,6 +147,34 @@ def _codes_buffers(x2: torch.Tensor, n: int, fp8: bool, min_rows: int):
     rows = max(x2.shape[0], min_rows)
     q = torch.empty((rows, n), dtype=FP8_DTYPE if fp8 else torch.int8, device=x2.device)
     return q, torch.empty((rows, 1), dtype=torch.float32, device=x2.device)
+
+
+@triton.jit
+def _quant_known_amax_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x, stride_q,
+                             QMAX: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """BLOCK values of a row coded with the scale of its amax (float32 bits as int32: the gated GEMM's)."""
+    pdl.wait_then_release(PDL)
+    row = tl.program_id(0)
+    n_live = tl.where(row < n_rows, n_cols, 0)  # rows past the input (padding for the GEMM) come out as zeros
+    amax = tl.load(amax_ptr + tl.minimum(row, n_rows - 1)).to(tl.float32, bitcast=True)
+    scale = tl.math.div_rn(tl.maximum(tl.where(row < n_rows, amax, 0.0), 1e-12), QMAX)  # _scale_of's, of one
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < n_live, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + row, scale)
+
+
+def quantize_with_amax(x: torch.Tensor, amax: torch.Tensor, fp8: bool, min_rows: int = 0, block: int = 1024):
+    """quantize_per_token's (x_q, a_scale) of x [M, K] whose rows' max |x| is known (``amax``: int32 [M], the
+    float32 bits; kernels/w8a8_gemm.gated_gemm_scaled's): elementwise, many programs a row."""
+    q, scale = _codes_buffers(x, x.shape[1], fp8, min_rows)
+    if q.shape[0] and x.shape[1]:
+        block = min(block, triton.next_power_of_2(x.shape[1]))
+        _quant_known_amax_kernel[(q.shape[0], triton.cdiv(x.shape[1], block))](
+            x, amax, q, scale, x.shape[0], x.shape[1], x.stride(0), q.stride(0), QMAX=FP8_MAX if fp8 else INT8_MAX,
+            FP8=fp8, BLOCK=block, num_warps=4, PDL=pdl.ON, **pdl.LAUNCH)
+    return q, scale
 
 
 @triton.jit
