@@ -43,6 +43,22 @@ def _scaled(acc, sa, sw, b_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr, dt: tl.c
 
 
 @triton.jit
+def _dot_rows(a_ptr, w_ptr, rows_m, m_mask, w_rows, w_mask, K, stride_am, stride_wn, BM: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr):
+    """The int32 [BM, BN] tile sum_k a[rows_m, k] * w[w_rows, k] (masked rows and columns read as zeros)."""
+    acc = tl.zeros((BM, BN), dtype=tl.int32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        k_mask = offs_k < K
+        a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0)
+        w = tl.load(w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+                    mask=w_mask[None, :] & k_mask[:, None], other=0)
+        acc += tl.dot(a, w)
+    return acc
+
+
+@triton.jit
 def _int8_gemm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_am, stride_wn, stride_om,
                       HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GROUP_M: tl.constexpr, PDL: tl.constexpr):
@@ -52,15 +68,7 @@ def _int8_gemm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, str
     offs_n = pid_n * BN + tl.arange(0, BN)
     m_mask, n_mask = offs_m < M, offs_n < N
     rows_m = offs_m.to(tl.int64)
-    acc = tl.zeros((BM, BN), dtype=tl.int32)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        k_mask = offs_k < K
-        a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0)
-        w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
-                    mask=n_mask[None, :] & k_mask[:, None], other=0)
-        acc += tl.dot(a, w)
+    acc = _dot_rows(a_ptr, w_ptr, rows_m, m_mask, offs_n, n_mask, K, stride_am, stride_wn, BM, BN, BK)
     sa = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
     sw = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
     y = _scaled(acc, sa, sw, b_ptr, offs_n, n_mask, HAS_BIAS, out_ptr.dtype.element_ty)
@@ -84,15 +92,7 @@ def _gated_gemm_kernel(a_ptr, w_ptr, as_ptr, ws_ptr, b_ptr, act_ptr, amax_ptr, M
     j = tl.arange(0, BN)
     w_rows = pid_n * HALF + j // 2 + (j % 2) * I  # the weight rows of the tile's columns, gate and up in turns
     w_mask = pid_n * HALF + j // 2 < I
-    acc = tl.zeros((BM, BN), dtype=tl.int32)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        k_mask = offs_k < K
-        a = tl.load(a_ptr + rows_m[:, None] * stride_am + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0)
-        w = tl.load(w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
-                    mask=w_mask[None, :] & k_mask[:, None], other=0)
-        acc += tl.dot(a, w)
+    acc = _dot_rows(a_ptr, w_ptr, rows_m, m_mask, w_rows, w_mask, K, stride_am, stride_wn, BM, BN, BK)
     dt = act_ptr.dtype.element_ty
     sa = tl.load(as_ptr + offs_m, mask=m_mask, other=0.0)
     both = _scaled(acc, sa, tl.load(ws_ptr + w_rows, mask=w_mask, other=0.0), b_ptr, w_rows, w_mask, HAS_BIAS, dt)
