@@ -251,13 +251,13 @@ def auto_awq(model: Optional[str],
         if rtn:
             batches = []  # no layer needs inputs
         outs = run_layer(layer, batches, {n: v.append for n, v in inputs.items()})
-        shapes = [(hidden.shape, kw) for hidden, kw in batches]
+        attn_batches = [(hidden.shape, kw) for hidden, kw in batches]  # (what the q/k/v group's error reruns)
         batches = [(o, kw) for o, (_, kw) in zip(outs, batches)]
         xs = {n: torch.cat(v) for n, v in inputs.items() if v}
         inputs.clear()
 
         picked = {}
-        for grp in ([] if rtn else _groups(layer, xs, shapes)):
+        for grp in ([] if rtn else _groups(layer, xs, attn_batches)):
             alpha, s, _ = grp.search(w_group_size, alphas)
             if alpha != 0:
                 grp.fold(s)

@@ -63,8 +63,14 @@ def _codes(x, scale, QMAX: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def _scale_from_max(m, QMAX: tl.constexpr):
+    """A row's scale from its max |value| (the reference's rule: at least 1e-12, divided correctly rounded)."""
+    return tl.math.div_rn(tl.maximum(m, 1e-12), QMAX)
+
+
+@triton.jit
 def _scale_of(amax, QMAX: tl.constexpr):
-    return tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), QMAX)
+    return _scale_from_max(tl.max(amax, axis=0), QMAX)
 
 
 ONE_PASS_COLS = 16384  # a row up to this long is held in registers (one read); longer ones are read twice
@@ -157,7 +163,7 @@ def _quant_known_amax_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, n_rows, n_cols, stri
     row = tl.program_id(0)
     n_live = tl.where(row < n_rows, n_cols, 0)  # rows past the input (padding for the GEMM) come out as zeros
     amax = tl.load(amax_ptr + tl.minimum(row, n_rows - 1)).to(tl.float32, bitcast=True)
-    scale = tl.math.div_rn(tl.maximum(tl.where(row < n_rows, amax, 0.0), 1e-12), QMAX)  # _scale_of's, of one
+    scale = _scale_from_max(tl.where(row < n_rows, amax, 0.0), QMAX)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     y = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < n_live, other=0.0).to(tl.float32)
     tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, _codes(y, scale, QMAX, FP8), mask=cols < n_cols)
