@@ -148,20 +148,23 @@ def int8_sweep(impls_of, shapes, ms, top: int):
             x = torch.randn(m, k, device='cuda', generator=g, dtype=torch.bfloat16)
             t_bf16 = time_us(lambda wt: F.linear(x, wt), bf16_ws)
 
-            def gemm(layer, cfg):
+            def gemm(layer, cfg, tma=None):
                 return w8a8_gemm.int8_gemm_scaled(q, layer.weight, sa, layer.weight_scale, None, torch.bfloat16,
-                                                  config=cfg, num_sms=sms)
+                                                  config=cfg, num_sms=sms, tma=tma)
             want = gemm(layers[0], None)
             t_now = time_us(lambda layer: gemm(layer, None), layers)
             results = []
-            for cfg in configs:
+            # each tile read through pointers and, on Hopper, through TMA descriptors (the default there)
+            for cfg, tma in itertools.product(configs, (False, True) if w8a8_gemm.tma_ok(q, layers[0].weight) else
+                                              (False, )):
+                label = cfg + (('tma', ) if tma else ())
                 try:
-                    if not torch.equal(gemm(layers[0], cfg), want):
-                        results.append((float('inf'), cfg, 'DIFFERS'))
+                    if not torch.equal(gemm(layers[0], cfg, tma), want):
+                        results.append((float('inf'), label, 'DIFFERS'))
                         continue
-                    results.append((time_us(lambda layer: gemm(layer, cfg), layers, budget_s=0.02), cfg, ''))
+                    results.append((time_us(lambda layer: gemm(layer, cfg, tma), layers, budget_s=0.02), label, ''))
                 except Exception as e:  # noqa: BLE001
-                    results.append((float('inf'), cfg, type(e).__name__))
+                    results.append((float('inf'), label, type(e).__name__))
             results.sort(key=lambda r: r[0])
             best = ', '.join(f'{c} {t:.1f}{" " + why if why else ""}' for t, c, why in results[:top])
             print(f'{name:>8} M={m:>5}: bf16 {t_bf16:.1f}, choose() {w8a8_gemm.choose(m, n, k, sms, smem)} {t_now:.1f}; best: {best}',

@@ -52,7 +52,8 @@ def kernel_specs(cap: int):
     def kv_ptrs(quant):  # an unquantized cache passes its own tensors where the scales would be
         return ({'kc_ptr': 'u8', 'vc_ptr': 'u8', 'ksz_ptr': 'fp16', 'vsz_ptr': 'fp16'} if quant else {})
     return [
-        (norm._rms_norm_kernel, {}, {'eps': 'fp32'}, dict(HAS_RES=True, BLOCK=4096, PDL=pdl), dict(num_warps=4)),
+        (norm._rms_norm_kernel, {}, {'eps': 'fp32'}, dict(HAS_RES=True, BLOCK=4096, PDL=pdl),
+         dict(num_warps=norm.row_warps(4096, 256))),
         (linear._skinny_kernel, {}, {}, dict(skinny, BLOCK_N=64), stages),
         (linear._skinny_silu_kernel, {}, {}, dict(skinny, BLOCK_N=32), stages),
         (activation._silu_and_mul_kernel, {}, {}, dict(BLOCK=1024, PDL=pdl), dict(num_warps=4)),
@@ -170,15 +171,20 @@ def kernel_specs(cap: int):
                                       (True, w8a8_quant._block_and_warps(14336)))
     ] + [  # the norm before an 8-bit layer with its quantization: RMSNorm (+ residual)
         (w8a8_quant._rms_norm_quant_kernel, {'q_ptr': 'fp8e4nv' if fp8 else 'i8', 's_ptr': 'fp32'}, {'eps': 'fp32'},
-         dict(HAS_RES=True, QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=8192, PDL=pdl), dict(num_warps=8))
+         dict(HAS_RES=True, QMAX=448.0 if fp8 else 127.0, FP8=fp8, BLOCK=8192, PDL=pdl),
+         dict(num_warps=norm.row_warps(8192, 256)))
         for fp8 in ((False, True) if cap >= 89 else (False, ))
     ] + [  # int8 W8A8 past FUSED_ROWS rows on sm80 on: one GEMM with the scales fused
-        (w8a8_gemm._int8_gemm_kernel, {'a_ptr': 'i8', 'w_ptr': 'i8', 'as_ptr': 'fp32', 'ws_ptr': 'fp32'}, {},
-         dict(HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP_M=8, PDL=pdl), dict(num_warps=warps, num_stages=stages))
+        (w8a8_gemm._int8_gemm_kernel,
+         ({'a_ptr': f'tensordesc<i8[{bm}, {bk}]>', 'w_ptr': f'tensordesc<i8[{bn}, {bk}]>'} if tma else
+          {'a_ptr': 'i8', 'w_ptr': 'i8'}) | {'as_ptr': 'fp32', 'ws_ptr': 'fp32'}, {},
+         dict(HAS_BIAS=True, BM=bm, BN=bn, BK=bk, GROUP_M=8, TMA=tma, PDL=pdl),
+         dict(num_warps=warps, num_stages=stages))
         for bm, bn, bk, warps, stages in ((w8a8_gemm.choose(4096, 28672, 4096, 132, smem),
                                            w8a8_gemm.choose(512, 4096, 4096, 132, smem),
                                            w8a8_gemm.choose(256, 4096, 14336, 132, smem),
                                            w8a8_gemm.choose(128, 4096, 14336, 132, smem)) if cap >= 80 else ())
+        for tma in ((False, True) if cap >= 90 else (False, ))  # (the tiles through TMA descriptors on Hopper)
     ] + [  # int8 gate|up: silu(gate) * up and each row's amax in the GEMM (a decode step's tile too), then the codes
         (w8a8_gemm._gated_gemm_kernel, {'a_ptr': 'i8', 'w_ptr': 'i8', 'as_ptr': 'fp32', 'ws_ptr': 'fp32',
                                         'amax_ptr': 'i32'}, {},
@@ -198,7 +204,7 @@ def label(fn, constexprs: dict) -> str:
     (the head size where it is not Llama's 128)."""
     return fn.__name__ + ''.join(f' {k}={v}' for k, v in constexprs.items()
                                  if k in ('ORDERED', 'BLOCK_M', 'BLOCK_N', 'BM', 'QUANT', 'PACK', 'SLIDING', 'SOFTCAP',
-                                          'TANH', 'FP8', 'GATED', 'MAGIC') or k == 'HEAD_DIM' and v != 128)
+                                          'TANH', 'FP8', 'GATED', 'MAGIC', 'TMA') or k == 'HEAD_DIM' and v != 128)
 
 
 def compile_all(cap: int, specs=None, act=None) -> dict:
@@ -221,6 +227,8 @@ def compile_all(cap: int, specs=None, act=None) -> dict:
             name = param.name
             if name in constexprs:
                 sig[name] = 'constexpr'
+            elif ptrs.get(name, '').startswith('tensordesc'):  # a TMA descriptor in a pointer's place
+                sig[name] = ptrs[name]
             elif name.endswith('_ptr'):
                 sig[name] = '*' + ptrs.get(name, act)
                 aligned[(i, )] = not getattr(param, 'do_not_specialize_on_alignment', False)

@@ -162,11 +162,15 @@ def test_scale_epilogue_matches_torch(dtype, acc_dtype):
 
 
 
+@pytest.mark.parametrize('tma', [False, True], ids=['pointers', 'tma'])
 @pytest.mark.parametrize('dtype', DTYPES, ids=str)
-def test_fused_int8_gemm_equals_int_mm_and_the_epilogue(dtype):
+def test_fused_int8_gemm_equals_int_mm_and_the_epilogue(dtype, tma):
     """int8's fused GEMM (more rows) gives what the two-step path gives: the same int32 sums (exact either
-    way) and the same epilogue; K not a multiple of the tile's, rows not of the tile's, and a bias."""
-    m, n, k = 70, 72, 200
+    way) and the same epilogue; K not a multiple of the tile's, rows not of the tile's, and a bias. Its tiles
+    loaded through pointers, and through TMA descriptors (Hopper's path: K a multiple of 16 there)."""
+    if tma and HAS_CUDA and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip('TMA descriptors need sm90')
+    m, n, k = 70, 72, 208 if tma else 200
     q = torch.randint(-127, 128, (m, k), dtype=torch.int8)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     a_scale = torch.rand(m, 1) / 100 + 1e-4
@@ -174,7 +178,7 @@ def test_fused_int8_gemm_equals_int_mm_and_the_epilogue(dtype):
     bias = torch.randn(n).to(dtype)
     for b in (None, bias):
         args = [t.to(DEV) for t in (q, w, a_scale, w_scale)] + [None if b is None else b.to(DEV), dtype]
-        got = w8a8_gemm.int8_gemm_scaled(*args)
+        got = w8a8_gemm.int8_gemm_scaled(*args, tma=tma)
         acc = (q.long() @ w.long().t()).int().to(DEV)
         want = w8a8_quant.scale_epilogue(acc, *args[2:])
         _same_bits(got, want)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .norm import normed_row
+from .norm import normed_row, row_warps
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0
@@ -218,7 +218,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual, 
         _rms_norm_quant_kernel[(q.shape[0], )](x2, res2, weight, q, scale, res_out, x2.shape[0], n, x2.stride(0),
                                                res2.stride(0), q.stride(0), res_out.stride(0), eps,
                                                HAS_RES=residual is not None, QMAX=FP8_MAX if fp8 else INT8_MAX,
-                                               FP8=fp8, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+                                               FP8=fp8, BLOCK=block, num_warps=row_warps(block, q.shape[0]),
                                                PDL=pdl.ON, **pdl.LAUNCH)
     return q, scale, (res_out.view(x.shape) if residual is not None else None)
 
