@@ -82,8 +82,8 @@ def kernel_specs(cap: int):
          dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=128, BLOCK_HALF=64,
               QUANT=quant, ASM=True, PACK=pack), dict(num_warps=warps, num_stages=stages))
         for quant in (0, 8, 4)
-        for block_m, block_n, warps, stages, pack in {attention.prefill_tiles(128, 100, 4, quant, smem),
-                                                      attention.prefill_tiles(128, 4000, 4, quant, smem)}
+        for block_m, block_n, warps, stages, pack in {attention.prefill_tiles(128, 100, 4, quant, smem, cap >= 80),
+                                                      attention.prefill_tiles(128, 4000, 4, quant, smem, cap >= 80)}
     ] + [  # the small-batch tiles (no order below 16 sequences) and the large-batch ones
         (attention._decode_kernel, dict(kv_ptrs(quant), part_ptr='fp32', tables_ptr='i32', kv_lens_ptr='i64',
                                         order_ptr='i64', q_ptr='fp16' if quant else act),
@@ -101,8 +101,8 @@ def kernel_specs(cap: int):
         for kernel, consts, options in (
             (attention._prefill_kernel, dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_HALF=64,
                                              **dict(zip(('BLOCK_M', 'BLOCK_N'),
-                                                        attention.prefill_tiles(128, 4000, 4, quant, smem))),
-                                             PACK=attention.prefill_tiles(128, 4000, 4, quant, smem)[4]),
+                                                        attention.prefill_tiles(128, 4000, 4, quant, smem, cap >= 80))),
+                                             PACK=attention.prefill_tiles(128, 4000, 4, quant, smem, cap >= 80)[4]),
              dict(num_warps=4, num_stages=2)),
             (attention._decode_kernel, dict(decode, ORDERED=True, BLOCK_N=attention.decode_tiles(smem, 256, quant)[0]),
              dict(num_warps=4, num_stages=attention.decode_tiles(smem, 256, quant)[1])))

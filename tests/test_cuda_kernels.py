@@ -492,6 +492,17 @@ def test_prefill_tiles_for_wide_heads():
     assert attention.prefill_tiles(256, 3000, 2, 8, hopper) == (32, 32, 4, 2, False)  # quantized: as measured
 
 
+def test_prefill_tiles_for_long_prompts_need_tensor_core_dots():
+    """Long prompts take the larger tiles (128-wide heads) where Triton's dots run on tensor cores and the shared
+    memory holds them; Volta (96 KB, FMA dots) keeps the short prompts' tiles, as Turing (64 KB) does."""
+    volta = 96 * 1024
+    for quant, long, short in ((0, (128, 32), (64, 32)), (8, (64, 128), (64, 64)), (4, (64, 128), (64, 64))):
+        assert attention.prefill_tiles(128, 3000, 4, quant, volta)[:2] == long
+        assert attention.prefill_tiles(128, 3000, 4, quant, volta, tensor_cores=False)[:2] == short
+        assert attention.prefill_tiles(128, 100, 4, quant, volta, tensor_cores=False)[:2] == short
+        assert attention.prefill_tiles(128, 3000, 4, quant, 64 * 1024)[:2] == short
+
+
 def test_decode_tiles_for_wide_heads():
     """A 16-bit cache with 256-wide heads reads 64-token tiles at every batch (not the 128-token tiles that
     128-wide heads take from 128 sequences), with 8 warps below 128 sequences; 32-token ones where 64 KB of

@@ -18,7 +18,7 @@ from ...cache import rotates_k
 from ..splits import MAX_DECODE_SPLITS, min_slice_tokens, num_decode_splits  # noqa: F401 (tests read them here)
 from . import pdl
 from .kv_cache import hadamard_dot, quant_of
-from .limits import no_respecialising, shared_memory
+from .limits import no_respecialising, shared_memory, tensor_core_dots
 
 _LOG2E = 1.4426950408889634
 
@@ -363,7 +363,8 @@ def _packs(group: int, block_m: int = 128) -> bool:
     return 1 < group and group & (group - 1) == 0 and block_m % group == 0
 
 
-def prefill_tiles(block_d: int, max_q_len: int = 0, group: int = 1, quant: int = 0, smem_bytes: int = 227 * 1024):
+def prefill_tiles(block_d: int, max_q_len: int = 0, group: int = 1, quant: int = 0, smem_bytes: int = 227 * 1024,
+                  tensor_cores: bool = True):
     """(query rows, context tokens) a program's tile holds, warps, stages, heads packed.
 
     A 16-bit cache with grouped heads (``group`` query heads a KV head, a
@@ -384,7 +385,12 @@ def prefill_tiles(block_d: int, max_q_len: int = 0, group: int = 1, quant: int =
     its tiles with heads apart: three 3,000-token prompts 1.21x / 1.24x,
     the chunk after context 1.22x / 1.24x, one 8,000-token prompt 1.24x /
     1.30x, the refill step 1.45x / 1.09x). Where 96 KB of shared memory do
-    not fit (Turing), packed tiles keep 64 rows and 64-token context tiles.
+    not fit (Turing), packed tiles keep 64 rows and 64-token context tiles;
+    and so on GPUs whose dots Triton runs without tensor cores
+    (``tensor_cores`` False: Volta; limits.tensor_core_dots), where the long
+    prompts' tiles were never measured and their FMA loops took 3-6 times
+    as long to compile (60-100 s each on sm70 with a quantized cache or a
+    window and soft cap, against 15-20 s for the short ones).
     Heads 256 wide (Gemma 2: 2 query heads a KV head, soft cap 50) pack
     too, a 16-bit cache only: 128 rows with 64-token context tiles and 8
     warps for long prompts (192 KB of shared memory), 64 rows with 32 and
@@ -393,7 +399,7 @@ def prefill_tiles(block_d: int, max_q_len: int = 0, group: int = 1, quant: int =
     prompts 1,519 -> 562 us, a refill step of 2,330 tokens 73.3 -> 42.6).
     A CUDA graph recorded for n tokens keeps the tiles of ``max_q_len`` n."""
     if block_d <= 128 and group <= 8 and _packs(group):
-        long = max_q_len >= 1024 and smem_bytes >= 96 * 1024
+        long = max_q_len >= 1024 and smem_bytes >= 96 * 1024 and tensor_cores
         if quant:
             return 64, (128 if long else 64), 4, 2, True
         return (128 if long else 64), 32, 4, 2, True
@@ -481,9 +487,10 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, q_start_loc, q_se
     block_d = triton.next_power_of_2(d)
     group = h // hkv
     qk, ksz, vsz, zstrides, consts = _scales(q, k_cache, v_cache, k_scale_zero, v_scale_zero)
-    smem = shared_memory(q.device) if q.device.type == 'cuda' else 227 * 1024
+    on_cuda = q.device.type == 'cuda'
+    smem = shared_memory(q.device) if on_cuda else 227 * 1024
     block_m, block_n, warps, stages, pack = (tuple(tiles) + (False, ))[:5] if tiles else prefill_tiles(
-        block_d, max_q_len, group, consts['QUANT'], smem)
+        block_d, max_q_len, group, consts['QUANT'], smem, not on_cuda or tensor_core_dots(q.device))
     pack = bool(pack) and _packs(group, block_m)
     grid = (hkv if pack else h, q_seqlens.shape[0], triton.cdiv(max_q_len, block_m // group if pack else block_m))
     scale_log2, extra = _variant(scale, sliding_window, logit_softcap, k_mean, alibi_slopes)

@@ -31,6 +31,18 @@ def shared_memory(device: torch.device) -> int:
     return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def tensor_core_dots(device: torch.device) -> bool:
+    """Whether Triton's ``tl.dot`` runs on tensor cores on ``device``: from sm80 on. Below (Volta, Turing) Triton
+    3.9 lowers it to FMA loops (its sm70 and sm75 PTX of a 64 x 64 float16 dot: 2,048 fma.rn, no mma), where
+    tiles sized for tensor cores only unroll larger."""
+    return _tensor_core_dots(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_core_dots(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 8
+
+
 def no_respecialising(ints=(), pointers=()) -> dict:
     """``triton.jit`` arguments for a kernel's step-varying arguments: Triton
     compiles a new variant when an int becomes (in)divisible by 16 or a
