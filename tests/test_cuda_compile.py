@@ -42,7 +42,9 @@ def kernel_specs(cap: int):
     32 query and 8 KV heads, hidden 4096, block size 64; and Gemma 2's decode attention."""
     from lmdeploy.devices.cuda.kernels import (activation, argmax, attention, kv_cache, linear, norm, rotary, sample,
                                                w4a16, w8a8_gemm, w8a8_quant)
+    from lmdeploy.devices.cuda.kernels.limits import tensor_core_dots_of
     smem = shared_memory_of(cap)
+    tensor_cores = tensor_core_dots_of(divmod(cap, 10))  # (Triton's dots: FMA loops below sm80)
     act = 'bf16' if cap >= 80 else 'fp16'  # Volta and Turing run float16 (no bfloat16)
     pdl = cap >= 90
     skinny = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_K=256, PDL=pdl)
@@ -82,8 +84,9 @@ def kernel_specs(cap: int):
          dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=128, BLOCK_HALF=64,
               QUANT=quant, ASM=True, PACK=pack), dict(num_warps=warps, num_stages=stages))
         for quant in (0, 8, 4)
-        for block_m, block_n, warps, stages, pack in {attention.prefill_tiles(128, 100, 4, quant, smem, cap >= 80),
-                                                      attention.prefill_tiles(128, 4000, 4, quant, smem, cap >= 80)}
+        for block_m, block_n, warps, stages, pack in {
+            attention.prefill_tiles(128, 100, 4, quant, smem, tensor_cores),
+            attention.prefill_tiles(128, 4000, 4, quant, smem, tensor_cores)}
     ] + [  # the small-batch tiles (no order below 16 sequences) and the large-batch ones
         (attention._decode_kernel, dict(kv_ptrs(quant), part_ptr='fp32', tables_ptr='i32', kv_lens_ptr='i64',
                                         order_ptr='i64', q_ptr='fp16' if quant else act),
@@ -100,9 +103,9 @@ def kernel_specs(cap: int):
         for quant in (0, 4)
         for kernel, consts, options in (
             (attention._prefill_kernel, dict(GROUP=4, BLOCK_SIZE=64, HEAD_DIM=128, BLOCK_D=128, BLOCK_HALF=64,
-                                             **dict(zip(('BLOCK_M', 'BLOCK_N'),
-                                                        attention.prefill_tiles(128, 4000, 4, quant, smem, cap >= 80))),
-                                             PACK=attention.prefill_tiles(128, 4000, 4, quant, smem, cap >= 80)[4]),
+                                             **dict(zip(('BLOCK_M', 'BLOCK_N'), attention.prefill_tiles(
+                                                 128, 4000, 4, quant, smem, tensor_cores))),
+                                             PACK=attention.prefill_tiles(128, 4000, 4, quant, smem, tensor_cores)[4]),
              dict(num_warps=4, num_stages=2)),
             (attention._decode_kernel, dict(decode, ORDERED=True, BLOCK_N=attention.decode_tiles(smem, 256, quant)[0]),
              dict(num_warps=4, num_stages=attention.decode_tiles(smem, 256, quant)[1])))

@@ -31,16 +31,25 @@ def shared_memory(device: torch.device) -> int:
     return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def tensor_core_dots(device: torch.device) -> bool:
-    """Whether Triton's ``tl.dot`` runs on tensor cores on ``device``: from sm80 on. Below (Volta, Turing) Triton
-    3.9 lowers it to FMA loops (its sm70 and sm75 PTX of a 64 x 64 float16 dot: 2,048 fma.rn, no mma), where
-    tiles sized for tensor cores only unroll larger."""
-    return _tensor_core_dots(device.index if device.index is not None else torch.cuda.current_device())
+def capability(device: torch.device) -> tuple:
+    """``device``'s compute capability (major, minor), read once."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _tensor_core_dots(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 8
+def _capability(index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def tensor_core_dots(device: torch.device) -> bool:
+    return tensor_core_dots_of(capability(device))
+
+
+def tensor_core_dots_of(capability) -> bool:
+    """Whether Triton's ``tl.dot`` runs on tensor cores on GPUs of compute capability ``(major, minor)``: from
+    sm80 on. Below (Volta, Turing) Triton 3.9 lowers it to FMA loops (its sm70 and sm75 PTX of a 64 x 64 float16
+    dot: 2,048 fma.rn, no mma), where tiles sized for tensor cores only unroll larger."""
+    return capability[0] >= 8
 
 
 def no_respecialising(ints=(), pointers=()) -> dict:

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .limits import shared_memory
+from .limits import capability, shared_memory
 from .tiles import grouped_tile
 
 
@@ -168,14 +168,9 @@ def _config(q, m, n, k, config, num_sms):
 def tma_ok(q: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the plain GEMM takes its tiles through TMA descriptors: Hopper on (sm90+), a Triton that has
     host-side descriptors, and rows that start on 16-byte boundaries (K a multiple of 16)."""
-    if not (q.is_cuda and _hopper(q.device.index) and _TensorDescriptor() is not None):
+    if not (q.is_cuda and capability(q.device)[0] >= 9 and _TensorDescriptor() is not None):
         return False
     return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (q, weight))
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper(index) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,14 +195,15 @@ def int8_gemm_scaled(q: torch.Tensor, weight: torch.Tensor, a_scale: torch.Tenso
     if rows == 0 or n == 0:
         return out
     bm, bn, bk, warps, stages = _config(q, rows, n, k, config, num_sms)
+    use_tma = tma_ok(q, weight) if tma is None else tma
     a, w = q, weight
-    if tma_ok(q, weight) if tma is None else tma:
+    if use_tma:
         desc = _TensorDescriptor()
         a, w = desc.from_tensor(q[:rows], [bm, bk]), desc.from_tensor(weight, [bn, bk])
     grid = (triton.cdiv(rows, bm) * triton.cdiv(n, bn), )
     _int8_gemm_kernel[grid](a, w, a_scale, w_scale, bias if bias is not None else w_scale, out, rows, n, k,
                             q.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn,
-                            BK=bk, GROUP_M=8, TMA=a is not q, num_warps=warps, num_stages=stages, PDL=pdl.ON,
+                            BK=bk, GROUP_M=8, TMA=use_tma, num_warps=warps, num_stages=stages, PDL=pdl.ON,
                             **pdl.LAUNCH)
     return out
 
